@@ -1,0 +1,77 @@
+"""Every way hookscope touches a model goes through :class:`HookSet`.
+
+No other module calls ``register_*_hook``. A ``HookSet`` keeps the ``RemovableHandle`` of
+each hook it adds and removes them all, newest first, in :meth:`HookSet.close`, which is
+idempotent and runs from ``finally`` / ``__exit__`` on every exit path (never ``__del__``).
+
+hookscope registers only:
+
+* forward pre-hooks and forward hooks on the selected modules and on the model's root;
+* tensor hooks (``Tensor.register_hook``) on tensors flowing through those modules, and on
+  the selected modules' parameters for gradient clipping.
+
+It never uses module backward hooks: the legacy ``register_backward_hook`` reports the last
+op's gradients, and ``register_full_backward_hook`` fails when a later in-place op touches the
+module's output and skips dict outputs (pytorch/pytorch#61519, #87540). Gradients come from
+tensor hooks registered inside the forward hooks instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["HookSet", "live_hooksets", "session_listeners"]
+
+#: Callables run with the model whenever a HookSet is created for it. Empty in normal use;
+#: hookscope's test suite adds one to snapshot each model before hookscope first touches it.
+session_listeners: list[Callable[[nn.Module], None]] = []
+
+_live: weakref.WeakSet[HookSet] = weakref.WeakSet()
+
+
+def live_hooksets() -> list[HookSet]:
+    """HookSets that still hold hooks (for leak checks)."""
+    return [h for h in _live if len(h)]
+
+
+class HookSet:
+    """The hooks one hookscope session added, removed together on :meth:`close`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._handles: list[RemovableHandle] = []
+        for listener in session_listeners:
+            listener(model)
+        _live.add(self)
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def forward_pre(
+        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
+    ) -> None:
+        self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def forward(
+        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
+    ) -> None:
+        self._handles.append(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+
+    def tensor(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None]) -> None:
+        """Hook ``tensor``'s gradient.
+
+        A hook on a non-leaf tensor lives on its graph node and goes away with the graph, so
+        only hooks on leaves (parameters, user inputs) are kept for removal.
+        """
+        handle = tensor.register_hook(fn)
+        if tensor.grad_fn is None:
+            self._handles.append(handle)
+
+    def close(self) -> None:
+        """Remove every hook, newest first. Safe to call more than once."""
+        while self._handles:
+            self._handles.pop().remove()

@@ -1,0 +1,228 @@
+"""Layer names and selectors.
+
+Names are ``named_modules()`` dotted paths of the *unwrapped* model: the ``module.`` of
+``nn.DataParallel`` / ``DistributedDataParallel`` and the ``_orig_mod.`` of ``torch.compile``
+are removed, so the same names work on the wrapped and the unwrapped model. The wrapped
+spelling (``module.features``) is accepted too.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch import nn
+
+from ._types import LayerSelector, SingleSelector
+from .errors import LayerNotFoundError
+
+__all__ = ["Layers", "names", "resolve", "unwrap"]
+
+_GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+def _wrapped(module: nn.Module) -> nn.Module | None:
+    """The module a DataParallel / DDP / torch.compile wrapper stands for, else None."""
+    inner = getattr(module, "_orig_mod", None)  # torch._dynamo OptimizedModule
+    if isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule":
+        return inner
+    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return module.module
+    return None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The innermost model under any DataParallel / DDP / torch.compile wrappers."""
+    while (inner := _wrapped(model)) is not None:
+        model = inner
+    return model
+
+
+class Layers:
+    """The selectable modules of a model: canonical name -> module, plus wrapped aliases."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.root = unwrap(model)
+        self.model = model
+        self.modules: dict[str, nn.Module] = {}
+        self.aliases: dict[str, str] = {}
+        self._seen: set[int] = set()
+        self._walk(model, "", "")
+
+    def _walk(self, module: nn.Module, raw: str, canon: str) -> None:
+        inner = _wrapped(module)
+        if inner is not None:
+            self._walk(inner, f"{raw}.{_link(module)}".lstrip("."), canon)
+            return
+        if id(module) in self._seen:  # registered twice: selectable under its first name,
+            return  # like named_modules()
+        self._seen.add(id(module))
+        if canon:
+            self.modules[canon] = module
+        if canon and raw != canon:
+            self.aliases[raw] = canon
+        for key, child in module.named_children():
+            self._walk(child, f"{raw}.{key}".lstrip("."), f"{canon}.{key}".lstrip("."))
+
+    def name_of(self, module: nn.Module) -> str | None:
+        target = unwrap(module)
+        for name, mod in self.modules.items():
+            if mod is target:
+                return name
+        return None
+
+    def select(self, selector: LayerSelector) -> dict[str, nn.Module]:
+        """Resolve a selector to ``{name: module}``; raise before any forward if it misses."""
+        items: Sequence[SingleSelector]
+        if isinstance(selector, (list, tuple)):
+            items = selector
+            if not items:
+                raise LayerNotFoundError("empty layer selection: name at least one layer")
+        else:
+            items = [selector]  # type: ignore[list-item]
+        out: dict[str, nn.Module] = {}
+        for item in items:
+            found = self._match(item)
+            if not found:
+                raise LayerNotFoundError(self._miss_message(item))
+            for name in found:
+                out.setdefault(name, self.modules[name])
+        return out
+
+    def _match(self, item: SingleSelector) -> list[str]:
+        if isinstance(item, str):
+            name = self.aliases.get(item, item)
+            if name in self.modules:
+                return [name]
+            if _GLOB_CHARS.search(item):
+                rx = _glob_regex(item)
+                hits = [n for n in self.modules if rx.fullmatch(n)]
+                return hits or [self.aliases[a] for a in self.aliases if rx.fullmatch(a)]
+            return []
+        if isinstance(item, re.Pattern):
+            return [n for n in self.modules if item.fullmatch(n)]
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            return [n for n, m in self.modules.items() if isinstance(m, item)]
+        if isinstance(item, nn.Module):
+            name = self.name_of(item)
+            return [name] if name is not None else []
+        if callable(item):
+            call = _predicate(item)
+            return [n for n, m in self.modules.items() if call(n, m)]
+        raise TypeError(
+            f"cannot select layers with {item!r} ({type(item).__name__}): use a name or glob "
+            "string, a compiled regex, a module type, a module object or a predicate"
+        )
+
+    def _miss_message(self, item: SingleSelector) -> str:
+        model = type(self.root).__name__
+        if isinstance(item, nn.Module):
+            return (
+                f"the {type(item).__name__} module given as a selector is not part of this "
+                f"{model}. List the model's layers with hookscope.names(model)."
+            )
+        what = item.pattern if isinstance(item, re.Pattern) else item
+        if isinstance(item, type):
+            what = item.__name__
+        elif callable(item) and not isinstance(item, str):
+            what = getattr(item, "__name__", "predicate")
+        msg = f"no layer of {model} matches {what!r}"
+        if isinstance(what, str):
+            close = difflib.get_close_matches(what, list(self.modules), n=5, cutoff=0.5)
+            if close:
+                msg += f". Closest names: {', '.join(map(repr, close))}"
+            if isinstance(item, str) and "*" in item and "**" not in item:
+                msg += (
+                    ". In globs '*' stays within one dotted segment; "
+                    "use '**' to cross dots (e.g. 'layer*.**.conv2')"
+                )
+            if isinstance(item, re.Pattern):
+                msg += ". Regexes must match the whole name (re.fullmatch)"
+        return msg + ". List the selectable names with hookscope.names(model)."
+
+
+def _link(wrapper: nn.Module) -> str:
+    return "_orig_mod" if hasattr(wrapper, "_orig_mod") else "module"
+
+
+def _glob_regex(pattern: str) -> re.Pattern[str]:
+    """Glob -> regex: ``*`` and ``?`` stay within a dotted segment, ``**`` crosses dots."""
+    out: list[str] = []
+    i = 0
+    while i < len(pattern):
+        if pattern.startswith("**.", i):
+            out.append(r"(?:[^.]+\.)*")
+            i += 3
+        elif pattern.startswith("**", i):
+            out.append(r".*")
+            i += 2
+        elif pattern[i] == "*":
+            out.append(r"[^.]*")
+            i += 1
+        elif pattern[i] == "?":
+            out.append(r"[^.]")
+            i += 1
+        elif pattern[i] == "[":
+            end = pattern.find("]", i + 1)
+            if end < 0:
+                out.append(re.escape(pattern[i:]))
+                break
+            out.append(pattern[i : end + 1].replace("[!", "[^"))
+            i = end + 1
+        else:
+            out.append(re.escape(pattern[i]))
+            i += 1
+    return re.compile("".join(out))
+
+
+def _predicate(fn: Callable[..., Any]) -> Callable[[str, nn.Module], bool]:
+    """Call a one-argument predicate with the module, a two-argument one with (name, module)."""
+    try:
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        two = len(params) >= 2
+    except (TypeError, ValueError):  # builtins without a signature
+        two = False
+    if two:
+        return lambda name, module: bool(fn(name, module))
+    return lambda name, module: bool(fn(module))
+
+
+def resolve(model: nn.Module, selector: LayerSelector) -> dict[str, nn.Module]:
+    """``{canonical name: module}`` for a selector; raises LayerNotFoundError on a miss."""
+    return Layers(model).select(selector)
+
+
+def names(model: nn.Module, select: LayerSelector | None = None) -> dict[str, str]:
+    """The selectable layers of ``model``: dotted name -> module type name.
+
+    Names are those of ``named_modules()`` on the unwrapped model, so they are the same for
+    ``model``, ``nn.DataParallel(model)`` and ``torch.compile(model)``.
+
+    Args:
+        model: any ``nn.Module``, wrapped or not.
+        select: optionally, a selector to preview what it matches.
+
+    Returns:
+        An ordered dict of name to type name, in ``named_modules()`` order.
+
+    Raises:
+        LayerNotFoundError: ``select`` matches nothing.
+
+    Example:
+        >>> import torch.nn as nn, hookscope as hs
+        >>> hs.names(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+        {'0': 'Linear', '1': 'ReLU'}
+    """
+    layers = Layers(model)
+    chosen = layers.modules if select is None else layers.select(select)
+    if select is not None:
+        order = list(layers.modules)
+        chosen = dict(sorted(chosen.items(), key=lambda kv: order.index(kv[0])))
+    return {name: type(module).__name__ for name, module in chosen.items()}

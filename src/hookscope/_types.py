@@ -1,0 +1,46 @@
+"""Type aliases shared across hookscope."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeAlias
+
+from torch import Tensor, nn
+
+#: One way to pick layers: an exact dotted name or a glob (``"encoder.layer.*.output"``),
+#: a compiled regex (full match), a module type, a module object, or a predicate called as
+#: ``fn(module)`` or ``fn(name, module)``.
+SingleSelector: TypeAlias = (
+    "str | re.Pattern[str] | type[nn.Module] | nn.Module | Callable[..., bool]"
+)
+#: A single selector or a list mixing them; the union of their matches, in first-seen order.
+LayerSelector: TypeAlias = "SingleSelector | Sequence[SingleSelector]"
+
+#: A position in a nested output: an index, a key / attribute name, or a tuple of those.
+PathKey: TypeAlias = "int | str"
+Path: TypeAlias = "tuple[PathKey, ...]"
+PathLike: TypeAlias = "PathKey | Path | None"
+
+#: Tensor -> tensor function applied to captured tensors at capture time.
+ReduceFn: TypeAlias = Callable[[Tensor], Tensor]
+Reduce: TypeAlias = "Literal['spatial_mean', 'token_mean', 'batch_mean'] | ReduceFn"
+
+CopyMode: TypeAlias = Literal["clone", "reference"]
+Keep: TypeAlias = "Literal['pass', 'all', 'last'] | int"
+
+#: A module's inputs bound to its ``forward`` signature, by parameter name.
+Inputs: TypeAlias = "dict[str, Any]"
+
+__all__ = [
+    "CopyMode",
+    "Inputs",
+    "Keep",
+    "LayerSelector",
+    "Path",
+    "PathKey",
+    "PathLike",
+    "Reduce",
+    "ReduceFn",
+    "SingleSelector",
+]

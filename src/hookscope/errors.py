@@ -1,0 +1,65 @@
+"""Errors raised by hookscope.
+
+Every error is a :class:`HookscopeError` and also subclasses the built-in a caller would catch
+for the same kind of problem, so ``except LookupError`` keeps working::
+
+    HookscopeError (Exception)
+    ├── LayerNotFoundError (LookupError)      a selector matched no layer
+    ├── CaptureError (RuntimeError)           a captured value cannot be returned
+    │   ├── GradientUnavailableError          the gradient cannot exist, or never arrived
+    │   └── StaleCaptureError                 a by-reference capture was modified in place
+    ├── CaptureBudgetError (MemoryError)      storing the next tensor would exceed max_bytes
+    ├── EditError (ValueError)                an edit would change shape/dtype, or is ambiguous
+    └── CompiledModelError (RuntimeError)     hooks would be silently ignored by torch.compile
+
+Failures raised by the user's model or callbacks are never wrapped: they propagate unchanged,
+with a note (``add_note``) naming the layer hookscope was handling when it happened.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CaptureBudgetError",
+    "CaptureError",
+    "CompiledModelError",
+    "EditError",
+    "GradientUnavailableError",
+    "HookscopeError",
+    "LayerNotFoundError",
+    "StaleCaptureError",
+]
+
+
+class HookscopeError(Exception):
+    """Base class of every error hookscope raises itself."""
+
+
+class LayerNotFoundError(HookscopeError, LookupError):
+    """A layer selector matched no module of the model."""
+
+    def __str__(self) -> str:  # LookupError would quote the message like a KeyError
+        return str(self.args[0]) if self.args else ""
+
+
+class CaptureError(HookscopeError, RuntimeError):
+    """A captured value was asked for that hookscope cannot return."""
+
+
+class GradientUnavailableError(CaptureError):
+    """A gradient was asked for that cannot exist, or has not been computed."""
+
+
+class StaleCaptureError(CaptureError):
+    """A tensor captured with ``copy="reference"`` was modified in place after capture."""
+
+
+class CaptureBudgetError(HookscopeError, MemoryError):
+    """Storing the next captured tensor would exceed the capture's ``max_bytes``."""
+
+
+class EditError(HookscopeError, ValueError):
+    """An edit is ambiguous or would change a tensor's shape, dtype or device."""
+
+
+class CompiledModelError(HookscopeError, RuntimeError):
+    """The model was compiled and already ran, so new hooks would be silently ignored."""
