@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -125,6 +124,7 @@ class Capture:
         keep: Keep = "pass",
         max_bytes: int | None = None,
         stop: bool = False,
+        detach: bool = True,
         recompile: bool = False,
     ) -> None:
         _check_options(copy, keep, max_bytes, reduce, stop, grads)
@@ -136,6 +136,7 @@ class Capture:
         self._device = torch.device(device) if device is not None else None
         self._reduce = _REDUCERS[reduce] if isinstance(reduce, str) else reduce
         self._max_bytes, self._stop, self._recompile = max_bytes, stop, recompile
+        self._detach = detach
         self.nbytes = 0
         self._pass = -1
         self._pending: set[str] = set()
@@ -182,7 +183,9 @@ class Capture:
             return True
         if isinstance(ev, Exception) and hasattr(ev, "add_note"):
             done = f"'{self._last_done}'" if self._last_done else "none"
-            ev.add_note(f"hookscope: raised inside a capture; last captured layer to finish: {done}")
+            ev.add_note(
+                f"hookscope: raised inside a capture; last captured layer to finish: {done}"
+            )
         return False
 
     # -- reading ------------------------------------------------------------------------
@@ -232,7 +235,9 @@ class Capture:
         site.open_calls.append(call)
         if self._inputs:
             bound = bind_inputs(site.signature, args, kwargs)
-            call._inputs = _tree.map_tensors(lambda p, t: self._store(call, ("input", *p), t), bound)
+            call._inputs = _tree.map_tensors(
+                lambda p, t: self._store(call, ("input", *p), t), bound
+            )
         if not self._grads:
             return None
         call._grad_inputs = {}
@@ -240,7 +245,9 @@ class Capture:
         # layer only, not the input's total gradient (which includes skip connections).
         bound = bind_inputs(site.signature, args, kwargs)
         if not self._inputs:
-            call._input_skeleton = _tree.map_tensors(lambda p, t: t.new_empty(t.shape, device="meta"), bound)
+            call._input_skeleton = _tree.map_tensors(
+                lambda p, t: t.new_empty(t.shape, device="meta"), bound
+            )
         aliased = _tree.map_tensors(lambda p, t: self._alias(call, p, t), bound)
         return unbind_inputs(site.signature, args, kwargs, aliased)
 
@@ -251,7 +258,9 @@ class Capture:
         self._hook_grad(call, alias, ("input", *where), call._grad_inputs)
         return alias
 
-    def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    def _on_output(
+        self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> None:
         call = site.open_calls.pop() if site.open_calls else self._new_call(site)
         call._output = _tree.map_tensors(lambda p, t: self._store(call, ("output", *p), t), output)
         if self._grads:
@@ -266,9 +275,12 @@ class Capture:
                 raise StopForward(self)
 
     def _hook_grad(self, call: Call, t: Tensor, key: Path, into: dict[Path, Tensor] | None) -> None:
-        assert into is not None and self._hooks is not None
+        assert into is not None
+        assert self._hooks is not None
         if not _can_have_grad(t):
-            call._why_no_grad[key] = f"it is a {t.dtype} tensor; only floating-point tensors have gradients"
+            call._why_no_grad[key] = (
+                f"it is a {t.dtype} tensor; only floating-point tensors have gradients"
+            )
         elif not t.requires_grad:
             call._why_no_grad[key] = why_no_grad()
         else:
@@ -280,7 +292,7 @@ class Capture:
 
     # -- storage ------------------------------------------------------------------------
     def _store(self, call: Call, path: Path, t: Tensor, *, check_version: bool = True) -> Tensor:
-        src = t.detach()
+        src = t.detach() if self._detach or path[0] == "grad" else t
         if self._reduce is not None:
             value = self._reduce(src)
             if _shares_storage(value, src) and self._copy == "clone":
@@ -304,7 +316,7 @@ class Capture:
             )
         self.nbytes += nbytes
         call.nbytes += nbytes
-        if check_version and value is src:
+        if check_version and value is src:  # stored by reference: remember its version
             if call._refs is None:
                 call._refs = []
             call._refs.append((src, src._version, path))
@@ -387,6 +399,8 @@ def capture(model: nn.Module, layers: LayerSelector, **options: Any) -> Capture:
         max_bytes: raise CaptureBudgetError before the stored bytes would exceed this.
         stop: end the forward as soon as every selected layer has run (in execution order);
             the ``with`` block then exits quietly.
+        detach: ``False`` keeps captured values attached to the autograd graph (a
+            differentiable clone), e.g. for feature losses in training.
         recompile: allow hooking a ``torch.compile``d model that already ran, by
             recompiling it (otherwise CompiledModelError).
 

@@ -73,5 +73,5 @@ def compile_guard(model: nn.Module, *, recompile: bool) -> Iterator[None]:
         )
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
         for code in ran:
-            torch._dynamo.reset_code(code)
+            torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
         yield

@@ -18,14 +18,15 @@ tensor hooks registered inside the forward hooks instead.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookSet", "live_hooksets", "session_listeners"]
+__all__ = ["HookSet", "live_hooksets", "session_listeners", "training_mode"]
 
 #: Callables run with the model whenever a HookSet is created for it. Empty in normal use;
 #: hookscope's test suite adds one to snapshot each model before hookscope first touches it.
@@ -42,10 +43,11 @@ def live_hooksets() -> list[HookSet]:
 class HookSet:
     """The hooks one hookscope session added, removed together on :meth:`close`."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module | None) -> None:
         self._handles: list[RemovableHandle] = []
-        for listener in session_listeners:
-            listener(model)
+        if model is not None:
+            for listener in session_listeners:
+                listener(model)
         _live.add(self)
 
     def __len__(self) -> int:
@@ -61,17 +63,32 @@ class HookSet:
     ) -> None:
         self._handles.append(module.register_forward_hook(fn, with_kwargs=with_kwargs))
 
-    def tensor(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None]) -> None:
+    def tensor(
+        self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None], *, always_keep: bool = False
+    ) -> None:
         """Hook ``tensor``'s gradient.
 
         A hook on a non-leaf tensor lives on its graph node and goes away with the graph, so
-        only hooks on leaves (parameters, user inputs) are kept for removal.
+        only hooks on leaves (parameters, user inputs) are kept for removal, unless
+        ``always_keep`` (the caller wants to remove it before backward).
         """
-        handle = tensor.register_hook(fn)
-        if tensor.grad_fn is None:
+        handle = tensor.register_hook(fn)  # type: ignore[no-untyped-call]
+        if always_keep or tensor.grad_fn is None:
             self._handles.append(handle)
 
     def close(self) -> None:
         """Remove every hook, newest first. Safe to call more than once."""
         while self._handles:
             self._handles.pop().remove()
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """Set every module's ``training`` flag to ``train``; restore each one's own flag after."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(train)
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag

@@ -27,11 +27,11 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 def _wrapped(module: nn.Module) -> nn.Module | None:
     """The module a DataParallel / DDP / torch.compile wrapper stands for, else None."""
     inner = getattr(module, "_orig_mod", None)  # torch._dynamo OptimizedModule
-    if isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule":
-        return inner
+    if not (isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule"):
+        inner = None
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return module.module
-    return None
+        inner = module.module
+    return inner
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -107,8 +107,8 @@ class Layers:
         if isinstance(item, type) and issubclass(item, nn.Module):
             return [n for n, m in self.modules.items() if isinstance(m, item)]
         if isinstance(item, nn.Module):
-            name = self.name_of(item)
-            return [name] if name is not None else []
+            found = self.name_of(item)
+            return [found] if found is not None else []
         if callable(item):
             call = _predicate(item)
             return [n for n, m in self.modules.items() if call(n, m)]

@@ -45,7 +45,7 @@ def _rebuild(obj: Any, values: dict[PathKey, Any]) -> Any:
         if dataclasses.is_dataclass(obj):  # Hugging Face ModelOutput: keyword constructor
             return type(obj)(**items)
         try:
-            return type(obj)(items)
+            return type(obj)(items)  # type: ignore[call-arg]
         except TypeError:  # e.g. defaultdict: keep its extra state, replace the values
             new = obj.copy()  # type: ignore[attr-defined]
             new.update(items)
@@ -113,7 +113,9 @@ def describe(obj: Any, depth: int = 0) -> str:
         return "None" if obj is None else type(obj).__name__
     if depth >= 2:
         return f"{type(obj).__name__}(...)"
-    keyed = isinstance(obj, Mapping) or (dataclasses.is_dataclass(obj) and not isinstance(obj, tuple))
+    keyed = isinstance(obj, Mapping) or (
+        dataclasses.is_dataclass(obj) and not isinstance(obj, tuple)
+    )
     parts = [
         f"{k}={describe(v, depth + 1)}" if keyed else describe(v, depth + 1) for k, v in kids[:6]
     ]

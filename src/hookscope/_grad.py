@@ -1,0 +1,107 @@
+"""Tensor-level gradient hooks: the gradient of any intermediate tensor, or a rewrite of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import TracebackType
+
+from torch import Tensor
+
+from ._capture import why_no_grad
+from ._lifetime import HookSet
+from .errors import EditError, GradientUnavailableError
+
+__all__ = ["GradHook", "grad_of", "on_grad"]
+
+
+class GradHook:
+    """A hook on one tensor's gradient; remove it with :meth:`remove` or a ``with`` block.
+
+    Attributes:
+        count: how many gradients have arrived.
+    """
+
+    def __init__(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None] | None) -> None:
+        if not tensor.requires_grad:
+            raise GradientUnavailableError(
+                f"this {tuple(tensor.shape)} tensor will never have a gradient: {why_no_grad()}"
+                if tensor.grad_fn is None
+                else "tensor does not require grad"
+            )
+        self._fn = fn
+        self._grad: Tensor | None = None
+        self.count = 0
+        self._hooks = HookSet(None)
+        self._hooks.tensor(tensor, self._on_grad, always_keep=True)
+
+    def _on_grad(self, grad: Tensor) -> Tensor | None:
+        self.count += 1
+        self._grad = grad.detach().clone()
+        if self._fn is None:
+            return None
+        version = grad._version
+        new = self._fn(grad)
+        if grad._version != version:
+            raise EditError(
+                "the gradient function modified its argument in place; return a new tensor "
+                "instead (in-place edits of a hook's argument are unreliable in PyTorch)"
+            )
+        if new is not None and (new.shape != grad.shape or new.dtype != grad.dtype):
+            raise EditError(
+                f"the gradient function returned shape {tuple(new.shape)} {new.dtype} for a "
+                f"gradient of shape {tuple(grad.shape)} {grad.dtype}; gradients keep their shape"
+            )
+        return new
+
+    @property
+    def grad(self) -> Tensor:
+        """The latest gradient that arrived (before any rewrite by ``fn``)."""
+        if self._grad is None:
+            raise GradientUnavailableError(
+                "no gradient has arrived yet: call .backward() on a loss that depends on this "
+                "tensor first"
+            )
+        return self._grad
+
+    def remove(self) -> None:
+        """Remove the hook; idempotent. Gradients already computed are unaffected."""
+        self._hooks.close()
+
+    def __enter__(self) -> GradHook:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+
+def grad_of(tensor: Tensor) -> GradHook:
+    """Record the gradient of any tensor (intermediate included) without ``retain_grad()``.
+
+    Example:
+        >>> import torch, hookscope as hs
+        >>> x = torch.tensor(2.0, requires_grad=True)
+        >>> z = x * 3
+        >>> with hs.grad_of(z) as g:
+        ...     (z * z).backward()
+        >>> g.grad
+        tensor(12.)
+    """
+    return GradHook(tensor, None)
+
+
+def on_grad(tensor: Tensor, fn: Callable[[Tensor], Tensor | None]) -> GradHook:
+    """Rewrite the gradient flowing through ``tensor``: ``fn(grad)`` returns the new gradient
+    (or ``None`` to leave it). ``fn`` must return a new tensor, not modify ``grad`` in place.
+
+    Example:
+        >>> import torch, hookscope as hs
+        >>> x = torch.tensor(2.0, requires_grad=True)
+        >>> z = x * 3
+        >>> with hs.on_grad(z, lambda g: 2 * g):
+        ...     z.backward()
+        >>> x.grad
+        tensor(6.)
+    """
+    return GradHook(tensor, fn)
