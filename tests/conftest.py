@@ -49,7 +49,13 @@ class ModelState:
             hooks = {d: tuple(getattr(m, d, {}).items()) for d in _HOOK_DICTS}
             modules.append((name, id(m), m.training, hooks, tuple(sorted(vars(m)))))
         params = [
-            (n, id(p), p.requires_grad, tuple((p._backward_hooks or {}).items()), p.detach().clone())
+            (
+                n,
+                id(p),
+                p.requires_grad,
+                tuple((p._backward_hooks or {}).items()),
+                p.detach().clone(),
+            )
             for n, p in model.named_parameters(remove_duplicate=False)
         ]
         buffers = [

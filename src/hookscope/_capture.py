@@ -225,6 +225,9 @@ class Capture:
                 self._evict(site.record, len(site.record.calls))
 
     def _new_call(self, site: _Site) -> Call:
+        limit = self._limit()
+        if limit is not None and len(site.record.calls) >= limit:  # make room first, so the
+            self._evict(site.record, len(site.record.calls) - limit + 1)  # budget sees it
         site.record.count += 1
         return Call(site.name, site.record.count - 1, self._pass)
 
@@ -322,11 +325,14 @@ class Capture:
             call._refs.append((src, src._version, path))
         return value
 
+    def _limit(self) -> int | None:
+        keep = self._keep
+        return 1 if keep == "last" else keep if isinstance(keep, int) else None
+
     def _add(self, record: LayerRecord, call: Call) -> None:
         record.calls.append(call)
-        keep = self._keep
-        limit = 1 if keep == "last" else keep if isinstance(keep, int) else None
-        if limit is not None and len(record.calls) > limit:
+        limit = self._limit()
+        if limit is not None and len(record.calls) > limit:  # nested calls of one module
             self._evict(record, len(record.calls) - limit)
 
     def _evict(self, record: LayerRecord, n: int) -> None:

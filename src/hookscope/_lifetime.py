@@ -35,6 +35,11 @@ session_listeners: list[Callable[[nn.Module], None]] = []
 _live: weakref.WeakSet[HookSet] = weakref.WeakSet()
 
 
+def _notify(model: nn.Module) -> None:
+    for listener in session_listeners:
+        listener(model)
+
+
 def live_hooksets() -> list[HookSet]:
     """HookSets that still hold hooks (for leak checks)."""
     return [h for h in _live if len(h)]
@@ -46,8 +51,7 @@ class HookSet:
     def __init__(self, model: nn.Module | None) -> None:
         self._handles: list[RemovableHandle] = []
         if model is not None:
-            for listener in session_listeners:
-                listener(model)
+            _notify(model)
         _live.add(self)
 
     def __len__(self) -> int:
@@ -85,6 +89,7 @@ class HookSet:
 @contextlib.contextmanager
 def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
     """Set every module's ``training`` flag to ``train``; restore each one's own flag after."""
+    _notify(model)
     flags = [(m, m.training) for m in model.modules()]
     try:
         model.train(train)

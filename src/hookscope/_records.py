@@ -77,25 +77,46 @@ class Call:
 
     @property
     def grad(self) -> Any:
-        """Gradient of the loss w.r.t. the output; same structure, ``None`` at non-tensors."""
-        grads = self._need_grads(self._grads, "output")
-        return _tree.map_tensors(lambda p, t: self._grad_at(grads, ("output", *p)), self._output)
+        """Gradient of the loss w.r.t. the output, same structure as the output.
+
+        Leaves of a nested output that got no gradient are ``None``; if none got one, this
+        raises GradientUnavailableError saying why.
+        """
+        return self._grad_tree(self._need_grads(self._grads, "output"), "output", self._output)
 
     @property
     def grad_inputs(self) -> Inputs:
-        """Gradients w.r.t. the tensor inputs flowing *through this layer*, by parameter name."""
+        """Gradients w.r.t. the tensor inputs flowing *through this layer*, by parameter name
+        (``None`` for inputs without one, e.g. an attention mask)."""
         grads = self._need_grads(self._grad_inputs, "inputs")
         tree = self._inputs if self._inputs is not None else self._input_skeleton
-        named: Inputs = _tree.map_tensors(lambda p, t: self._grad_at(grads, ("input", *p)), tree)
+        named: Inputs = self._grad_tree(grads, "input", tree)
         return named
 
     @property
     def grad_input(self) -> Any:
-        """Gradient w.r.t. the first argument of ``forward``."""
-        grads = self.grad_inputs
-        if not grads:
+        """Gradient w.r.t. the first argument of ``forward``; raises saying why if none."""
+        grads = self._need_grads(self._grad_inputs, "inputs")
+        tree = self._inputs if self._inputs is not None else self._input_skeleton
+        if not tree:
             raise GradientUnavailableError(f"{self.layer!r} was called without arguments")
-        return next(iter(grads.values()))
+        first = next(iter(tree))
+        return self._grad_tree(grads, "input", tree[first], (first,))
+
+    def _grad_tree(self, grads: dict[Path, Tensor], side: str, tree: Any, prefix: Path = ()) -> Any:
+        found: list[Path] = []
+
+        def leaf(path: Path, t: Tensor) -> Tensor | None:
+            key = (side, *prefix, *path)
+            if key in grads:
+                return grads[key]
+            found.append(key)
+            return None
+
+        result = _tree.map_tensors(leaf, tree)
+        if found and len(found) == sum(1 for _ in _tree.leaves(tree)):
+            self._grad_at(grads, found[0])  # raises, saying why
+        return result
 
     # -- checks -------------------------------------------------------------------------
     def _need_grads(self, grads: dict[Path, Tensor] | None, what: str) -> dict[Path, Tensor]:

@@ -1,0 +1,75 @@
+"""The public surface: exact __all__, typed package, error hierarchy, runnable docs."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pathlib
+import pkgutil
+
+import pytest
+
+import hookscope as hs
+from hookscope import errors
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_all_is_exact_and_sorted() -> None:
+    public = {n for n in vars(hs) if not n.startswith("_")} - {"errors"}
+    assert set(hs.__all__) == public | {"__version__"}
+    assert list(hs.__all__) == sorted(hs.__all__, key=lambda s: (s.lower() != s, s)) or list(
+        hs.__all__
+    ) == sorted(hs.__all__)
+
+
+def test_typed_package() -> None:
+    assert (ROOT / "src" / "hookscope" / "py.typed").exists()
+
+
+@pytest.mark.parametrize(
+    ("cls", "builtin"),
+    [
+        (errors.LayerNotFoundError, LookupError),
+        (errors.CaptureError, RuntimeError),
+        (errors.GradientUnavailableError, RuntimeError),
+        (errors.StaleCaptureError, RuntimeError),
+        (errors.CaptureBudgetError, MemoryError),
+        (errors.EditError, ValueError),
+        (errors.CompiledModelError, RuntimeError),
+    ],
+)
+def test_errors_subclass_natural_builtins(cls: type, builtin: type) -> None:
+    assert issubclass(cls, errors.HookscopeError) and issubclass(cls, builtin)
+
+
+def _modules() -> list[str]:
+    return ["hookscope"] + [
+        f"hookscope.{m.name}"
+        for m in pkgutil.iter_modules(hs.__path__)  # type: ignore[attr-defined]
+    ]
+
+
+@pytest.mark.parametrize("name", _modules())
+def test_docstring_examples_run(name: str) -> None:
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
+def test_examples_run(path: pathlib.Path) -> None:
+    """Every example the README points to runs (they are executed, not just imported)."""
+    import runpy
+
+    runpy.run_path(str(path), run_name="__main__")
+
+
+def test_readme_examples_run() -> None:
+    """The README's python blocks run, in order, in one namespace."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python\n")[1:]]
+    assert len(blocks) >= 4
+    namespace: dict[str, object] = {}
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), namespace)

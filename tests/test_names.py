@@ -1,0 +1,143 @@
+"""names() and selectors: exact, glob, regex, type, predicate, module, lists, wrappers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import hookscope as hs
+from hookscope._naming import resolve
+
+
+def alexnet_like() -> nn.Module:
+    class AlexNetish(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.features = nn.Sequential(
+                nn.Conv2d(3, 4, 3),
+                nn.ReLU(inplace=True),
+                nn.MaxPool2d(2),
+                nn.Sequential(nn.Conv2d(4, 4, 3), nn.ReLU(inplace=True)),
+            )
+            self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 4, 10))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.classifier(self.features(x))
+
+    return AlexNetish()
+
+
+def test_names_lists_every_module_with_type() -> None:
+    assert hs.names(alexnet_like()) == {
+        "features": "Sequential",
+        "features.0": "Conv2d",
+        "features.1": "ReLU",
+        "features.2": "MaxPool2d",
+        "features.3": "Sequential",
+        "features.3.0": "Conv2d",
+        "features.3.1": "ReLU",
+        "classifier": "Sequential",
+        "classifier.0": "Flatten",
+        "classifier.1": "Linear",
+    }
+
+
+@pytest.mark.parametrize(
+    ("selector", "expected"),
+    [
+        ("features.3.0", ["features.3.0"]),
+        ("features.*", ["features.0", "features.1", "features.2", "features.3"]),
+        ("features.**.0", ["features.0", "features.3.0"]),
+        ("**.1", ["features.1", "features.3.1", "classifier.1"]),
+        ("features.?", ["features.0", "features.1", "features.2", "features.3"]),
+        ("features.[02]", ["features.0", "features.2"]),
+        (re.compile(r"features\.\d"), ["features.0", "features.1", "features.2", "features.3"]),
+        (nn.Conv2d, ["features.0", "features.3.0"]),
+        (lambda m: isinstance(m, nn.ReLU), ["features.1", "features.3.1"]),
+        (lambda name, m: name.startswith("classifier."), ["classifier.0", "classifier.1"]),
+        (
+            ["classifier.1", nn.Conv2d, "classifier.1"],
+            ["classifier.1", "features.0", "features.3.0"],
+        ),
+    ],
+)
+def test_selectors(selector: object, expected: list[str]) -> None:
+    assert list(resolve(alexnet_like(), selector)) == expected  # type: ignore[arg-type]
+
+
+def test_module_object_selector() -> None:
+    model = alexnet_like()
+    assert list(resolve(model, model.features[3][0])) == ["features.3.0"]
+    with pytest.raises(hs.LayerNotFoundError, match="not part of this AlexNetish"):
+        resolve(model, nn.Linear(2, 2))
+
+
+def test_miss_names_selector_closest_and_how_to_list() -> None:
+    with pytest.raises(
+        hs.LayerNotFoundError,
+        match=r"matches 'feature\.0'.*Closest names: 'features\.0'.*hookscope\.names\(model\)",
+    ):
+        hs.capture(alexnet_like(), ["classifier", "feature.0"])
+
+
+def test_glob_star_hint() -> None:
+    with pytest.raises(hs.LayerNotFoundError, match=r"use '\*\*' to cross dots"):
+        resolve(alexnet_like(), "feat*.0.weird")
+
+
+def test_regex_fullmatch_hint_and_bad_types() -> None:
+    with pytest.raises(hs.LayerNotFoundError, match=r"re\.fullmatch"):
+        resolve(alexnet_like(), re.compile("conv"))
+    with pytest.raises(TypeError, match="cannot select layers with 3"):
+        resolve(alexnet_like(), 3)  # type: ignore[arg-type]
+    with pytest.raises(hs.LayerNotFoundError, match="empty layer selection"):
+        resolve(alexnet_like(), [])
+
+
+def test_shared_module_selectable_once() -> None:
+    shared = nn.Linear(2, 2)
+    model = nn.Sequential(shared, nn.ReLU(), shared)
+    assert hs.names(model) == {"0": "Linear", "1": "ReLU"}
+    with hs.capture(model, "0") as cap:
+        model(torch.randn(1, 2))
+    assert cap["0"].count == 2
+
+
+def test_names_through_dataparallel_and_compile() -> None:
+    model = alexnet_like()
+    plain = hs.names(model)
+    assert hs.names(nn.DataParallel(model)) == plain
+    assert hs.names(torch.compile(model, backend="eager")) == plain
+    child_compiled = nn.Sequential(nn.Linear(2, 2), torch.compile(nn.Linear(2, 2), backend="eager"))
+    assert hs.names(child_compiled) == {"0": "Linear", "1": "Linear"}
+    assert hs.names(model, "features.3.*") == {"features.3.0": "Conv2d", "features.3.1": "ReLU"}
+
+
+def test_capture_through_dataparallel_with_either_spelling() -> None:
+    model = alexnet_like().eval()
+    wrapped = nn.DataParallel(model)
+    x = torch.randn(1, 3, 14, 14)
+    with torch.no_grad(), hs.capture(wrapped, ["features.3.0", "module.classifier.1"]) as cap:
+        out = wrapped(x)
+    assert list(cap.records) == ["features.3.0", "classifier.1"]
+    assert torch.equal(cap["module.classifier.1"].output, out)
+
+
+def test_capture_through_ddp(tmp_path: object) -> None:
+    if not dist.is_available():
+        pytest.skip("torch.distributed not built")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        model = alexnet_like().eval()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        assert hs.names(ddp) == hs.names(model)
+        x = torch.randn(1, 3, 14, 14)
+        with torch.no_grad(), hs.capture(ddp, "classifier.1") as cap:
+            out = ddp(x)
+        assert torch.equal(cap["classifier.1"].output, out)
+    finally:
+        dist.destroy_process_group()
