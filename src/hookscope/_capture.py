@@ -104,7 +104,7 @@ class _Site:
         self.name = name
         self.module = module
         self.record = LayerRecord(name, type(module).__name__)
-        self.signature = signature_of(module)
+        self.signature: inspect.Signature | None = None  # set in open() when inputs are needed
         self.open_calls: list[Call] = []  # calls whose forward is running (stack: recursion)
 
 
@@ -133,6 +133,7 @@ class Capture:
         self._sites = {n: _Site(n, m) for n, m in self._layers.select(layers).items()}
         self.records: dict[str, LayerRecord] = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads, self._copy, self._keep = inputs, grads, copy, keep
+        self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
         self._device = torch.device(device) if device is not None else None
         self._reduce = _REDUCERS[reduce] if isinstance(reduce, str) else reduce
         self._max_bytes, self._stop, self._recompile = max_bytes, stop, recompile
@@ -156,6 +157,7 @@ class Capture:
             hooks.forward_pre(self._layers.root, self._on_pass)
             for site in self._sites.values():
                 if self._inputs or self._grads:
+                    site.signature = signature_of(site.module)
                     pre = functools.partial(self._on_input, site)
                     hooks.forward_pre(site.module, pre, with_kwargs=True)
                 hooks.forward(site.module, functools.partial(self._on_output, site))
@@ -225,7 +227,7 @@ class Capture:
                 self._evict(site.record, len(site.record.calls))
 
     def _new_call(self, site: _Site) -> Call:
-        limit = self._limit()
+        limit = self._ring
         if limit is not None and len(site.record.calls) >= limit:  # make room first, so the
             self._evict(site.record, len(site.record.calls) - limit + 1)  # budget sees it
         site.record.count += 1
@@ -265,7 +267,11 @@ class Capture:
         self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
         call = site.open_calls.pop() if site.open_calls else self._new_call(site)
-        call._output = _tree.map_tensors(lambda p, t: self._store(call, ("output", *p), t), output)
+        if type(output) is Tensor:  # the common case, without the tree walk
+            call._output = self._store(call, ("output",), output)
+        else:
+            store = self._store
+            call._output = _tree.map_tensors(lambda p, t: store(call, ("output", *p), t), output)
         if self._grads:
             call._grads = {}
             for path, t in _tree.leaves(output):
@@ -298,16 +304,26 @@ class Capture:
         src = t.detach() if self._detach or path[0] == "grad" else t
         if self._reduce is not None:
             value = self._reduce(src)
-            if _shares_storage(value, src) and self._copy == "clone":
+            if self._copy == "clone" and _shares_storage(value, src):
                 value = value.clone()
-        elif self._copy == "reference":
-            value = src
-        elif self._device is not None and self._device != src.device:
-            value = src  # the move below is the copy
+            self._charge(call, path, value)
         else:
-            value = src.clone()
+            self._charge(call, path, src)  # before copying: the budget is never exceeded
+            if self._copy == "reference" or (
+                self._device is not None and self._device != src.device  # the move copies
+            ):
+                value = src
+            else:
+                value = src.clone()
         if self._device is not None and value.device != self._device:
             value = _move(value, self._device)
+        if check_version and value is src:  # stored by reference: remember its version
+            if call._refs is None:
+                call._refs = []
+            call._refs.append((src, src._version, path))
+        return value
+
+    def _charge(self, call: Call, path: Path, value: Tensor) -> None:
         nbytes = value.numel() * value.element_size()
         if self._max_bytes is not None and self.nbytes + nbytes > self._max_bytes:
             raise CaptureBudgetError(
@@ -319,19 +335,10 @@ class Capture:
             )
         self.nbytes += nbytes
         call.nbytes += nbytes
-        if check_version and value is src:  # stored by reference: remember its version
-            if call._refs is None:
-                call._refs = []
-            call._refs.append((src, src._version, path))
-        return value
-
-    def _limit(self) -> int | None:
-        keep = self._keep
-        return 1 if keep == "last" else keep if isinstance(keep, int) else None
 
     def _add(self, record: LayerRecord, call: Call) -> None:
         record.calls.append(call)
-        limit = self._limit()
+        limit = self._ring
         if limit is not None and len(record.calls) > limit:  # nested calls of one module
             self._evict(record, len(record.calls) - limit)
 

@@ -24,7 +24,7 @@ __all__ = ["compile_guard"]
 
 def _is_compiled(model: nn.Module) -> bool:
     return any(
-        type(m).__name__ == "OptimizedModule" or getattr(m, "_compiled_call_impl", None) is not None
+        type(m).__name__ == "OptimizedModule" or m.__dict__.get("_compiled_call_impl") is not None
         for m in model.modules()
     )
 

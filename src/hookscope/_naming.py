@@ -26,12 +26,14 @@ _GLOB_CHARS = re.compile(r"[*?\[]")
 
 def _wrapped(module: nn.Module) -> nn.Module | None:
     """The module a DataParallel / DDP / torch.compile wrapper stands for, else None."""
-    inner = getattr(module, "_orig_mod", None)  # torch._dynamo OptimizedModule
-    if not (isinstance(inner, nn.Module) and type(module).__name__ == "OptimizedModule"):
-        inner = None
+    # Type checks first: getattr of a missing attribute on a Module raises and formats an
+    # AttributeError, which made name resolution the main per-capture cost.
+    if type(module).__name__ == "OptimizedModule":  # torch._dynamo's compile wrapper
+        inner = module._modules.get("_orig_mod")
+        return inner if isinstance(inner, nn.Module) else None
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        inner = module.module
-    return inner
+        return module.module
+    return None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -55,7 +57,7 @@ class Layers:
     def _walk(self, module: nn.Module, raw: str, canon: str) -> None:
         inner = _wrapped(module)
         if inner is not None:
-            self._walk(inner, f"{raw}.{_link(module)}".lstrip("."), canon)
+            self._walk(inner, f"{raw}.{_link(module)}" if raw else _link(module), canon)
             return
         if id(module) in self._seen:  # registered twice: selectable under its first name,
             return  # like named_modules()
@@ -64,8 +66,11 @@ class Layers:
             self.modules[canon] = module
         if canon and raw != canon:
             self.aliases[raw] = canon
-        for key, child in module.named_children():
-            self._walk(child, f"{raw}.{key}".lstrip("."), f"{canon}.{key}".lstrip("."))
+        for key, child in module._modules.items():
+            if child is not None:
+                self._walk(
+                    child, f"{raw}.{key}" if raw else key, f"{canon}.{key}" if canon else key
+                )
 
     def name_of(self, module: nn.Module) -> str | None:
         target = unwrap(module)
