@@ -140,6 +140,7 @@ class Capture:
         self._detach = detach
         self.nbytes = 0
         self._pass = -1
+        self._depth = 0  # nesting of root calls: a recursive root is still one pass
         self._pending: set[str] = set()
         self._last_done: str | None = None
         self._hooks: HookSet | None = None
@@ -155,6 +156,7 @@ class Capture:
             self._hooks = hooks = HookSet(self._layers.root)
             stack.callback(hooks.close)
             hooks.forward_pre(self._layers.root, self._on_pass)
+            hooks.forward(self._layers.root, self._on_pass_end, always_call=True)
             for site in self._sites.values():
                 if self._inputs or self._grads:
                     site.signature = signature_of(site.module)
@@ -171,6 +173,7 @@ class Capture:
             self._exit.close()
         finally:
             self._hooks = None
+            self._depth = 0
             for site in self._sites.values():
                 site.open_calls.clear()
 
@@ -218,7 +221,13 @@ class Capture:
         )
 
     # -- hooks --------------------------------------------------------------------------
+    def _on_pass_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self._depth = max(0, self._depth - 1)
+
     def _on_pass(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
         self._pass += 1
         self._pending = set(self._sites)
         for site in self._sites.values():
@@ -230,8 +239,7 @@ class Capture:
         limit = self._ring
         if limit is not None and len(site.record.calls) >= limit:  # make room first, so the
             self._evict(site.record, len(site.record.calls) - limit + 1)  # budget sees it
-        site.record.count += 1
-        return Call(site.name, site.record.count - 1, self._pass)
+        return Call(site.name, -1, self._pass)  # index set when the call finishes
 
     def _on_input(
         self, site: _Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -253,13 +261,13 @@ class Capture:
             call._input_skeleton = _tree.map_tensors(
                 lambda p, t: t.new_empty(t.shape, device="meta"), bound
             )
-        aliased = _tree.map_tensors(lambda p, t: self._alias(call, p, t), bound)
+        aliased = _tree.map_tensors(lambda p, t: self._alias(call, module, p, t), bound)
         return unbind_inputs(site.signature, args, kwargs, aliased)
 
-    def _alias(self, call: Call, where: Path, t: Tensor) -> Tensor:
+    def _alias(self, call: Call, module: nn.Module, where: Path, t: Tensor) -> Tensor:
         if not _can_have_grad(t):
             return t
-        alias = t.view_as(t) if t.requires_grad else t
+        alias = grad_alias(module, t) if t.requires_grad else t
         self._hook_grad(call, alias, ("input", *where), call._grad_inputs)
         return alias
 
@@ -267,6 +275,8 @@ class Capture:
         self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any
     ) -> None:
         call = site.open_calls.pop() if site.open_calls else self._new_call(site)
+        call.index = site.record.count
+        site.record.count += 1
         if type(output) is Tensor:  # the common case, without the tree walk
             call._output = self._store(call, ("output",), output)
         else:
@@ -346,6 +356,16 @@ class Capture:
         for call in record.calls[:n]:
             self.nbytes -= call.nbytes
         del record.calls[:n]
+
+
+def grad_alias(module: nn.Module, t: Tensor) -> Tensor:
+    """A stand-in for input ``t`` whose gradient is the part flowing through ``module`` only.
+
+    A view costs nothing, but an in-place op of the module on its input (``ReLU(inplace=True)``)
+    re-routes autograd around the view's node, so a hook there would never fire; modules
+    that declare ``inplace=True`` get a copy instead.
+    """
+    return t.clone() if getattr(module, "inplace", False) is True else t.view_as(t)
 
 
 def _can_have_grad(t: Tensor) -> bool:

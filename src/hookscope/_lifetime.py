@@ -63,9 +63,15 @@ class HookSet:
         self._handles.append(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
     def forward(
-        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        always_call: bool = False,
     ) -> None:
-        self._handles.append(module.register_forward_hook(fn, with_kwargs=with_kwargs))
+        handle = module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
+        self._handles.append(handle)
 
     def tensor(
         self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None], *, always_keep: bool = False

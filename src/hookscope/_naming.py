@@ -32,7 +32,8 @@ def _wrapped(module: nn.Module) -> nn.Module | None:
         inner = module._modules.get("_orig_mod")
         return inner if isinstance(inner, nn.Module) else None
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return module.module
+        wrapped: nn.Module = module.module
+        return wrapped
     return None
 
 

@@ -113,7 +113,7 @@ class Call:
             found.append(key)
             return None
 
-        result = _tree.map_tensors(leaf, tree)
+        result = _tree.map_tensors(leaf, tree, other=lambda value: None)
         if found and len(found) == sum(1 for _ in _tree.leaves(tree)):
             self._grad_at(grads, found[0])  # raises, saying why
         return result

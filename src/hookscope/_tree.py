@@ -65,14 +65,22 @@ def leaves(obj: Any, prefix: Path = ()) -> Iterator[tuple[Path, Tensor]]:
             yield from leaves(child, (*prefix, key))
 
 
-def map_tensors(fn: Callable[[Path, Tensor], Any], obj: Any, prefix: Path = ()) -> Any:
-    """A copy of the tree with every tensor leaf replaced by ``fn(path, tensor)``."""
+def map_tensors(
+    fn: Callable[[Path, Tensor], Any],
+    obj: Any,
+    prefix: Path = (),
+    other: Callable[[Any], Any] | None = None,
+) -> Any:
+    """A copy of the tree with every tensor leaf replaced by ``fn(path, tensor)`` (and every
+    other leaf by ``other(leaf)`` if given)."""
     if isinstance(obj, Tensor):
         return fn(prefix, obj)
     kids = _children(obj)
+    if kids is None:
+        return obj if other is None else other(obj)
     if not kids:
         return obj
-    return _rebuild(obj, {k: map_tensors(fn, v, (*prefix, k)) for k, v in kids})
+    return _rebuild(obj, {k: map_tensors(fn, v, (*prefix, k), other) for k, v in kids})
 
 
 def as_path(at: PathLike) -> Path:
