@@ -327,6 +327,9 @@ class Capture:
                 value = src.clone()
         if self._device is not None and value.device != self._device:
             value = _move(value, self._device)
+            if value.is_pinned() and src.is_cuda:
+                call._sync = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                call._sync.record()
         if check_version and value is src:  # stored by reference: remember its version
             if call._refs is None:
                 call._refs = []

@@ -30,6 +30,7 @@ class Call:
         "_inputs",
         "_output",
         "_refs",
+        "_sync",
         "_why_no_grad",
         "index",
         "layer",
@@ -49,6 +50,7 @@ class Call:
         self._grad_inputs: dict[Path, Tensor] | None = None
         self._why_no_grad: dict[Path, str] = {}
         self._refs: list[tuple[Tensor, int, Path]] | None = None
+        self._sync: Any = None  # CUDA event of a non-blocking device->host copy, until read
 
     # -- values -------------------------------------------------------------------------
     @property
@@ -77,11 +79,16 @@ class Call:
 
     @property
     def grad(self) -> Any:
-        """Gradient of the loss w.r.t. the output, same structure as the output.
+        """Gradient of the loss w.r.t. the output tensors, same structure as the output.
+
+        This is the gradient of each returned tensor itself: if the layer also used that
+        tensor internally (``return h, fc(h)``) or returned an input unchanged, the
+        gradient includes those uses, unlike a full backward hook's ``grad_output``.
 
         Leaves of a nested output that got no gradient are ``None``; if none got one, this
         raises GradientUnavailableError saying why.
         """
+        self._check_fresh()
         return self._grad_tree(self._need_grads(self._grads, "output"), "output", self._output)
 
     @property
@@ -140,6 +147,9 @@ class Call:
         )
 
     def _check_fresh(self) -> None:
+        if self._sync is not None:  # non-blocking copy to pinned memory: wait for it once
+            self._sync.synchronize()
+            self._sync = None
         if not self._refs:
             return
         for tensor, version, path in self._refs:
