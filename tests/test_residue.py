@@ -99,7 +99,7 @@ def test_notebook_style_open_close_is_idempotent() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     cap = hs.capture(model, "0").open()
     cap.open()
-    assert hooks_on(model) == 3  # the layer hook + the root pass hooks
+    assert hooks_on(model) == 3  # the layer hook + the root pass hooks (start, end)
     model(torch.randn(1, 2))
     cap.close()
     cap.close()

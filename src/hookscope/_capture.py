@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from types import TracebackType
@@ -12,10 +11,9 @@ import torch
 from torch import Tensor, nn
 
 from . import _tree
-from ._compile import compile_guard
 from ._lifetime import HookSet
-from ._naming import Layers
 from ._records import Call, LayerRecord
+from ._session import Session
 from ._types import CopyMode, Inputs, Keep, LayerSelector, Path, Reduce, ReduceFn
 from .errors import CaptureBudgetError
 
@@ -108,7 +106,7 @@ class _Site:
         self.open_calls: list[Call] = []  # calls whose forward is running (stack: recursion)
 
 
-class Capture:
+class Capture(Session):
     """Records selected layers' inputs, outputs and gradients; see :func:`capture`."""
 
     def __init__(
@@ -128,52 +126,39 @@ class Capture:
         recompile: bool = False,
     ) -> None:
         _check_options(copy, keep, max_bytes, reduce, stop, grads)
-        self.model = model
-        self._layers = Layers(model)
+        super().__init__(model, recompile=recompile)
         self._sites = {n: _Site(n, m) for n, m in self._layers.select(layers).items()}
         self.records: dict[str, LayerRecord] = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads, self._copy, self._keep = inputs, grads, copy, keep
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
         self._device = torch.device(device) if device is not None else None
         self._reduce = _REDUCERS[reduce] if isinstance(reduce, str) else reduce
-        self._max_bytes, self._stop, self._recompile = max_bytes, stop, recompile
+        self._max_bytes, self._stop = max_bytes, stop
         self._detach = detach
         self.nbytes = 0
         self._pass = -1
-        self._depth = 0  # nesting of root calls: a recursive root is still one pass
-        self._pending: set[str] = set()
+        self._pending: set[str] = set(self._sites)
         self._last_done: str | None = None
-        self._hooks: HookSet | None = None
-        self._exit = contextlib.ExitStack()
 
     # -- lifetime -----------------------------------------------------------------------
+    def _install(self, hooks: HookSet) -> None:
+        for site in self._sites.values():
+            if self._inputs or self._grads:
+                site.signature = signature_of(site.module)
+                pre = functools.partial(self._on_input, site)
+                hooks.forward_pre(site.module, pre, with_kwargs=True)
+            hooks.forward(site.module, functools.partial(self._on_output, site))
+
     def open(self) -> Capture:
         """Install the hooks (``with`` does this); pair with :meth:`close`."""
-        if self._hooks is not None:
-            return self
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(compile_guard(self.model, recompile=self._recompile))
-            self._hooks = hooks = HookSet(self._layers.root)
-            stack.callback(hooks.close)
-            hooks.forward_pre(self._layers.root, self._on_pass)
-            hooks.forward(self._layers.root, self._on_pass_end, always_call=True)
-            for site in self._sites.values():
-                if self._inputs or self._grads:
-                    site.signature = signature_of(site.module)
-                    pre = functools.partial(self._on_input, site)
-                    hooks.forward_pre(site.module, pre, with_kwargs=True)
-                hooks.forward(site.module, functools.partial(self._on_output, site))
-            self._pending = set(self._sites)
-            self._exit = stack.pop_all()
-        return self
+        opened: Capture = super().open()
+        return opened
 
     def close(self) -> None:
         """Remove every hook this capture added. Idempotent; records stay readable."""
         try:
-            self._exit.close()
+            super().close()
         finally:
-            self._hooks = None
-            self._depth = 0
             for site in self._sites.values():
                 site.open_calls.clear()
 
@@ -221,13 +206,7 @@ class Capture:
         )
 
     # -- hooks --------------------------------------------------------------------------
-    def _on_pass_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self._depth = max(0, self._depth - 1)
-
-    def _on_pass(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        self._depth += 1
-        if self._depth > 1:
-            return
+    def _new_pass(self) -> None:
         self._pass += 1
         self._pending = set(self._sites)
         for site in self._sites.values():

@@ -8,11 +8,9 @@ output keeps its structure (editing ``last_hidden_state`` of a ``ModelOutput`` k
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any, Literal
 
 import torch
@@ -27,10 +25,9 @@ from ._capture import (
     unbind_inputs,
     why_no_grad,
 )
-from ._compile import compile_guard
 from ._lifetime import HookSet
-from ._naming import Layers
 from ._records import LayerRecord
+from ._session import Session
 from ._types import Path, PathLike
 from .errors import EditError
 
@@ -235,7 +232,7 @@ def _checked(edit: Edit, ctx: EditContext, old: Tensor, grad: bool) -> Tensor:
     )
 
 
-class Editor:
+class Editor(Session):
     """Applies edits while open; see :func:`edit`."""
 
     def __init__(
@@ -245,8 +242,7 @@ class Editor:
         *,
         recompile: bool = False,
     ) -> None:
-        self.model = model
-        self._layers = Layers(model)
+        super().__init__(model, recompile=recompile)
         self._plan: dict[str, list[Edit]] = {}
         for selector, value in edits.items():
             for name in self._layers.select(selector):
@@ -254,25 +250,25 @@ class Editor:
         #: how many times edits were applied per layer (forward edits; grads as they arrive)
         self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
         self._calls: dict[str, int] = {}
-        self._recompile = recompile
-        self._hooks: HookSet | None = None
-        self._exit = contextlib.ExitStack()
 
     def open(self) -> Editor:
-        if self._hooks is not None:
-            return self
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(compile_guard(self.model, recompile=self._recompile))
-            self._hooks = hooks = HookSet(self._layers.root)
-            stack.callback(hooks.close)
-            hooks.forward_pre(self._layers.root, lambda m, a: self._calls.clear())
-            for name, edits in self._plan.items():
-                module = self._layers.modules[name]
-                self._install(hooks, name, module, edits)
-            self._exit = stack.pop_all()
-        return self
+        """Install the edits (``with`` does this); pair with :meth:`close`."""
+        opened: Editor = super().open()
+        return opened
 
-    def _install(self, hooks: HookSet, name: str, module: nn.Module, edits: list[Edit]) -> None:
+    def __enter__(self) -> Editor:
+        return self.open()
+
+    def _new_pass(self) -> None:
+        self._calls.clear()
+
+    def _install(self, hooks: HookSet) -> None:
+        for name, edits in self._plan.items():
+            self._install_layer(hooks, name, self._layers.modules[name], edits)
+
+    def _install_layer(
+        self, hooks: HookSet, name: str, module: nn.Module, edits: list[Edit]
+    ) -> None:
         on_in = [e for e in edits if e.on in ("input", "input_grad")]
         on_out = [e for e in edits if e.on in ("output", "grad")]
         if on_in:
@@ -285,20 +281,6 @@ class Editor:
                 if param.requires_grad:
                     ctx = EditContext(name, 0, (pname,))
                     hooks.tensor(param, functools.partial(self._grad, edit, ctx))
-
-    def close(self) -> None:
-        try:
-            self._exit.close()
-        finally:
-            self._hooks = None
-
-    def __enter__(self) -> Editor:
-        return self.open()
-
-    def __exit__(
-        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
 
     # -- hooks ----------------------------------------------------------------------------
     def _call_index(self, name: str, bump: bool) -> int:
