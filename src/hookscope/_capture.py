@@ -107,7 +107,45 @@ class _Site:
 
 
 class Capture(Session):
-    """Records selected layers' inputs, outputs and gradients; see :func:`capture`."""
+    """Record selected layers' outputs (and inputs, gradients) for every call.
+
+    Use as a context manager; hooks exist only inside the ``with`` block and are removed on
+    every exit path. Records stay readable afterwards.
+
+    Args:
+        model: the model; DataParallel / DDP / torch.compile wrappers are seen through.
+        layers: names, globs (``"encoder.layer.*.output"``; ``*`` stays within a dotted
+            segment, ``**`` crosses dots), compiled regexes (full match), module types,
+            module objects, predicates, or a list mixing them.
+        inputs: also record each call's inputs, bound to ``forward``'s parameter names.
+        grads: also record gradients w.r.t. outputs and inputs (taken with tensor hooks).
+        copy: ``"clone"`` (default) stores detached copies; ``"reference"`` stores the live
+            tensors (no copy) and raises StaleCaptureError on read if they were changed
+            in place later.
+        device: move captured tensors there (CUDA -> CPU goes to pinned memory, non-blocking).
+        reduce: applied to each captured tensor at capture time: ``"spatial_mean"``
+            (N, C, ...) -> (N, C), ``"token_mean"`` (N, T, D) -> (N, D), ``"batch_mean"``,
+            or any function.
+        keep: which calls to keep: ``"pass"`` (default: every call of the latest forward),
+            ``"all"``, ``"last"``, or an int N (ring of the last N calls).
+        max_bytes: raise CaptureBudgetError before the stored bytes would exceed this.
+        stop: end the forward as soon as every selected layer has run (in execution order);
+            the ``with`` block then exits quietly.
+        detach: ``False`` keeps captured values attached to the autograd graph (a
+            differentiable clone), e.g. for feature losses in training.
+        recompile: allow hooking a ``torch.compile``d model that already ran, by
+            recompiling it (otherwise CompiledModelError).
+
+    ``cap["layer"]`` is then a :class:`LayerRecord`.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+        >>> with hs.capture(model, "0") as cap:
+        ...     _ = model(torch.ones(2, 3))
+        >>> cap["0"].output.shape
+        torch.Size([2, 4])
+    """
 
     def __init__(
         self,
@@ -389,45 +427,5 @@ def _check_options(
         )
 
 
-def capture(model: nn.Module, layers: LayerSelector, **options: Any) -> Capture:
-    """Record selected layers' outputs (and inputs, gradients) for every call.
-
-    Use as a context manager; hooks exist only inside the ``with`` block and are removed on
-    every exit path. Records stay readable afterwards.
-
-    Args:
-        model: the model; DataParallel / DDP / torch.compile wrappers are seen through.
-        layers: names, globs (``"encoder.layer.*.output"``; ``*`` stays within a dotted
-            segment, ``**`` crosses dots), compiled regexes (full match), module types,
-            module objects, predicates, or a list mixing them.
-        inputs: also record each call's inputs, bound to ``forward``'s parameter names.
-        grads: also record gradients w.r.t. outputs and inputs (taken with tensor hooks).
-        copy: ``"clone"`` (default) stores detached copies; ``"reference"`` stores the live
-            tensors (no copy) and raises StaleCaptureError on read if they were changed
-            in place later.
-        device: move captured tensors there (CUDA -> CPU goes to pinned memory, non-blocking).
-        reduce: applied to each captured tensor at capture time: ``"spatial_mean"``
-            (N, C, ...) -> (N, C), ``"token_mean"`` (N, T, D) -> (N, D), ``"batch_mean"``,
-            or any function.
-        keep: which calls to keep: ``"pass"`` (default: every call of the latest forward),
-            ``"all"``, ``"last"``, or an int N (ring of the last N calls).
-        max_bytes: raise CaptureBudgetError before the stored bytes would exceed this.
-        stop: end the forward as soon as every selected layer has run (in execution order);
-            the ``with`` block then exits quietly.
-        detach: ``False`` keeps captured values attached to the autograd graph (a
-            differentiable clone), e.g. for feature losses in training.
-        recompile: allow hooking a ``torch.compile``d model that already ran, by
-            recompiling it (otherwise CompiledModelError).
-
-    Returns:
-        A :class:`Capture`; ``cap["layer"]`` is a :class:`LayerRecord`.
-
-    Example:
-        >>> import torch, torch.nn as nn, hookscope as hs
-        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
-        >>> with hs.capture(model, "0") as cap:
-        ...     _ = model(torch.ones(2, 3))
-        >>> cap["0"].output.shape
-        torch.Size([2, 4])
-    """
-    return Capture(model, layers, **options)
+#: ``hookscope.capture(model, layers, ...)`` builds a :class:`Capture`.
+capture = Capture
