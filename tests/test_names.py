@@ -141,3 +141,21 @@ def test_capture_through_ddp(tmp_path: object) -> None:
         assert torch.equal(cap["classifier.1"].output, out)
     finally:
         dist.destroy_process_group()
+
+
+def test_module_under_a_second_attribute_name_is_an_alias() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(2, 2)
+            self.again = self.first
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.again(x)
+
+    model = Twice()
+    assert hs.names(model) == {"first": "Linear"}
+    assert list(resolve(model, "again")) == ["first"]
+    with hs.capture(model, "again") as cap:
+        out = model(torch.randn(1, 2))
+    assert torch.equal(cap["again"].output, out.detach())

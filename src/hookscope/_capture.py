@@ -278,19 +278,16 @@ class Capture(Session):
             call._input_skeleton = _tree.map_tensors(
                 lambda p, t: t.new_empty(t.shape, device="meta"), bound
             )
-        aliased = _tree.map_tensors(lambda p, t: self._alias(call, module, p, t), bound)
+        aliased = _tree.map_tensors(lambda p, t: self._alias(call, module, p, t, "input"), bound)
         return unbind_inputs(site.signature, args, kwargs, aliased)
 
-    def _alias(self, call: Call, module: nn.Module, where: Path, t: Tensor) -> Tensor:
-        if not _can_have_grad(t):
-            return t
-        alias = grad_alias(module, t) if t.requires_grad else t
-        self._hook_grad(call, alias, ("input", *where), call._grad_inputs)
+    def _alias(self, call: Call, module: nn.Module, where: Path, t: Tensor, side: str) -> Tensor:
+        alias = grad_alias(t) if t.requires_grad else t
+        grads = call._grads if side == "output" else call._grad_inputs
+        self._hook_grad(call, alias, (side, *where), grads)
         return alias
 
-    def _on_output(
-        self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any
-    ) -> None:
+    def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         call = site.open_calls.pop() if site.open_calls else self._new_call(site)
         call.index = site.record.count
         site.record.count += 1
@@ -299,16 +296,19 @@ class Capture(Session):
         else:
             store = self._store
             call._output = _tree.map_tensors(lambda p, t: store(call, ("output", *p), t), output)
+        new_output = None
         if self._grads:
             call._grads = {}
-            for path, t in _tree.leaves(output):
-                self._hook_grad(call, t, ("output", *path), call._grads)
+            new_output = _tree.map_tensors(
+                lambda p, t: self._alias(call, module, p, t, "output"), output
+            )
         self._add(site.record, call)
         self._last_done = site.name
         if self._stop:
             self._pending.discard(site.name)
             if not self._pending:
                 raise StopForward(self)
+        return new_output
 
     def _hook_grad(self, call: Call, t: Tensor, key: Path, into: dict[Path, Tensor] | None) -> None:
         assert into is not None
@@ -378,14 +378,16 @@ class Capture(Session):
         del record.calls[:n]
 
 
-def grad_alias(module: nn.Module, t: Tensor) -> Tensor:
-    """A stand-in for input ``t`` whose gradient is the part flowing through ``module`` only.
+def grad_alias(t: Tensor) -> Tensor:
+    """A stand-in for ``t`` at a layer boundary, so that a hook on it sees only the gradient
+    crossing that boundary: for an input, the part flowing through the layer (not through a
+    skip connection); for an output, the part coming from downstream (not from the layer's
+    own internal uses of it), like a full backward hook's ``grad_input`` / ``grad_output``.
 
-    A view costs nothing, but an in-place op of the module on its input (``ReLU(inplace=True)``)
-    re-routes autograd around the view's node, so a hook there would never fire; modules
-    that declare ``inplace=True`` get a copy instead.
+    It is a copy, not a view: an in-place op on a view (``F.relu(x, inplace=True)``)
+    re-routes autograd around the view's node, so a hook there would never fire.
     """
-    return t.clone() if getattr(module, "inplace", False) is True else t.view_as(t)
+    return t.clone()
 
 
 def _can_have_grad(t: Tensor) -> bool:

@@ -66,8 +66,10 @@ def compile_guard(model: nn.Module, *, recompile: bool) -> Iterator[None]:
     ran = _compiled_codes(model)
     if ran and not recompile:
         raise CompiledModelError(
-            f"{type(model).__name__} is compiled with torch.compile and has already run, so "
-            "hooks added now would be silently ignored (pytorch/pytorch#117758). Fix: pass "
+            f"{type(model).__name__} is compiled with torch.compile and its compiled code has "
+            "already run (for this model, or for another instance of the same class: dynamo "
+            "shares compiled code between instances), so hooks added now would be silently "
+            "ignored (pytorch/pytorch#117758). Fix: pass "
             "recompile=True (hookscope then recompiles it with the hooks, and again after), "
             "or add hooks before the first compiled call, or call torch._dynamo.reset()."
         )

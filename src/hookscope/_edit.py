@@ -302,19 +302,17 @@ class Editor(Session):
         index = self._call_index(name, bump)
         bound = bind_inputs(sig, args, kwargs)
         for edit in edits:
-            bound = self._apply(edit, bound, name, index, module, first_input=True)
+            bound = self._apply(edit, bound, name, index, first_input=True)
         return unbind_inputs(sig, args, kwargs, bound)
 
     def _post(self, name: str, edits: list[Edit], module: nn.Module, args: Any, output: Any) -> Any:
         index = self._call_index(name, bump=True)
         new = output
         for edit in edits:
-            new = self._apply(edit, new, name, index, module, first_input=False)
+            new = self._apply(edit, new, name, index, first_input=False)
         return None if new is output else new
 
-    def _apply(
-        self, edit: Edit, tree: Any, name: str, index: int, module: nn.Module, first_input: bool
-    ) -> Any:
+    def _apply(self, edit: Edit, tree: Any, name: str, index: int, first_input: bool) -> Any:
         for path in _paths(edit, tree, name, first_input):
             old = _tree.get(tree, path)
             if not isinstance(old, Tensor):
@@ -324,21 +322,21 @@ class Editor(Session):
                 )
             ctx = EditContext(name, index, path)
             if edit.on in ("grad", "input_grad"):
-                new = self._hook_grad(edit, ctx, old, module)
+                new = self._hook_grad(edit, ctx, old)
             else:
                 new = _checked(edit, ctx, old, grad=False)
                 self.applied[name] += 1
             tree = _tree.replace_at(tree, path, new)
         return tree
 
-    def _hook_grad(self, edit: Edit, ctx: EditContext, t: Tensor, module: nn.Module) -> Tensor:
+    def _hook_grad(self, edit: Edit, ctx: EditContext, t: Tensor) -> Tensor:
         if not t.requires_grad:
             raise EditError(
                 f"cannot edit the gradient of {ctx.layer!r} {edit.on}{_tree.path_str(ctx.path)}: "
                 f"it has no gradient because {why_no_grad()}"
             )
-        # A fresh view: the edit then changes only the gradient flowing through this layer.
-        alias = grad_alias(module, t) if edit.on == "input_grad" else t
+        # A stand-in: the edit then changes only the gradient crossing this layer's boundary.
+        alias = grad_alias(t)
         assert self._hooks is not None
         self._hooks.tensor(alias, functools.partial(self._grad, edit, ctx))
         return alias

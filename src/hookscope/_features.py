@@ -10,7 +10,7 @@ from torch import nn
 
 from ._capture import Capture
 from ._lifetime import training_mode
-from ._naming import Layers
+from ._naming import Layers, unwrap
 from ._records import LayerRecord
 from ._types import CopyMode, LayerSelector, Reduce
 from .errors import CaptureError
@@ -49,12 +49,13 @@ def features(
     reduce: Reduce | None = None,
     device: torch.device | str | None = None,
     train: bool = False,
+    stop: bool = True,
     recompile: bool = False,
 ) -> dict[str, Any]:
     """The outputs of ``layers`` for ``inputs``, computed as cheaply as possible.
 
     Runs under ``torch.no_grad()``, in eval mode (each module's flag is restored after), and
-    stops the forward as soon as every selected layer has run.
+    by default stops the forward as soon as every selected layer has run.
 
     Args:
         model: the model (wrappers are seen through).
@@ -65,6 +66,9 @@ def features(
             ``"batch_mean"`` or a function).
         device: move features there (e.g. ``"cpu"`` from CUDA).
         train: run in training mode instead of eval mode.
+        stop: end the forward once every selected layer has run (default). A layer that
+            would run again after that point (a reused module) is then not seen; with
+            ``stop=False`` the whole forward runs and such a layer raises CaptureError.
         recompile: see :func:`capture`.
 
     Returns:
@@ -79,8 +83,8 @@ def features(
         >>> hs.features(model, torch.ones(2, 3), ["0"])["0"].shape
         torch.Size([2, 4])
     """
-    cap = Capture(model, layers, stop=True, reduce=reduce, device=device, recompile=recompile)
-    with training_mode(model, train), torch.no_grad(), cap:
+    cap = Capture(model, layers, stop=stop, reduce=reduce, device=device, recompile=recompile)
+    with training_mode(model, train, unwrap(model)), torch.no_grad(), cap:
         call_model(model, inputs)
     return {name: _one_value(record) for name, record in cap.records.items()}
 

@@ -93,9 +93,14 @@ class HookSet:
 
 
 @contextlib.contextmanager
-def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
-    """Set every module's ``training`` flag to ``train``; restore each one's own flag after."""
+def training_mode(model: nn.Module, train: bool, root: nn.Module) -> Iterator[None]:
+    """Set every module's ``training`` flag to ``train``; restore each one's own flag after.
+
+    ``root`` is the unwrapped model the session's hooks go on (``model`` itself when there
+    is no DataParallel / compile wrapper).
+    """
     _notify(model)
+    _notify(root)
     flags = [(m, m.training) for m in model.modules()]
     try:
         model.train(train)

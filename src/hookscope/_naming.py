@@ -52,7 +52,7 @@ class Layers:
         self.model = model
         self.modules: dict[str, nn.Module] = {}
         self.aliases: dict[str, str] = {}
-        self._seen: set[int] = set()
+        self._seen: dict[int, str] = {}  # id(module) -> first canonical name
         self._walk(model, "", "")
 
     def _walk(self, module: nn.Module, raw: str, canon: str) -> None:
@@ -60,9 +60,12 @@ class Layers:
         if inner is not None:
             self._walk(inner, f"{raw}.{_link(module)}" if raw else _link(module), canon)
             return
-        if id(module) in self._seen:  # registered twice: selectable under its first name,
-            return  # like named_modules()
-        self._seen.add(id(module))
+        first = self._seen.get(id(module))
+        if first is not None:  # registered twice: its first name is canonical, like
+            if canon and canon != first:  # named_modules(); the second is an alias
+                self.aliases.setdefault(canon, first)
+            return
+        self._seen[id(module)] = canon
         if canon:
             self.modules[canon] = module
         if canon and raw != canon:
