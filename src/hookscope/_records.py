@@ -48,7 +48,7 @@ class Call:
         self._input_skeleton: Inputs | None = None  # meta tensors: input structure for grads
         self._grads: dict[Path, Tensor] | None = None
         self._grad_inputs: dict[Path, Tensor] | None = None
-        self._why_no_grad: dict[Path, str] = {}
+        self._why_no_grad: dict[Path, str] | None = None  # only when grads are captured
         self._refs: list[tuple[Tensor, int, Path]] | None = None
         self._sync: Any = None  # CUDA event of a non-blocking device->host copy, until read
 
@@ -138,7 +138,7 @@ class Call:
         if path in grads:
             return grads[path]
         where = f"{self.layer!r} {path[0]}{_tree.path_str(path[1:])} (call {self.index})"
-        why = self._why_no_grad.get(path)
+        why = self._why_no_grad.get(path) if self._why_no_grad else None
         if why is not None:
             raise GradientUnavailableError(f"no gradient for {where}: {why}")
         raise GradientUnavailableError(
