@@ -271,25 +271,24 @@ class Capture(Session):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         call = self._new_call(site)
         site.open_calls.append(call)
+        bound = bind_inputs(site.signature, args, kwargs)
         if self._inputs:
-            bound = bind_inputs(site.signature, args, kwargs)
             call._inputs = _tree.map_tensors(
                 lambda p, t: self._store(call, ("input", *p), t), bound
             )
         if not self._grads:
             return None
         call._grad_inputs = {}
-        # Hook a fresh view of each input so the gradient is the one flowing through this
-        # layer only, not the input's total gradient (which includes skip connections).
-        bound = bind_inputs(site.signature, args, kwargs)
+        # Hook a stand-in of each input (grad_alias) so the gradient is the one flowing
+        # through this layer only, not the input's total gradient (skip connections too).
         if not self._inputs:
             call._input_skeleton = _tree.map_tensors(
                 lambda p, t: t.new_empty(t.shape, device="meta"), bound
             )
-        aliased = _tree.map_tensors(lambda p, t: self._alias(call, module, p, t, "input"), bound)
+        aliased = _tree.map_tensors(lambda p, t: self._alias(call, p, t, "input"), bound)
         return unbind_inputs(site.signature, args, kwargs, aliased)
 
-    def _alias(self, call: Call, module: nn.Module, where: Path, t: Tensor, side: str) -> Tensor:
+    def _alias(self, call: Call, where: Path, t: Tensor, side: str) -> Tensor:
         alias = grad_alias(t) if t.requires_grad else t
         grads = call._grads if side == "output" else call._grad_inputs
         self._hook_grad(call, alias, (side, *where), grads)
@@ -307,9 +306,7 @@ class Capture(Session):
         new_output = None
         if self._grads:
             call._grads = {}
-            new_output = _tree.map_tensors(
-                lambda p, t: self._alias(call, module, p, t, "output"), output
-            )
+            new_output = _tree.map_tensors(lambda p, t: self._alias(call, p, t, "output"), output)
         self._add(site.record, call)
         self._last_done = site.name
         if self._stop and site.done_in != self._pass:
