@@ -28,6 +28,14 @@ def fresh_dynamo() -> None:
 X = torch.randn(3, 4)
 
 
+def compile_(model: nn.Module, how: str) -> nn.Module:
+    """``torch.compile(model)`` (a wrapper) or ``model.compile()`` (in place, same names)."""
+    if how == "torch.compile":
+        return torch.compile(model, backend="eager")  # type: ignore[return-value]
+    model.compile(backend="eager")
+    return model
+
+
 def test_compiled_after_hooks_were_added() -> None:
     model = Net()
     compiled = torch.compile(model, backend="eager")
@@ -50,11 +58,7 @@ def test_model_compile_in_place_keeps_names() -> None:
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
 def test_already_compiled_and_run_raises_with_the_fix(how: str) -> None:
     model = Net()
-    if how == "torch.compile":
-        compiled: nn.Module = torch.compile(model, backend="eager")
-    else:
-        model.compile(backend="eager")
-        compiled = model
+    compiled = compile_(model, how)
     compiled(X)
     with pytest.raises(hs.CompiledModelError, match="recompile=True"):
         hs.capture(compiled, "a").open()
@@ -65,11 +69,7 @@ def test_already_compiled_and_run_raises_with_the_fix(how: str) -> None:
 @pytest.mark.parametrize("how", ["torch.compile", "Module.compile"])
 def test_recompile_makes_hooks_take_effect_and_go_away(how: str) -> None:
     model = Net()
-    if how == "torch.compile":
-        compiled: nn.Module = torch.compile(model, backend="eager")
-    else:
-        model.compile(backend="eager")
-        compiled = model
+    compiled = compile_(model, how)
     with torch.no_grad():
         plain = compiled(X)
         with hs.capture(compiled, "a", recompile=True) as cap:
