@@ -254,3 +254,10 @@ def test_edit_bad_values() -> None:
         hs.ablate(on="outputs")
     with pytest.raises(hs.LayerNotFoundError, match="'2x'"):
         hs.edit(model, {"2x": hs.ablate()})
+
+
+def test_on_grad_result_must_keep_the_gradients_shape() -> None:
+    x = torch.randn(3, requires_grad=True)
+    z = x * 2
+    with hs.on_grad(z, lambda g: g.sum()), pytest.raises(hs.EditError, match="keep their shape"):
+        z.sum().backward()

@@ -37,6 +37,7 @@ __all__ = [
     "Editor",
     "ablate",
     "add",
+    "call_checked",
     "clip_grad",
     "edit",
     "mean_ablate",
@@ -210,14 +211,38 @@ def _paths(edit: Edit, tree: Any, layer: str, first_input: bool) -> list[Path]:
 
 
 def _checked(edit: Edit, ctx: EditContext, old: Tensor, grad: bool) -> Tensor:
-    version = old._version
-    new = edit.fn(old, ctx)
     where = f"edit {edit.name!r} on {ctx.layer!r} {edit.on}{_tree.path_str(ctx.path)}"
+    new = call_checked(
+        lambda t: edit.fn(t, ctx), old, where, grad=grad, allow_shape_change=edit.allow_shape_change
+    )
+    assert new is not None
+    return new
+
+
+def call_checked(
+    fn: Callable[[Tensor], Any],
+    old: Tensor,
+    where: str,
+    *,
+    grad: bool,
+    allow_shape_change: bool = False,
+    allow_none: bool = False,
+) -> Tensor | None:
+    """``fn(old)``, refused if ``fn`` changed ``old`` in place or returned something that
+    cannot stand in for it (another shape / dtype / device, unless allowed; never for
+    gradients). ``None`` means "unchanged" where ``allow_none``."""
+    version = old._version
+    new = fn(old)
     if old._version != version:
-        raise EditError(f"{where} modified its argument in place; return a new tensor instead")
+        raise EditError(
+            f"{where} modified its argument in place; return a new tensor instead "
+            "(in-place edits of a hook's argument are unreliable in PyTorch)"
+        )
+    if new is None and allow_none:
+        return None
     if not isinstance(new, Tensor):
         raise EditError(f"{where} returned {type(new).__name__}, not a tensor")
-    if (edit.allow_shape_change and not grad) or (
+    if (allow_shape_change and not grad) or (
         new.shape == old.shape and new.dtype == old.dtype and new.device == old.device
     ):
         return new

@@ -8,8 +8,9 @@ from types import TracebackType
 from torch import Tensor
 
 from ._capture import why_no_grad
+from ._edit import call_checked
 from ._lifetime import HookSet
-from .errors import EditError, GradientUnavailableError
+from .errors import GradientUnavailableError
 
 __all__ = ["GradHook", "grad_of", "on_grad"]
 
@@ -39,19 +40,7 @@ class GradHook:
         self._grad = grad.detach().clone()
         if self._fn is None:
             return None
-        version = grad._version
-        new = self._fn(grad)
-        if grad._version != version:
-            raise EditError(
-                "the gradient function modified its argument in place; return a new tensor "
-                "instead (in-place edits of a hook's argument are unreliable in PyTorch)"
-            )
-        if new is not None and (new.shape != grad.shape or new.dtype != grad.dtype):
-            raise EditError(
-                f"the gradient function returned shape {tuple(new.shape)} {new.dtype} for a "
-                f"gradient of shape {tuple(grad.shape)} {grad.dtype}; gradients keep their shape"
-            )
-        return new
+        return call_checked(self._fn, grad, "the gradient function", grad=True, allow_none=True)
 
     @property
     def grad(self) -> Tensor:
