@@ -85,13 +85,9 @@ class Edit:
             raise ValueError(f"on={self.on!r}: use one of {', '.join(_TARGETS)}")
 
 
-def _edit(fn: Callable[[Tensor, EditContext], Tensor], name: str, **where: Any) -> Edit:
-    return Edit(fn, name=name, **where)
-
-
 def transform(fn: Callable[[Tensor], Tensor], **where: Any) -> Edit:
     """Apply any function ``fn(tensor) -> tensor``; ``where``: ``on=``, ``at=``, ...."""
-    return _edit(lambda t, ctx: fn(t), getattr(fn, "__name__", "transform"), **where)
+    return Edit(lambda t, ctx: fn(t), name=getattr(fn, "__name__", "transform"), **where)
 
 
 def replace(value: Tensor | float, **where: Any) -> Edit:
@@ -99,24 +95,24 @@ def replace(value: Tensor | float, **where: Any) -> Edit:
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
         v = torch.as_tensor(value, dtype=t.dtype, device=t.device)
-        return v.expand(t.shape).clone() if v.shape != t.shape else v.clone()
+        return v.expand(t.shape).clone()
 
-    return _edit(fn, "replace", **where)
+    return Edit(fn, name="replace", **where)
 
 
 def add(delta: Tensor | float, **where: Any) -> Edit:
     """Add ``delta`` (e.g. a steering vector), broadcast."""
-    return _edit(lambda t, ctx: t + _like(delta, t), "add", **where)
+    return Edit(lambda t, ctx: t + _like(delta, t), name="add", **where)
 
 
 def scale(factor: Tensor | float, **where: Any) -> Edit:
     """Multiply by ``factor``."""
-    return _edit(lambda t, ctx: t * _like(factor, t), "scale", **where)
+    return Edit(lambda t, ctx: t * _like(factor, t), name="scale", **where)
 
 
 def ablate(**where: Any) -> Edit:
     """Zero-ablate: replace with zeros."""
-    return _edit(lambda t, ctx: torch.zeros_like(t), "ablate", **where)
+    return Edit(lambda t, ctx: torch.zeros_like(t), name="ablate", **where)
 
 
 def mean_ablate(mean: Tensor | None = None, *, dims: Sequence[int] = (0,), **where: Any) -> Edit:
@@ -126,7 +122,7 @@ def mean_ablate(mean: Tensor | None = None, *, dims: Sequence[int] = (0,), **whe
         m = _like(mean, t) if mean is not None else t.mean(dim=tuple(dims), keepdim=True)
         return m.expand(t.shape).clone()
 
-    return _edit(fn, "mean_ablate", **where)
+    return Edit(fn, name="mean_ablate", **where)
 
 
 def patch(source: Capture | LayerRecord, **where: Any) -> Edit:
@@ -157,7 +153,7 @@ def patch(source: Capture | LayerRecord, **where: Any) -> Edit:
         value: Tensor = _tree.get(tree, ctx.path)
         return value.to(t.device).clone()
 
-    return _edit(fn, "patch", **where)
+    return Edit(fn, name="patch", **where)
 
 
 def clip_grad(*, value: float | None = None, norm: float | None = None) -> Edit:
