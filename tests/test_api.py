@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import inspect
 import pathlib
 import pkgutil
 
@@ -16,7 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_all_is_exact_and_sorted() -> None:
-    public = {n for n in vars(hs) if not n.startswith("_")} - {"errors"}
+    public = {n for n, v in vars(hs).items() if not n.startswith("_") and not inspect.ismodule(v)}
     assert set(hs.__all__) == public | {"__version__"}
     assert list(hs.__all__) == sorted(hs.__all__, key=lambda s: (s.lower() != s, s)) or list(
         hs.__all__
@@ -45,8 +46,8 @@ def test_errors_subclass_natural_builtins(cls: type, builtin: type) -> None:
 
 def _modules() -> list[str]:
     return ["hookscope"] + [
-        f"hookscope.{m.name}"
-        for m in pkgutil.iter_modules(hs.__path__)  # type: ignore[attr-defined]
+        m.name
+        for m in pkgutil.walk_packages(hs.__path__, prefix="hookscope.")  # type: ignore[attr-defined]
     ]
 
 

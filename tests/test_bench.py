@@ -1,11 +1,14 @@
 """The benchmark harness runs (``bench/run.py --quick``) and its untimed correctness checks
-pass: hookscope's captures equal the hand-written clone floor, on HF ResNet-50 and GPT-2.
+pass: hookscope's captures equal the hand-written clone floor on HF ResNet-50 and GPT-2, and
+reference mode flags exactly the outputs overwritten in place. With ``--baseline HEAD`` the
+committed library is timed beside the working tree's (its captures are checked the same way).
 No timing is asserted: timings belong to bench/RESULTS.md, not to the test suite."""
 
 from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -19,18 +22,28 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_quick_benchmark_runs_and_checks_pass(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("nnsight")
+    in_git = (ROOT / ".git").exists() and shutil.which("git") is not None
+    baseline = ["--baseline", "HEAD"] if in_git else []
+    command = [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)]
     done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "run.py"), "--quick", "--out", str(tmp_path)],
+        [*command, *baseline],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "RESULTS.md").read_text().startswith("# hookscope capture benchmark")
+    report = (tmp_path / "RESULTS.md").read_text()
+    assert report.startswith("# hookscope benchmark")
+    assert "Worker failures" not in report, report
     for model in ("resnet50", "gpt2"):
-        checks = json.loads((tmp_path / f"timing_{model}_tuned.json").read_text())["checks"]
-        verdicts = [c for c in checks if c["ok"] is not None]
-        assert verdicts, f"{model}: no pass/fail checks recorded"
-        failed = [c for c in verdicts if not c["ok"]]
-        assert not failed, f"{model}: {failed}"
+        run = json.loads((tmp_path / f"capture_timing_{model}_tuned.json").read_text())
+        verdicts = {c["what"]: c["ok"] for c in run["checks"] if c["ok"] is not None}
+        assert not [what for what, ok in verdicts.items() if not ok], run["checks"]
+        checked = " ".join(verdicts)
+        for key in ("hs_sel", "hs_leaves_clone", "hs_leaves_ref", "hs_leaves_reduce", "hs_stop"):
+            assert f"`{key}`" in checked, f"{model}: no check of {key}"
+        if baseline:
+            assert run["baseline_error"] is None
+            assert "`bl_leaves_clone`" in checked
+            assert "new ÷ baseline" in report

@@ -93,8 +93,13 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def layer_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Every named submodule of the unwrapped model (root excluded), like named_modules()."""
-    return {n: m for n, m in unwrap(model).named_modules() if n}
+    """Every named submodule of the unwrapped model that can be called (root excluded, and
+    containers without a forward of their own, such as ModuleList, left out)."""
+    return {
+        n: m
+        for n, m in unwrap(model).named_modules()
+        if n and type(m).forward is not nn.Module.forward
+    }
 
 
 def _is_namedtuple(obj: Any) -> bool:
@@ -206,8 +211,20 @@ def clone_tree(obj: Any) -> Any:
 
 
 def bind(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-    """A call's arguments by ``forward`` parameter name (what ``inputs=True`` should give)."""
-    return dict(inspect.signature(module.forward).bind(*args, **kwargs).arguments)
+    """A call's arguments by ``forward`` parameter name (what ``inputs=True`` should give):
+    ``*args`` entries named by absolute position (``arg2``), ``**kwargs`` entries by key."""
+    sig = inspect.signature(module.forward)
+    out: dict[str, Any] = {}
+    for name, value in sig.bind(*args, **kwargs).arguments.items():
+        kind = sig.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            first = len(args) - len(value)
+            out.update({f"arg{first + i}": v for i, v in enumerate(value)})
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            out.update(value)
+        else:
+            out[name] = value
+    return out
 
 
 def make_loss(output: Any) -> Tensor:

@@ -9,26 +9,31 @@ Example:
     torch.Size([2, 4])
 """
 
-from ._capture import Capture, capture
-from ._edit import (
+from ._version import __version__
+from .core import (
+    Call,
+    Capture,
     Edit,
     EditContext,
     Editor,
+    FeatureExtractor,
+    GradHook,
+    LayerRecord,
     ablate,
     add,
+    capture,
     clip_grad,
     edit,
+    features,
+    grad_of,
     mean_ablate,
+    names,
+    on_grad,
     patch,
     replace,
     scale,
     transform,
 )
-from ._features import FeatureExtractor, features
-from ._grad import GradHook, grad_of, on_grad
-from ._naming import names
-from ._records import Call, LayerRecord
-from ._version import __version__
 from .errors import (
     CaptureBudgetError,
     CaptureError,
@@ -38,6 +43,8 @@ from .errors import (
     HookscopeError,
     LayerNotFoundError,
     StaleCaptureError,
+    UnsupportedModelError,
+    UsageError,
 )
 
 __all__ = [
@@ -57,6 +64,8 @@ __all__ = [
     "LayerNotFoundError",
     "LayerRecord",
     "StaleCaptureError",
+    "UnsupportedModelError",
+    "UsageError",
     "__version__",
     "ablate",
     "add",
@@ -73,3 +82,10 @@ __all__ = [
     "scale",
     "transform",
 ]
+
+# Public objects say they live where users import them from (help(), repr, docs).
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("hookscope."):
+        _obj.__module__ = __name__
+del _name, _obj

@@ -4,13 +4,15 @@ Every error is a :class:`HookscopeError` and also subclasses the built-in a call
 for the same kind of problem, so ``except LookupError`` keeps working::
 
     HookscopeError (Exception)
-    ├── LayerNotFoundError (LookupError)      a selector matched no layer
+    ├── UsageError (ValueError, TypeError)    an argument hookscope cannot use (caught early)
+    ├── LayerNotFoundError (KeyError)         a selector or a record key matched no layer
     ├── CaptureError (RuntimeError)           a captured value cannot be returned
     │   ├── GradientUnavailableError          the gradient cannot exist, or never arrived
     │   └── StaleCaptureError                 a by-reference capture was modified in place
     ├── CaptureBudgetError (MemoryError)      storing the next tensor would exceed max_bytes
     ├── EditError (ValueError)                an edit would change shape/dtype, or is ambiguous
-    └── CompiledModelError (RuntimeError)     hooks would be silently ignored by torch.compile
+    ├── CompiledModelError (RuntimeError)     hooks would be silently ignored by torch.compile
+    └── UnsupportedModelError (RuntimeError)  the model runs in a way hookscope cannot follow
 
 Failures raised by the user's model or callbacks are never wrapped: they propagate unchanged,
 with a note (``add_note``) naming the layer hookscope was handling when it happened.
@@ -27,6 +29,8 @@ __all__ = [
     "HookscopeError",
     "LayerNotFoundError",
     "StaleCaptureError",
+    "UnsupportedModelError",
+    "UsageError",
 ]
 
 
@@ -34,10 +38,14 @@ class HookscopeError(Exception):
     """Base class of every error hookscope raises itself."""
 
 
-class LayerNotFoundError(HookscopeError, LookupError):
-    """A layer selector matched no module of the model."""
+class UsageError(HookscopeError, ValueError, TypeError):
+    """An argument has a type or value hookscope cannot use; raised before anything runs."""
 
-    def __str__(self) -> str:  # LookupError would quote the message like a KeyError
+
+class LayerNotFoundError(HookscopeError, KeyError):
+    """A layer selector, or a key into a capture, matched no module of the model."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
 
 
@@ -63,3 +71,7 @@ class EditError(HookscopeError, ValueError):
 
 class CompiledModelError(HookscopeError, RuntimeError):
     """The model was compiled and already ran, so new hooks would be silently ignored."""
+
+
+class UnsupportedModelError(HookscopeError, RuntimeError):
+    """The model runs in a way hookscope cannot follow correctly (e.g. several replicas)."""

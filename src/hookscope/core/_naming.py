@@ -3,7 +3,12 @@
 Names are ``named_modules()`` dotted paths of the *unwrapped* model: the ``module.`` of
 ``nn.DataParallel`` / ``DistributedDataParallel`` and the ``_orig_mod.`` of ``torch.compile``
 are removed, so the same names work on the wrapped and the unwrapped model. The wrapped
-spelling (``module.features``) is accepted too.
+spelling (``module.features``) is accepted too, and so is a second attribute name of a shared
+module (``enc2`` when ``self.enc2 = self.enc``), children included (``enc2.0``).
+
+Containers that are never called themselves (``nn.ModuleList``, ``nn.ModuleDict``: their
+class has no ``forward``) are not layers: naming one explicitly is refused with a pointer to
+its children, and patterns skip them.
 """
 
 from __future__ import annotations
@@ -16,12 +21,13 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import LayerNotFoundError, UsageError
 from ._types import LayerSelector, SingleSelector
-from .errors import LayerNotFoundError
 
-__all__ = ["Layers", "names", "resolve", "unwrap"]
+__all__ = ["Layers", "is_called", "names", "resolve", "unwrap"]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
+_UNIMPLEMENTED = nn.Module.forward
 
 
 def _wrapped(module: nn.Module) -> nn.Module | None:
@@ -44,10 +50,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def is_called(module: nn.Module) -> bool:
+    """Whether the module can run (``ModuleList`` / ``ModuleDict`` have no ``forward``)."""
+    return getattr(type(module), "forward", _UNIMPLEMENTED) is not _UNIMPLEMENTED
+
+
 class Layers:
     """The selectable modules of a model: canonical name -> module, plus wrapped aliases."""
 
     def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"expected a torch.nn.Module, got {type(model).__name__}")
         self.root = unwrap(model)
         self.model = model
         self.modules: dict[str, nn.Module] = {}
@@ -62,8 +75,11 @@ class Layers:
             return
         first = self._seen.get(id(module))
         if first is not None:  # registered twice: its first name is canonical, like
-            if canon and canon != first:  # named_modules(); the second is an alias
-                self.aliases.setdefault(canon, first)
+            if canon and canon != first:  # named_modules(); the second is an alias,
+                self.aliases.setdefault(canon, first)  # and so are its children's names
+                for sub, _ in module.named_modules(prefix=canon):
+                    if sub != canon:
+                        self.aliases.setdefault(sub, first + sub[len(canon) :])
             return
         self._seen[id(module)] = canon
         if canon:
@@ -75,6 +91,10 @@ class Layers:
                 self._walk(
                     child, f"{raw}.{key}" if raw else key, f"{canon}.{key}" if canon else key
                 )
+
+    def canonical(self, name: str) -> str:
+        """The canonical spelling of a layer name (aliases resolved)."""
+        return self.aliases.get(name, name)
 
     def name_of(self, module: nn.Module) -> str | None:
         target = unwrap(module)
@@ -102,29 +122,84 @@ class Layers:
         return out
 
     def _match(self, item: SingleSelector) -> list[str]:
+        if isinstance(item, str) or (isinstance(item, nn.Module) and unwrap(item) is self.root):
+            explicit = self._explicit(item)
+            if explicit is not None:
+                return explicit
         if isinstance(item, str):
-            name = self.aliases.get(item, item)
-            if name in self.modules:
-                return [name]
             if _GLOB_CHARS.search(item):
                 rx = _glob_regex(item)
                 hits = [n for n in self.modules if rx.fullmatch(n)]
-                return hits or [self.aliases[a] for a in self.aliases if rx.fullmatch(a)]
+                hits = hits or [self.aliases[a] for a in self.aliases if rx.fullmatch(a)]
+                return self._called(hits)
             return []
         if isinstance(item, re.Pattern):
-            return [n for n in self.modules if item.fullmatch(n)]
-        if isinstance(item, type) and issubclass(item, nn.Module):
-            return [n for n, m in self.modules.items() if isinstance(m, item)]
+            return self._called([n for n in self.modules if item.fullmatch(n)])
+        if isinstance(item, type):
+            if not issubclass(item, nn.Module):
+                raise UsageError(
+                    f"cannot select layers with the type {item.__name__}: a type selector must "
+                    "be an nn.Module subclass (e.g. nn.Conv2d)"
+                )
+            return self._called([n for n, m in self.modules.items() if isinstance(m, item)])
         if isinstance(item, nn.Module):
             found = self.name_of(item)
+            if found is not None and not is_called(item):
+                raise UsageError(self._container_message(found))
             return [found] if found is not None else []
         if callable(item):
-            call = _predicate(item)
-            return [n for n, m in self.modules.items() if call(n, m)]
-        raise TypeError(
+            return self._called(self._predicate_hits(item))
+        raise UsageError(
             f"cannot select layers with {item!r} ({type(item).__name__}): use a name or glob "
             "string, a compiled regex, a module type, a module object or a predicate"
         )
+
+    def _explicit(self, item: str | nn.Module) -> list[str] | None:
+        """An exact name (or the root module object); None for anything else."""
+        if isinstance(item, nn.Module) or item == "":
+            raise UsageError(
+                f"the model itself ({type(self.root).__name__}, the root module) is not a "
+                "layer: its output is what model(...) returns. Select one of its layers "
+                "(list them with hookscope.names(model))."
+            )
+        name = self.canonical(item)
+        if name not in self.modules:
+            return None
+        if not is_called(self.modules[name]):
+            raise UsageError(self._container_message(name))
+        return [name]
+
+    def _container_message(self, name: str) -> str:
+        module = self.modules[name]
+        kids = [f"{name}.{k}" for k in module._modules][:3]
+        return (
+            f"{name!r} is a {type(module).__name__}, a container that is never called itself, "
+            f"so it has no inputs or outputs to capture. Select its children instead "
+            f"({', '.join(map(repr, kids))}, ... or the glob '{name}.*')."
+        )
+
+    def _called(self, hits: list[str]) -> list[str]:
+        return [n for n in hits if is_called(self.modules[n])]
+
+    def _predicate_hits(self, fn: Callable[..., Any]) -> list[str]:
+        call = _predicate(fn)
+        hits = []
+        for name, module in self.modules.items():
+            try:
+                if call(name, module):
+                    hits.append(name)
+            except Exception as e:
+                raise UsageError(
+                    f"the layer predicate {getattr(fn, '__name__', fn)!r} raised "
+                    f"{type(e).__name__}: {e} on layer {name!r} ({type(module).__name__})"
+                ) from e
+        return hits
+
+    def miss_message(self, name: str, what: str) -> str:
+        """Message for a name that is not among ``what`` (e.g. a capture's layers)."""
+        close = difflib.get_close_matches(name, list(self.modules), n=5, cutoff=0.5)
+        hint = f" Closest names: {', '.join(map(repr, close))}." if close else ""
+        return f"{name!r} is not one of {what}.{hint}"
 
     def _miss_message(self, item: SingleSelector) -> str:
         model = type(self.root).__name__
@@ -212,7 +287,9 @@ def names(model: nn.Module, select: LayerSelector | None = None) -> dict[str, st
     """The selectable layers of ``model``: dotted name -> module type name.
 
     Names are those of ``named_modules()`` on the unwrapped model, so they are the same for
-    ``model``, ``nn.DataParallel(model)`` and ``torch.compile(model)``.
+    ``model``, ``nn.DataParallel(model)`` and ``torch.compile(model)``. Containers that are
+    never called (``nn.ModuleList``, ``nn.ModuleDict``) are listed, since their names prefix
+    their children's, but cannot be captured themselves.
 
     Args:
         model: any ``nn.Module``, wrapped or not.

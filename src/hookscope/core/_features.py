@@ -8,12 +8,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..errors import CaptureError
 from ._capture import Capture
 from ._lifetime import training_mode
-from ._naming import Layers, unwrap
+from ._naming import Layers
 from ._records import LayerRecord
 from ._types import CopyMode, LayerSelector, Reduce
-from .errors import CaptureError
 
 __all__ = ["FeatureExtractor", "features"]
 
@@ -84,7 +84,7 @@ def features(
         torch.Size([2, 4])
     """
     cap = Capture(model, layers, stop=stop, reduce=reduce, device=device, recompile=recompile)
-    with training_mode(model, train, unwrap(model)), torch.no_grad(), cap:
+    with training_mode(model, train), torch.no_grad(), cap:
         call_model(model, inputs)
     return {name: _one_value(record) for name, record in cap.records.items()}
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, TypeAlias
 
 from torch import Tensor, nn
@@ -17,23 +17,29 @@ SingleSelector: TypeAlias = (
 #: A single selector or a list mixing them; the union of their matches, in first-seen order.
 LayerSelector: TypeAlias = "SingleSelector | Sequence[SingleSelector]"
 
-#: A position in a nested output: an index, a key / attribute name, or a tuple of those.
-PathKey: TypeAlias = "int | str"
+#: A position in a nested output: an index, a key (any hashable dict key) or attribute name,
+#: or a tuple of those.
+PathKey: TypeAlias = Hashable
 Path: TypeAlias = "tuple[PathKey, ...]"
 PathLike: TypeAlias = "PathKey | Path | None"
 
 #: Tensor -> tensor function applied to captured tensors at capture time.
-ReduceFn: TypeAlias = Callable[[Tensor], Tensor]
+ReduceFn: TypeAlias = Callable[[Tensor], Any]
 Reduce: TypeAlias = "Literal['spatial_mean', 'token_mean', 'batch_mean'] | ReduceFn"
 
 CopyMode: TypeAlias = Literal["clone", "reference"]
 Keep: TypeAlias = "Literal['pass', 'all', 'last'] | int"
+
+#: Where an edit applies: the output, an input, the gradient w.r.t. the output, or the
+#: gradient w.r.t. an input flowing through the layer.
+EditTarget: TypeAlias = Literal["output", "input", "grad", "input_grad"]
 
 #: A module's inputs bound to its ``forward`` signature, by parameter name.
 Inputs: TypeAlias = "dict[str, Any]"
 
 __all__ = [
     "CopyMode",
+    "EditTarget",
     "Inputs",
     "Keep",
     "LayerSelector",

@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from types import TracebackType
 
+import torch
 from torch import Tensor
 
-from ._capture import why_no_grad
+from ..errors import GradientUnavailableError, UsageError
 from ._edit import call_checked
 from ._lifetime import HookSet
-from .errors import GradientUnavailableError
 
 __all__ = ["GradHook", "grad_of", "on_grad"]
 
@@ -23,17 +23,18 @@ class GradHook:
     """
 
     def __init__(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None] | None) -> None:
+        if not isinstance(tensor, Tensor):
+            raise UsageError(f"expected a tensor, got {type(tensor).__name__}")
         if not tensor.requires_grad:
             raise GradientUnavailableError(
-                f"this {tuple(tensor.shape)} tensor will never have a gradient: {why_no_grad()}"
-                if tensor.grad_fn is None
-                else "tensor does not require grad"
+                f"this {tuple(tensor.shape)} tensor will never have a gradient: "
+                + _why_not_requires_grad(tensor)
             )
         self._fn = fn
         self._grad: Tensor | None = None
         self.count = 0
-        self._hooks = HookSet(None)
-        self._hooks.tensor(tensor, self._on_grad, always_keep=True)
+        self._hooks = HookSet()
+        self._hooks.tensor(tensor, self._on_grad)
 
     def _on_grad(self, grad: Tensor) -> Tensor | None:
         self.count += 1
@@ -63,6 +64,20 @@ class GradHook:
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.remove()
+
+
+def _why_not_requires_grad(t: Tensor) -> str:
+    if t.is_inference():
+        return "it was made under torch.inference_mode()"
+    if not (t.is_floating_point() or t.is_complex()):
+        return f"it is a {t.dtype} tensor; only floating-point tensors have gradients"
+    if not torch.is_grad_enabled():
+        return "gradients are disabled here (torch.no_grad()); make it with gradients enabled"
+    return (
+        "it does not require grad: it was made under torch.no_grad(), or .detach()ed, or only "
+        "from tensors that do not require grad. Make it with gradients enabled from a tensor "
+        "that requires grad, or call .requires_grad_() on a leaf."
+    )
 
 
 def grad_of(tensor: Tensor) -> GradHook:

@@ -1,7 +1,8 @@
 """Walk nested module inputs and outputs as trees whose leaves are tensors.
 
-Containers: tuple, list, namedtuple, dict (any Mapping with a plain constructor, Hugging Face
-``ModelOutput`` included) and dataclasses. Anything else is an opaque leaf kept as is.
+Containers: tuple, list, namedtuple, dict (any Mapping with a plain constructor and any
+hashable keys: strings, ints, tuples, enums; Hugging Face ``ModelOutput`` included) and
+dataclasses. Anything else is an opaque leaf kept as is.
 
 hookscope walks trees itself rather than through ``torch.utils._pytree`` because user
 dataclasses are not registered there, and registering them would change global state that
@@ -28,7 +29,7 @@ def _children(obj: Any) -> list[tuple[PathKey, Any]] | None:
     if isinstance(obj, (tuple, list)):
         return list(enumerate(obj))
     if isinstance(obj, Mapping):
-        return [(k, v) for k, v in obj.items() if isinstance(k, (str, int))]
+        return list(obj.items())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
     return None
@@ -132,5 +133,5 @@ def describe(obj: Any, depth: int = 0) -> str:
 
 
 def path_str(path: Path) -> str:
-    """``(0, "logits")`` -> ``[0].logits``, for messages."""
-    return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path)
+    """``(0, "logits", ("a", 1))`` -> ``[0].logits[('a', 1)]``, for messages."""
+    return "".join(f".{k}" if isinstance(k, str) and k.isidentifier() else f"[{k!r}]" for k in path)

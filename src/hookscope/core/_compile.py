@@ -5,8 +5,14 @@ after that are silently ignored: dynamo does not guard on module hooks by defaul
 (``torch._dynamo.config.skip_nnmodule_hook_guards``; pytorch/pytorch#117758). hookscope
 detects a compiled model that already ran by the dynamo cache entries on its ``forward``
 code and then either raises :class:`CompiledModelError` (default) or, with
-``recompile=True``, drops those cache entries and turns hook guards on for the session, so
-the next call recompiles with the hooks (and once more after they are removed).
+``recompile=True``, makes compiled code run eagerly while the session is open
+(``torch.compiler.set_stance("force_eager")``, process-wide and reference-counted), so the
+hooks see every call. No compiled code is dropped: after the last such session closes, the
+model (and every other compiled model) runs its cached compiled code again.
+
+On torch releases without ``set_stance`` (before 2.6), ``recompile=True`` drops the cache
+entries of the model's forward code and turns dynamo's hook guards on while open, so the
+next call recompiles with the hooks.
 """
 
 from __future__ import annotations
@@ -14,15 +20,18 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from typing import Any
 
+import torch
 from torch import nn
 
-from .errors import CompiledModelError
+from ..errors import CompiledModelError
+from ._lifetime import Shared
 
-__all__ = ["compile_guard"]
+__all__ = ["compile_guard", "is_compiled"]
 
 
-def _is_compiled(model: nn.Module) -> bool:
+def is_compiled(model: nn.Module) -> bool:
     return any(
         type(m).__name__ == "OptimizedModule" or m.__dict__.get("_compiled_call_impl") is not None
         for m in model.modules()
@@ -55,25 +64,61 @@ def _compiled_codes(model: nn.Module) -> list[types.CodeType]:
     return [c for c in _candidate_codes(model) if _debug_get_cache_entry_list(c)]
 
 
+def _force_eager() -> Any:
+    from torch._dynamo import eval_frame
+
+    return eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))  # the prior stance
+
+
+def _restore_stance(prior: Any) -> None:
+    from torch._dynamo import eval_frame
+
+    eval_frame._set_stance(prior)
+
+
+def _hook_guards_on() -> Any:
+    import torch._dynamo
+
+    saved = torch._dynamo.config.skip_nnmodule_hook_guards
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    return saved
+
+
+def _hook_guards_restore(saved: Any) -> None:
+    torch._dynamo.config.skip_nnmodule_hook_guards = saved
+
+
+_HAS_STANCE = hasattr(torch.compiler, "set_stance")
+#: Compiled code runs eagerly while a recompile=True session is open (see the docstring).
+EAGER = Shared(_force_eager, _restore_stance)
+_GUARDS = Shared(_hook_guards_on, _hook_guards_restore)  # torch < 2.6 only
+
+
 @contextlib.contextmanager
 def compile_guard(model: nn.Module, *, recompile: bool) -> Iterator[None]:
     """Context in which hooks added to ``model`` take effect even if it is compiled."""
-    if not _is_compiled(model):
+    if not is_compiled(model):
         yield
         return
-    import torch._dynamo
-
     ran = _compiled_codes(model)
-    if ran and not recompile:
+    if not ran:
+        yield
+        return
+    if not recompile:
         raise CompiledModelError(
             f"{type(model).__name__} is compiled with torch.compile and its compiled code has "
             "already run (for this model, or for another instance of the same class: dynamo "
             "shares compiled code between instances), so hooks added now would be silently "
-            "ignored (pytorch/pytorch#117758). Fix: pass "
-            "recompile=True (hookscope then recompiles it with the hooks, and again after), "
-            "or add hooks before the first compiled call, or call torch._dynamo.reset()."
+            "ignored (pytorch/pytorch#117758). Fix: pass recompile=True (hookscope then runs "
+            "compiled code eagerly while it is open), or add hooks before the first compiled "
+            "call, or call torch._dynamo.reset()."
         )
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
-        for code in ran:
-            torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
+    shared = EAGER if _HAS_STANCE else _GUARDS
+    shared.acquire()
+    try:
+        if shared is _GUARDS:  # pragma: no cover - torch < 2.6
+            for code in ran:
+                torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
         yield
+    finally:
+        shared.release()

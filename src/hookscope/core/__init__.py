@@ -1,0 +1,65 @@
+"""The engine every capability builds on: naming, hook lifetime, capture, edit, gradients.
+
+Capabilities (``look``, ``diagnose``, ``explain``, ``extract``) import from here, never from
+each other's private modules. The public API is re-exported flat from ``hookscope``.
+"""
+
+from ._autograd import can_have_grad, recomputing, why_no_grad
+from ._capture import Capture, StopForward, capture
+from ._edit import (
+    Edit,
+    EditContext,
+    ablate,
+    add,
+    clip_grad,
+    mean_ablate,
+    patch,
+    replace,
+    scale,
+    transform,
+)
+from ._editor import Editor, edit
+from ._features import FeatureExtractor, call_model, features
+from ._grad import GradHook, grad_of, on_grad
+from ._lifetime import HookSet, training_mode
+from ._naming import Layers, names, resolve, unwrap
+from ._records import Call, LayerRecord
+from ._tree import describe, leaves, map_tensors
+
+__all__ = [
+    "Call",
+    "Capture",
+    "Edit",
+    "EditContext",
+    "Editor",
+    "FeatureExtractor",
+    "GradHook",
+    "HookSet",
+    "LayerRecord",
+    "Layers",
+    "StopForward",
+    "ablate",
+    "add",
+    "call_model",
+    "can_have_grad",
+    "capture",
+    "clip_grad",
+    "describe",
+    "edit",
+    "features",
+    "grad_of",
+    "leaves",
+    "map_tensors",
+    "mean_ablate",
+    "names",
+    "on_grad",
+    "patch",
+    "recomputing",
+    "replace",
+    "resolve",
+    "scale",
+    "training_mode",
+    "transform",
+    "unwrap",
+    "why_no_grad",
+]

@@ -1,0 +1,418 @@
+"""``capture``: record the inputs, outputs and gradients of selected layers, per call."""
+
+from __future__ import annotations
+
+import functools
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import LayerNotFoundError, UnsupportedModelError
+from . import _tree
+from ._autograd import (
+    Boundary,
+    backward_id,
+    can_have_grad,
+    queue_after_backward,
+    recomputing,
+    why_no_grad,
+)
+from ._bind import Binder
+from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
+from ._lifetime import HookSet
+from ._records import Call, LayerRecord
+from ._session import _CALL_CODES, Session, replica_error
+from ._store import Store, check_options
+from ._types import CopyMode, Inputs, Keep, LayerSelector, Path, Reduce
+
+__all__ = ["Capture", "StopForward", "capture"]
+
+_PENDING = "pending"  # a reentrant checkpoint's first run: gradients come from its replay
+
+
+class StopForward(BaseException):
+    """Raised by the last needed hook to end the forward early; caught by its own capture.
+
+    A BaseException, like KeyboardInterrupt, so ``except Exception`` in model code cannot
+    swallow it.
+    """
+
+    def __init__(self, owner: object) -> None:
+        super().__init__("hookscope stopped the forward early (stop=True)")
+        self.owner = owner
+
+
+class _Site:
+    """Per-layer state of one capture."""
+
+    __slots__ = ("binder", "done_in", "module", "name", "open", "record", "replays", "used_in")
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        self.name = name
+        self.module = module
+        self.record = LayerRecord(name, type(module).__name__)
+        self.binder: Binder | None = None  # set in open() when inputs are needed
+        self.open: list[tuple[Call, Boundary | str | None]] = []  # calls running (recursion)
+        self.replays: list[tuple[Call, Boundary] | None] = []  # replayed calls running
+        self.used_in = -2  # the last pass in which this layer started a call
+        self.done_in = -2  # the last pass in which it finished one (for stop=True)
+
+
+class Capture(Session):
+    """Record selected layers' outputs (and inputs, gradients) for every call.
+
+    Use as a context manager; hooks exist only inside the ``with`` block and are removed on
+    every exit path (tensor and graph hooks included: a backward after the block records
+    nothing). Records stay readable afterwards. Re-entering an open capture nests.
+
+    Args:
+        model: the model; DataParallel / DDP / torch.compile wrappers are seen through.
+        layers: names, globs (``"encoder.layer.*.output"``; ``*`` stays within a dotted
+            segment, ``**`` crosses dots), compiled regexes (full match), module types,
+            module objects, predicates, or a list mixing them.
+        inputs: also record each call's inputs, bound to ``forward``'s parameter names.
+        grads: also record gradients w.r.t. outputs and inputs, read from the autograd graph
+            (see the README, "Gradients"): nothing the model computes changes.
+        copy: ``"clone"`` (default) stores detached copies; ``"reference"`` stores the live
+            tensors (no copy) and raises StaleCaptureError on read if they were changed
+            in place later. Inference tensors, which carry no version counter, are copied.
+        device: move captured tensors there (CUDA -> CPU goes to pinned memory, non-blocking;
+            reading a value waits for its copy).
+        reduce: applied to each captured floating-point tensor at capture time:
+            ``"spatial_mean"`` (N, C, ...) -> (N, C), ``"token_mean"`` (N, T, D) -> (N, D),
+            ``"batch_mean"``, or any function (a Python number it returns becomes a 0-d
+            tensor). Built-in reductions keep integer tensors (token ids, masks) as they are.
+        keep: which calls to keep: ``"pass"`` (default: every call of the latest forward),
+            ``"all"``, ``"last"``, or an int N (ring of the last N calls).
+        max_bytes: raise CaptureBudgetError before the stored bytes would exceed this.
+        stop: end the forward as soon as every selected layer has run (in execution order);
+            the ``with`` block then exits quietly.
+        detach: ``False`` keeps captured values attached to the autograd graph (a
+            differentiable clone), e.g. for feature losses in training.
+        recompile: allow hooking a ``torch.compile``d model that already ran, by running
+            compiled code eagerly while open (otherwise CompiledModelError).
+
+    ``cap["layer"]`` is then a :class:`LayerRecord`; ``cap.nbytes`` is the bytes held.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 1))
+        >>> with hs.capture(model, "0") as cap:
+        ...     _ = model(torch.ones(2, 3))
+        >>> cap["0"].output.shape
+        torch.Size([2, 4])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: LayerSelector,
+        *,
+        inputs: bool = False,
+        grads: bool = False,
+        copy: CopyMode = "clone",
+        device: torch.device | str | None = None,
+        reduce: Reduce | None = None,
+        keep: Keep = "pass",
+        max_bytes: int | None = None,
+        stop: bool = False,
+        detach: bool = True,
+        recompile: bool = False,
+    ) -> None:
+        check_options(copy, keep, max_bytes, reduce, stop, grads)
+        super().__init__(model, recompile=recompile)
+        self._sites = {n: _Site(n, m) for n, m in self._layers.select(layers).items()}
+        self.records: dict[str, LayerRecord] = {n: s.record for n, s in self._sites.items()}
+        self._inputs, self._grads = inputs, grads
+        self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
+        self._per_pass = keep == "pass"
+        self._stop = stop
+        self._store = Store(
+            copy=copy,
+            device=torch.device(device) if device is not None else None,
+            reduce=reduce,
+            detach=detach,
+            max_bytes=max_bytes,
+        )
+        self._pass = -1
+        self._remaining = len(self._sites)  # layers still to run in this pass (stop=True)
+        self._used: list[_Site] = []  # layers that ran in this pass: only they need resetting
+        self._last_done: str | None = None
+        self._replay = Replay()
+        self._sums: dict[tuple[Call, Path], Tensor] = {}  # input grads, this backward
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor this capture holds (outputs, inputs, gradients)."""
+        return self._store.nbytes
+
+    # -- lifetime -----------------------------------------------------------------------
+    def _install(self, hooks: HookSet) -> None:
+        self._store.closed = False
+        for site in self._sites.values():
+            if self._inputs or self._grads:
+                site.binder = Binder(site.module)
+                pre = functools.partial(self._on_input, site)
+                hooks.forward_pre(site.module, pre, with_kwargs=True)
+            hooks.forward(site.module, functools.partial(self._on_output, site))
+
+    def _closed(self) -> None:
+        self._store.closed = True
+        for site in self._sites.values():
+            self._drop_open(site)
+
+    def open(self) -> Capture:
+        """Install the hooks (``with`` does this); pair with :meth:`close`."""
+        opened: Capture = super().open()
+        return opened
+
+    def __enter__(self) -> Capture:
+        opened: Capture = super().__enter__()
+        return opened
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        super().__exit__(et, ev, tb)
+        if isinstance(ev, StopForward) and ev.owner is self:
+            return True
+        if isinstance(ev, Exception) and _raised_in_a_module(tb):
+            done = f"'{self._last_done}'" if self._last_done else "none"
+            ev.add_note(
+                f"hookscope: raised inside the model's forward; the last layer this capture "
+                f"saw finish was {done}"
+            )
+        return False
+
+    # -- reading ------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> LayerRecord:
+        record = self.records.get(self._layers.canonical(name))
+        if record is None:
+            raise LayerNotFoundError(
+                self._layers.miss_message(name, f"this capture's layers {list(self.records)}")
+            )
+        return record
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._layers.canonical(name) in self.records
+
+    def __iter__(self) -> Any:
+        return iter(self.records)
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def keys(self) -> list[str]:
+        return list(self.records)
+
+    def __repr__(self) -> str:
+        calls = sum(len(r) for r in self.records.values())
+        state = "open" if self._hooks is not None else "closed"
+        return (
+            f"Capture({len(self.records)} layers, {calls} calls kept, "
+            f"{self.nbytes / 2**20:.1f} MiB, {state})"
+        )
+
+    # -- passes and calls -----------------------------------------------------------------
+    def _new_pass(self) -> None:
+        # Runs once per forward: touch only the layers the last pass used, not every site.
+        self._pass += 1
+        self._remaining = len(self._sites)
+        for site in self._used:
+            self._drop_open(site)  # left over only if that forward was interrupted
+            if self._per_pass:
+                site.record.evict(len(site.record.calls))
+        self._used.clear()
+
+    def _drop_open(self, site: _Site) -> None:
+        for call, _ in site.open:
+            call.evict()
+        site.open.clear()
+        site.replays.clear()
+
+    def _new_call(self, site: _Site) -> Call:
+        if site.used_in != self._pass:
+            site.used_in = self._pass
+            self._used.append(site)
+        limit = self._ring
+        if limit is not None and len(site.record.calls) >= limit:  # make room first, so the
+            site.record.evict(len(site.record.calls) - limit + 1)  # budget sees it
+        return Call(site.name, self._pass, self._store)
+
+    def _add(self, site: _Site, call: Call) -> None:
+        record = site.record
+        call.index = record.count
+        record.count += 1
+        record.calls.append(call)
+        if self._ring is not None and len(record.calls) > self._ring:  # nested calls
+            record.evict(len(record.calls) - self._ring)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _on_input(
+        self, site: _Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if module is not site.module:
+            raise replica_error(module)
+        if recomputing():
+            return self._replayed_input(site, args, kwargs)
+        _check_not_transformed(site.name)
+        call = self._new_call(site)
+        assert site.binder is not None
+        bound = site.binder.bind(args, kwargs)
+        site.open.append((call, None))  # first: if storing raises, closing refunds it
+        if self._inputs:
+            call.set_inputs(bound)
+        if not self._grads:
+            return None
+        call.expect_grads(None if self._inputs else bound)
+        boundary = self._boundary(site, call, bound)
+        site.open[-1] = (call, boundary)
+        if isinstance(boundary, Boundary) and boundary.inputs is not bound:
+            return site.binder.unbind(args, kwargs, boundary.inputs)
+        return None
+
+    def _boundary(self, site: _Site, call: Call, bound: Inputs) -> Boundary | str | None:
+        """Start watching a call's gradients; a string says why no gradient can exist."""
+        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            boundary = Boundary(bound)
+            for path, t in _tree.leaves(bound):
+                if not t.requires_grad:
+                    call.no_grad(("input", *path), _why(t))
+            return boundary
+        if maybe_in_segment():
+            _, _, first_runs = find_segments()
+            if any(kind == REENTRANT for _, kind in first_runs):
+                self._replay.note([key for key, _ in first_runs], site.name, call)
+                return _PENDING
+        why = why_no_grad()
+        for path, _ in _tree.leaves(bound):
+            call.no_grad(("input", *path), why)
+        return why
+
+    def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if module is not site.module:
+            raise replica_error(module)
+        if recomputing():
+            return self._replayed_output(site, output)
+        if site.open:
+            call, boundary = site.open.pop()
+        else:
+            _check_not_transformed(site.name)
+            call, boundary = self._new_call(site), None
+        call.set_output(output)
+        new_output = None
+        if self._grads:
+            new_output = self._watch(call, boundary, output)
+        self._add(site, call)
+        self._last_done = site.name
+        if self._stop and site.done_in != self._pass:
+            site.done_in = self._pass
+            self._remaining -= 1
+            if not self._remaining:
+                raise StopForward(self)
+        return new_output
+
+    # -- gradients ------------------------------------------------------------------------
+    def _watch(self, call: Call, boundary: Boundary | str | None, output: Any) -> Any:
+        """Hook the gradients of a finished call; return a new output if stand-ins were
+        needed (see ``_autograd``), else None."""
+        if not isinstance(boundary, Boundary):
+            if boundary != _PENDING:
+                why = boundary or why_no_grad()
+                for path, t in _tree.leaves(output):
+                    call.no_grad(("output", *path), why if can_have_grad(t) else _why(t))
+            return None
+        for path, t in _tree.leaves(output):
+            if not t.requires_grad:
+                call.no_grad(("output", *path), _why(t))
+        new_output, hook_on, consumers = boundary.finish(output)
+        hooks = self._hooks
+        assert hooks is not None
+        for path, t in hook_on:
+            hooks.tensor(t, functools.partial(call.set_grad, ("output", *path)))
+        by_node: dict[Any, list[tuple[int, Path]]] = {}
+        for path, pairs in consumers.items():
+            for node, slot in pairs:
+                by_node.setdefault(node, []).append((slot, ("input", *path)))
+        for node, slots in by_node.items():
+            hooks.node(node, functools.partial(self._on_input_grad, call, slots))
+        for path in boundary.input_paths():
+            if path not in consumers:
+                call.no_grad(("input", *path), "the layer's output does not depend on it")
+        return new_output if new_output is not output else None
+
+    def _on_input_grad(
+        self, call: Call, slots: list[tuple[int, Path]], grad_inputs: Any, grad_outputs: Any
+    ) -> None:
+        # A layer may use an input several times: sum what each use sends back, and store
+        # the sum once this backward is over.
+        if not self._sums:
+            queue_after_backward(self._flush_input_grads)
+        for slot, key in slots:
+            g = grad_inputs[slot]
+            if g is not None:
+                old = self._sums.get((call, key))
+                self._sums[call, key] = g if old is None else old + g
+
+    def _flush_input_grads(self) -> None:
+        sums, self._sums = self._sums, {}
+        for (call, key), g in sums.items():
+            call.set_grad(key, g)
+
+    def _replayed_input(
+        self, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """A checkpoint replays a call in backward: hook the replay's graph for the
+        original call's gradients if backward runs through it (reentrant checkpoint)."""
+        if not self._grads:
+            return None
+        segment, kind, first_runs = find_segments()
+        call = self._replay.find(segment, site.name, backward_id()) if kind == REENTRANT else None
+        if call is None or not torch.is_grad_enabled():
+            site.replays.append(None)
+            return None
+        self._replay.note([key for key, _ in first_runs], site.name, call)
+        assert site.binder is not None
+        bound = site.binder.bind(args, kwargs)
+        boundary = Boundary(bound)
+        site.replays.append((call, boundary))
+        if boundary.inputs is not bound:
+            return site.binder.unbind(args, kwargs, boundary.inputs)
+        return None
+
+    def _replayed_output(self, site: _Site, output: Any) -> Any:
+        entry = site.replays.pop() if site.replays else None
+        if entry is None:
+            return None
+        call, boundary = entry
+        return self._watch(call, boundary, output)
+
+
+def _why(t: Tensor) -> str:
+    if not can_have_grad(t):
+        return f"it is a {t.dtype} tensor; only floating-point tensors have gradients"
+    return why_no_grad()
+
+
+def _check_not_transformed(layer: str) -> None:
+    if torch._C._functorch.maybe_current_level() is not None:
+        raise UnsupportedModelError(
+            f"{layer!r} ran inside a torch.func transform (vmap, grad, jacrev, ...), where "
+            "tensors are per-sample wrappers that are meaningless outside it. Capture outside "
+            "the transform (e.g. run the batched model directly)."
+        )
+
+
+def _raised_in_a_module(tb: TracebackType | None) -> bool:
+    """Whether the exception passed through a module call on its way out."""
+    while tb is not None:
+        if tb.tb_frame.f_code in _CALL_CODES:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+#: ``hookscope.capture(model, layers, ...)`` builds a :class:`Capture`.
+capture = Capture

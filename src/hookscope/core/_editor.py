@@ -1,0 +1,313 @@
+"""``edit``: temporarily change what flows through selected layers.
+
+Value edits replace the layer's inputs (pre-hook) or outputs (forward hook), keeping the
+output's structure. Gradient edits hook the autograd graph:
+
+* ``on="grad"`` rewrites, with a tensor hook on the output itself, the gradient coming back
+  from downstream; a stand-in copy is used only where the graph cannot separate it (see
+  ``_autograd``);
+* ``on="input_grad"`` must see the sum of everything the layer sends back to an input before
+  it meets other uses of that input, so the layer gets a stand-in copy of the input (same
+  strides and values) whose gradient hook applies the edit. If the layer changes that input
+  in place, the change is copied back to the caller's tensor, and a returned stand-in is
+  swapped back for the original, so the model computes exactly what it would without the
+  stand-in;
+* ``param_grad`` (``clip_grad``) hooks the layer's parameters.
+
+Under activation checkpointing a replayed call gets the same edits with the same call index
+(see ``_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import EditError, UsageError
+from . import _tree
+from ._autograd import Boundary, backward_id, recomputing, stand_in, why_no_grad
+from ._bind import Binder
+from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
+from ._edit import Edit, EditContext, call_checked, paths, transform
+from ._lifetime import HookSet
+from ._session import Session, replica_error
+
+__all__ = ["Editor", "edit"]
+
+_VALUE, _GRAD = ("output", "input"), ("grad", "input_grad")
+
+
+class _Layer:
+    """One edited layer: its edits split by where they apply, and per-call state."""
+
+    __slots__ = ("binder", "module", "name", "on_in", "on_out", "open", "params", "pre")
+
+    def __init__(self, name: str, module: nn.Module, edits: list[Edit]) -> None:
+        self.name, self.module = name, module
+        self.on_in = [e for e in edits if e.on in ("input", "input_grad")]
+        self.on_out = [e for e in edits if e.on in ("output", "grad")]
+        self.params = [e for e in edits if e.on == "param_grad"]
+        # A pre-hook is needed for input edits, and to mark where the call starts for
+        # output-gradient edits (which outputs existed before the call).
+        self.pre = bool(self.on_in) or any(e.on == "grad" for e in self.on_out)
+        self.binder = Binder(module) if self.pre else None
+        #: calls between pre-hook and forward hook: (index, grads possible, boundary,
+        #: input stand-ins to mirror back as (original, stand-in, version))
+        self.open: list[tuple[int, bool, Boundary | None, list[tuple[Tensor, Tensor, int]]]] = []
+
+
+class Editor(Session):
+    """Applies edits while open; see :func:`edit`.
+
+    Attributes:
+        applied: how many times edits were applied per layer (forward edits when they run,
+            gradient edits as gradients arrive).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        edits: Mapping[Any, Edit | Callable[[Tensor], Tensor] | Sequence[Edit]],
+        *,
+        recompile: bool = False,
+    ) -> None:
+        if not isinstance(edits, Mapping):
+            raise UsageError(
+                "edits must be a dict {layer selector: edit}, e.g. {'layer1': hs.ablate()}, "
+                f"not {type(edits).__name__}"
+            )
+        super().__init__(model, recompile=recompile)
+        plan: dict[str, list[Edit]] = {}
+        for selector, value in edits.items():
+            for name in self._layers.select(selector):
+                plan.setdefault(name, []).extend(_as_edits(value))
+        self._plan = {n: _Layer(n, self._layers.modules[n], e) for n, e in plan.items()}
+        self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
+        self._calls: dict[str, int] = {}  # call index per layer in this pass
+        self._replay = Replay()
+        self._unknown: dict[tuple[str, int], int] = {}  # replays of unknown checkpoints
+
+    def open(self) -> Editor:
+        """Install the edits (``with`` does this); pair with :meth:`close`."""
+        opened: Editor = super().open()
+        return opened
+
+    def __enter__(self) -> Editor:
+        opened: Editor = super().__enter__()
+        return opened
+
+    def _new_pass(self) -> None:
+        self._calls.clear()
+        for layer in self._plan.values():
+            layer.open.clear()
+
+    def _install(self, hooks: HookSet) -> None:
+        for layer in self._plan.values():
+            if layer.pre:
+                pre = functools.partial(self._pre, layer)
+                hooks.forward_pre(layer.module, pre, with_kwargs=True)
+            if layer.on_out or layer.pre:
+                hooks.forward(layer.module, functools.partial(self._post, layer))
+            for edit in layer.params:
+                for pname, param in layer.module.named_parameters():
+                    if param.requires_grad:
+                        ctx = EditContext(layer.name, 0, (pname,))
+                        hooks.tensor(param, functools.partial(self._grad, edit, ctx))
+
+    # -- call indices ---------------------------------------------------------------------------
+    def _index(self, layer: _Layer) -> tuple[int, bool]:
+        """This call's index in the pass, and whether gradient edits can apply to it. A
+        checkpoint's replay gets the index of the call it replays."""
+        if recomputing():
+            segment, kind, first_runs = find_segments()
+            index = self._replay.find(segment, layer.name, backward_id())
+            if index is None:  # an unknown replay: count replays of this layer instead
+                key = (layer.name, backward_id())
+                index = self._unknown.get(key, 0)
+                self._unknown[key] = index + 1
+            self._replay.note([k for k, _ in first_runs], layer.name, index)
+            return index, kind == REENTRANT and torch.is_grad_enabled()
+        index = self._calls.get(layer.name, 0)
+        self._calls[layer.name] = index + 1
+        grads = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if maybe_in_segment():
+            _, _, first_runs = find_segments()
+            self._replay.note([k for k, _ in first_runs], layer.name, index)
+            if not grads and any(kind == REENTRANT for _, kind in first_runs):
+                return index, False  # gradients come with the replay in backward
+        if not grads and any(e.on in _GRAD for e in layer.on_in + layer.on_out):
+            raise EditError(
+                f"cannot edit the gradient of {layer.name!r}: there is none, because "
+                f"{why_no_grad()}"
+            )
+        return index, grads
+
+    # -- hooks --------------------------------------------------------------------------------
+    def _pre(
+        self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if module is not layer.module:
+            raise replica_error(module)
+        index, grads = self._index(layer)
+        assert layer.binder is not None
+        bound = layer.binder.bind(args, kwargs)
+        new: Any = bound
+        mirror: list[tuple[Tensor, Tensor, int]] = []
+        for edit in layer.on_in:
+            if edit.on == "input":
+                new = self._apply(edit, new, layer.name, index, first_input=True)
+            elif grads:
+                new = self._stand_in_inputs(edit, new, layer.name, index, mirror)
+        boundary = Boundary({}) if grads and any(e.on == "grad" for e in layer.on_out) else None
+        layer.open.append((index, grads, boundary, mirror))
+        return None if new is bound else layer.binder.unbind(args, kwargs, new)
+
+    def _post(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if module is not layer.module:
+            raise replica_error(module)
+        if layer.open:
+            index, grads, boundary, mirror = layer.open.pop()
+        else:
+            (index, grads), boundary, mirror = self._index(layer), None, []
+        new = _mirror_back(output, mirror) if mirror else output
+        for edit in layer.on_out:
+            if edit.on == "output":
+                new = self._apply(edit, new, layer.name, index, first_input=False)
+            elif grads and boundary is not None:
+                new = self._edit_output_grad(edit, new, layer.name, index, boundary)
+        return None if new is output else new
+
+    def _apply(self, edit: Edit, tree: Any, name: str, index: int, first_input: bool) -> Any:
+        for path in paths(edit, tree, name, first_input):
+            old = _tensor_at(edit, tree, name, path)
+            ctx = EditContext(name, index, path)
+            where = f"edit {edit.name!r} on {name!r} {edit.on}{_tree.path_str(path)}"
+            new = call_checked(
+                _with_context(edit, ctx),
+                old,
+                where,
+                grad=False,
+                allow_shape_change=edit.allow_shape_change,
+            )
+            if not recomputing():
+                self.applied[name] += 1
+            tree = _tree.replace_at(tree, path, new)
+        return tree
+
+    def _edit_output_grad(
+        self, edit: Edit, output: Any, name: str, index: int, boundary: Boundary
+    ) -> Any:
+        output, hook_on, _ = boundary.finish(output, inputs=False)
+        targets = set(paths(edit, output, name, first_input=False))
+        for path, t in hook_on:
+            if path in targets:
+                self._hook(t, edit, EditContext(name, index, path))
+        for path in targets - {p for p, _ in hook_on}:
+            _needs_grad(_tensor_at(edit, output, name, path), edit, name, path)
+        return output
+
+    def _stand_in_inputs(
+        self, edit: Edit, bound: Any, name: str, index: int, mirror: list[Any]
+    ) -> Any:
+        for path in paths(edit, bound, name, first_input=True):
+            x = _tensor_at(edit, bound, name, path)
+            _needs_grad(x, edit, name, path)
+            s = stand_in(x)
+            mirror.append((x, s, s._version))
+            self._hook(s, edit, EditContext(name, index, path))
+            bound = _tree.replace_at(bound, path, s)
+        return bound
+
+    def _hook(self, t: Tensor, edit: Edit, ctx: EditContext) -> None:
+        assert self._hooks is not None
+        self._hooks.tensor(t, functools.partial(self._grad, edit, ctx))
+
+    def _grad(self, edit: Edit, ctx: EditContext, grad: Tensor) -> Tensor:
+        self.applied[ctx.layer] += 1
+        where = f"edit {edit.name!r} on {ctx.layer!r} {edit.on}{_tree.path_str(ctx.path)}"
+        new = call_checked(_with_context(edit, ctx), grad, where, grad=True)
+        assert new is not None
+        return new
+
+
+def _with_context(edit: Edit, ctx: EditContext) -> Callable[[Tensor], Tensor]:
+    return lambda t: edit.fn(t, ctx)
+
+
+def _mirror_back(output: Any, mirror: list[tuple[Tensor, Tensor, int]]) -> Any:
+    """Undo the input stand-ins' side effects: in-place changes the layer made to a stand-in
+    are copied to the caller's tensor, and a returned stand-in is the caller's tensor again."""
+    swap = {}
+    for x, s, version in mirror:
+        if s._version != version:
+            x.copy_(s)
+            swap[id(s)] = x
+    if not swap:
+        return output
+    return _tree.map_tensors(lambda p, t: swap.get(id(t), t), output)
+
+
+def _tensor_at(edit: Edit, tree: Any, name: str, path: Any) -> Tensor:
+    value = _tree.get(tree, path)
+    if not isinstance(value, Tensor):
+        raise EditError(
+            f"edit {edit.name!r} on {name!r}: {edit.on}{_tree.path_str(path)} is "
+            f"{type(value).__name__}, not a tensor"
+        )
+    return value
+
+
+def _needs_grad(t: Tensor, edit: Edit, name: str, path: Any) -> None:
+    if not t.requires_grad:
+        raise EditError(
+            f"cannot edit the gradient of {name!r} {edit.on}{_tree.path_str(path)}: it has no "
+            f"gradient because {why_no_grad()}"
+        )
+
+
+def _as_edits(value: Any) -> list[Edit]:
+    if isinstance(value, Edit):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [e for v in value for e in _as_edits(v)]
+    if callable(value):
+        return [transform(value)]
+    raise UsageError(
+        f"cannot edit with {value!r}: give an Edit (hookscope.scale(...), ablate(), ...), a "
+        "function tensor -> tensor, or a list of them"
+    )
+
+
+def edit(
+    model: nn.Module,
+    edits: Mapping[Any, Edit | Callable[[Tensor], Tensor] | Sequence[Edit]],
+    *,
+    recompile: bool = False,
+) -> Editor:
+    """Temporarily edit layers' outputs, inputs or gradients.
+
+    Args:
+        model: the model (wrappers are seen through).
+        edits: ``{selector: edit}``; an edit is an :class:`Edit` (``hookscope.ablate()``,
+            ``scale(k)``, ``add(v)``, ``replace(v)``, ``mean_ablate()``, ``patch(cap)``,
+            ``transform(fn)``, ``clip_grad(...)``), a plain function tensor -> tensor (applied
+            to the output), or a list of them (applied in order).
+        recompile: see :func:`capture`.
+
+    Returns:
+        An :class:`Editor`, a context manager; edits apply only inside the ``with`` block
+        (gradient edits only to backward passes run inside it).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> with hs.edit(model, {"1": hs.ablate()}):
+        ...     out = model(torch.ones(2, 3))
+        >>> torch.equal(out, model[2].bias.expand(2, 1))
+        True
+    """
+    return Editor(model, edits, recompile=recompile)

@@ -1,0 +1,197 @@
+"""Every way hookscope touches a model, or the process, goes through this module.
+
+Hooks. No other module calls ``register_*_hook``. A :class:`HookSet` keeps the
+``RemovableHandle`` of every hook it adds and removes them all, newest first, in
+:meth:`HookSet.close`, which is idempotent and runs from ``finally`` / ``__exit__`` on every
+exit path (never ``__del__``). hookscope registers only:
+
+* forward pre-hooks and forward hooks on the selected modules and on the model's root;
+* tensor hooks (``Tensor.register_hook``) on tensors crossing those modules' boundaries, and
+  on the selected modules' parameters for gradient clipping;
+* post-hooks on autograd nodes created inside a selected module's call (the nodes that send
+  gradient to its inputs, see ``_autograd``).
+
+Tensor and node hooks are removed on close like module hooks, so a backward that runs after
+the session ended sees none of them. It never uses module backward hooks: the legacy
+``register_backward_hook`` reports the last op's gradients, and ``register_full_backward_hook``
+fails when a later in-place op touches the module's output and skips dict outputs
+(pytorch/pytorch#61519, #87540).
+
+Process-global effects, each reference-counted (made by the first session that needs it,
+undone exactly by the last one to close, whatever the order):
+
+* ``nn.Module.__getstate__`` is wrapped while any session is open, so that ``copy.deepcopy``,
+  ``pickle`` and ``torch.save`` of a hooked model work and the copy carries none of
+  hookscope's hooks (the user's own hooks are copied as PyTorch always does);
+* ``torch._dynamo.config.skip_nnmodule_hook_guards`` is set to ``False`` while a session
+  with ``recompile=True`` is open (see ``_compile``).
+
+Module hooks live in the module's hook dicts, which PyTorch shares between every thread that
+calls the module: a capture also records calls other threads make while it is open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["HookSet", "Shared", "training_mode"]
+
+#: Handle ids of module hooks hookscope holds right now (dropped from pickled state).
+_MODULE_HOOK_IDS: set[int] = set()
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
+
+
+class Shared:
+    """A process-global change, made by the first :meth:`acquire` and undone by the last
+    :meth:`release`, so overlapping sessions closing in any order restore it exactly."""
+
+    def __init__(self, apply: Callable[[], Any], undo: Callable[[Any], None]) -> None:
+        self._apply, self._undo = apply, undo
+        self._count = 0
+        self._saved: Any = None
+
+    def acquire(self) -> None:
+        if self._count == 0:
+            self._saved = self._apply()
+        self._count += 1
+
+    def release(self) -> None:
+        self._count -= 1
+        if self._count == 0:
+            self._undo(self._saved)
+            self._saved = None
+
+
+def _getstate_without_our_hooks(original: Callable[[nn.Module], dict[str, Any]]) -> Any:
+    def __getstate__(self: nn.Module) -> dict[str, Any]:
+        state = original(self)
+        for key in _HOOK_DICTS:
+            hooks = state.get(key)
+            if hooks and not _MODULE_HOOK_IDS.isdisjoint(hooks):
+                state[key] = OrderedDict(
+                    (k, v) for k, v in hooks.items() if k not in _MODULE_HOOK_IDS
+                )
+        return state
+
+    __getstate__._hookscope = True  # type: ignore[attr-defined]
+    return __getstate__
+
+
+def _wrap_getstate() -> Any:
+    original = nn.Module.__dict__["__getstate__"]
+    nn.Module.__getstate__ = _getstate_without_our_hooks(original)  # type: ignore[method-assign]
+    return original
+
+
+def _unwrap_getstate(original: Any) -> None:
+    current = nn.Module.__dict__.get("__getstate__")
+    if getattr(current, "_hookscope", False):  # leave it if someone wrapped it after us
+        nn.Module.__getstate__ = original  # type: ignore[method-assign]
+
+
+#: Copies of a hooked model carry none of hookscope's hooks (see the module docstring).
+CLEAN_COPIES = Shared(_wrap_getstate, _unwrap_getstate)
+
+
+class HookSet:
+    """The hooks one hookscope session added, removed together on :meth:`close`."""
+
+    __slots__ = ("_eager", "_handles", "_module_ids", "_prune_at")
+
+    def __init__(self, *, eager: bool = False) -> None:
+        #: run module hooks outside torch.compile graphs (a graph break around each hook):
+        #: hookscope's hooks read the real autograd graph, which tracing does not have
+        self._eager = eager
+        self._handles: list[RemovableHandle] = []
+        self._module_ids: list[int] | None = None  # set by the first module hook
+        self._prune_at = 256
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def forward_pre(
+        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
+    ) -> None:
+        fn = self._outside_graphs(fn)
+        self._module(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+
+    def forward(
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        always_call: bool = False,
+    ) -> None:
+        fn = self._outside_graphs(fn)
+        self._module(
+            module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
+        )
+
+    def tensor(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None]) -> None:
+        """Hook ``tensor``'s gradient until :meth:`close`."""
+        self._keep(tensor.register_hook(fn))  # type: ignore[no-untyped-call]
+
+    def node(self, node: Any, fn: Callable[[Any, Any], Any]) -> None:
+        """Hook an autograd node: ``fn(grad_inputs, grad_outputs)`` after it runs."""
+        self._keep(node.register_hook(fn))
+
+    def close(self) -> None:
+        """Remove every hook, newest first. Safe to call more than once."""
+        try:
+            while self._handles:
+                self._handles.pop().remove()
+        finally:
+            if self._module_ids is not None:
+                _MODULE_HOOK_IDS.difference_update(self._module_ids)
+                self._module_ids = None
+                CLEAN_COPIES.release()
+
+    def _outside_graphs(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not self._eager:
+            return fn
+        import torch._dynamo
+
+        disabled: Callable[..., Any] = torch._dynamo.disable(fn)  # type: ignore[no-untyped-call]
+        return disabled
+
+    def _module(self, handle: RemovableHandle) -> None:
+        if self._module_ids is None:
+            self._module_ids = []
+            CLEAN_COPIES.acquire()
+        self._handles.append(handle)
+        self._module_ids.append(handle.id)
+        _MODULE_HOOK_IDS.add(handle.id)
+
+    def _keep(self, handle: RemovableHandle) -> None:
+        # A hook on a graph node lives as long as the graph; once the graph is freed its
+        # handle refers to nothing. Drop those now and then so a session open over many
+        # training steps keeps a bounded list.
+        self._handles.append(handle)
+        if len(self._handles) >= self._prune_at:
+            self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]
+            self._prune_at = 2 * len(self._handles) + 256
+
+
+@contextlib.contextmanager
+def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
+    """Set every module's ``training`` flag to ``train``; restore each one's own flag after."""
+    flags = [(m, m.training) for m in model.modules()]
+    try:
+        model.train(train)
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag

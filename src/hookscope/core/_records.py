@@ -1,0 +1,333 @@
+"""Plain-data records of what a capture saw: one :class:`Call` per module call.
+
+A call fills itself in (``set_output``, ``set_inputs``, ``set_grad``) through its capture's
+:class:`~hookscope.core._store.Store`, which decides how values are stored and counts their
+bytes. Every read goes through one accessor that first waits for pending device copies and
+checks by-reference values for later in-place changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from torch import Tensor
+
+from ..errors import CaptureError, GradientUnavailableError, StaleCaptureError
+from . import _tree
+from ._store import Store, describe
+from ._types import Inputs, Path
+
+__all__ = ["Call", "LayerRecord"]
+
+_OUTPUT: Path = ("output",)
+
+
+class _Extra:
+    """The less common parts of a call, kept out of the per-call fast path."""
+
+    __slots__ = ("events", "grads", "inputs", "refs", "skeleton", "why")
+
+    def __init__(self) -> None:
+        self.inputs: Inputs | None = None
+        self.skeleton: Inputs | None = None  # input structure (meta tensors) for grads
+        self.grads: dict[Path, Tensor] | None = None  # set when gradients are captured
+        self.why: dict[Path, str] = {}  # why a leaf has no gradient
+        self.refs: list[tuple[Tensor, int, Path]] = []  # by-reference values and versions
+        self.events: list[Any] = []  # CUDA events of non-blocking copies not yet waited for
+
+
+class Call:
+    """What one call of one layer saw: inputs, output and (on request) their gradients.
+
+    Attributes:
+        layer: the layer's dotted name.
+        index: position of this call among the layer's calls since the capture opened.
+        pass_index: which top-level forward of the model this call belonged to.
+        nbytes: bytes of the tensors this call holds.
+    """
+
+    __slots__ = (
+        "_evicted",
+        "_extra",
+        "_output",
+        "_ref",
+        "_store",
+        "index",
+        "layer",
+        "nbytes",
+        "pass_index",
+    )
+
+    def __init__(self, layer: str, pass_index: int, store: Store) -> None:
+        self.layer = layer
+        self.index = -1  # set when the call finishes
+        self.pass_index = pass_index
+        self.nbytes = 0
+        self._output: Any = None
+        self._ref: tuple[Tensor, int] | None = None  # a single by-reference output
+        self._extra: _Extra | None = None
+        self._store = store
+        self._evicted = False
+
+    # -- filling in (by the capture) --------------------------------------------------------
+    def _more(self) -> _Extra:
+        if self._extra is None:
+            self._extra = _Extra()
+        return self._extra
+
+    def _keep(self, t: Tensor, path: Path, *, grad: bool = False) -> Tensor:
+        store = self._store
+        before = store.nbytes
+        value, tag = store.keep(t, (self.layer, path), grad=grad)
+        self.nbytes += store.nbytes - before
+        if tag is None:
+            return value
+        if type(tag) is not int:  # a CUDA event: the copy is still running
+            self._more().events.append(tag)
+        elif path is _OUTPUT and self._ref is None:  # the common single output, no _Extra
+            self._ref = (value, tag)
+        else:
+            self._more().refs.append((value, tag, path))
+        return value
+
+    def set_output(self, output: Any) -> None:
+        if type(output) is Tensor:  # the common case, without the tree walk
+            self._output = self._keep(output, _OUTPUT)
+        else:
+            self._output = _tree.map_tensors(lambda p, t: self._keep(t, ("output", *p)), output)
+
+    def set_inputs(self, bound: Inputs) -> None:
+        self._more().inputs = _tree.map_tensors(lambda p, t: self._keep(t, ("input", *p)), bound)
+
+    def expect_grads(self, inputs: Inputs | None) -> None:
+        """Gradients will be recorded; ``inputs`` gives their structure if not captured."""
+        extra = self._more()
+        extra.grads = {}
+        if extra.inputs is None and inputs is not None:
+            extra.skeleton = _tree.map_tensors(lambda p, t: t.new_empty(0, device="meta"), inputs)
+
+    def no_grad(self, key: Path, why: str) -> None:
+        self._more().why[key] = why
+
+    def set_grad(self, key: Path, grad: Tensor) -> None:
+        """Store the gradient at ``key`` (``("output", ...)`` / ``("input", ...)``); a later
+        backward replaces it. Dropped once the call is evicted or the capture closed."""
+        extra = self._extra
+        if self._evicted or self._store.closed or extra is None or extra.grads is None:
+            return
+        old = extra.grads.pop(key, None)
+        if old is not None:
+            freed = old.numel() * old.element_size()
+            self._store.refund(freed)
+            self.nbytes -= freed
+            extra.refs = [r for r in extra.refs if r[2] != ("grad", *key)]
+        extra.grads[key] = self._keep(grad, ("grad", *key), grad=True)
+
+    def evict(self) -> None:
+        """The capture no longer keeps this call: refund its bytes, take no more gradients."""
+        if not self._evicted:
+            self._evicted = True
+            self._store.refund(self.nbytes)
+            self.nbytes = 0
+
+    # -- reading ------------------------------------------------------------------------------
+    def _ready(self) -> _Extra | None:
+        """Wait for pending device copies, then check by-reference values (every read)."""
+        extra = self._extra
+        if self._ref is not None and self._ref[0]._version != self._ref[1]:
+            self._stale(("output",))
+        if extra is not None:
+            while extra.events:
+                extra.events.pop().synchronize()
+            for tensor, version, path in extra.refs:
+                if tensor._version != version:
+                    self._stale(path)
+        return extra
+
+    def _stale(self, path: Path) -> None:
+        raise StaleCaptureError(
+            f"{describe((self.layer, path))} (call {self.index}) was modified in place after "
+            "it was captured by reference (e.g. by a later ReLU(inplace=True) or "
+            "`x += residual`), so it no longer holds the captured value. Capture with "
+            "copy='clone' (the default) instead."
+        )
+
+    @property
+    def output(self) -> Any:
+        """The layer's output, same structure as the module returned (tuple, dict, ...)."""
+        self._ready()
+        return self._output
+
+    @property
+    def inputs(self) -> Inputs:
+        """The inputs bound to ``forward``'s signature, by parameter name."""
+        extra = self._ready()
+        if extra is None or extra.inputs is None:
+            raise CaptureError(
+                f"inputs of {self.layer!r} were not captured: open the capture with inputs=True"
+            )
+        return extra.inputs
+
+    @property
+    def input(self) -> Any:
+        """The first argument of ``forward`` (the usual single input)."""
+        inputs = self.inputs
+        if not inputs:
+            raise CaptureError(f"{self.layer!r} was called without arguments")
+        return next(iter(inputs.values()))
+
+    @property
+    def grad(self) -> Any:
+        """Gradient of the loss w.r.t. the output, same structure as the output: what came
+        back from downstream (the layer's own uses of a returned tensor excluded), as a full
+        backward hook's ``grad_output``.
+
+        Leaves of a nested output that got no gradient are ``None``; if none got one, this
+        raises GradientUnavailableError saying why.
+        """
+        return self._grad_tree("output", self._output)
+
+    @property
+    def grad_inputs(self) -> Inputs:
+        """Gradients w.r.t. the tensor inputs flowing *through this layer*, by parameter name
+        (``None`` for inputs without one, e.g. an attention mask)."""
+        named: Inputs = self._grad_tree("input", self._input_tree())
+        return named
+
+    @property
+    def grad_input(self) -> Any:
+        """Gradient w.r.t. the first argument of ``forward``; raises saying why if none."""
+        tree = self._input_tree()
+        if not tree:
+            raise GradientUnavailableError(f"{self.layer!r} was called without arguments")
+        first = next(iter(tree))
+        return self._grad_tree("input", tree[first], (first,))
+
+    def _input_tree(self) -> Inputs:
+        extra = self._need_grads("input")
+        return extra.inputs if extra.inputs is not None else (extra.skeleton or {})
+
+    def _need_grads(self, side: str) -> _Extra:
+        extra = self._ready()
+        if extra is None or extra.grads is None:
+            raise GradientUnavailableError(
+                f"gradients of {self.layer!r} {side} were not captured: open the capture with "
+                "grads=True"
+            )
+        return extra
+
+    def _grad_tree(self, side: str, tree: Any, prefix: Path = ()) -> Any:
+        grads = self._need_grads(side).grads
+        assert grads is not None
+        missing: list[Path] = []
+
+        def leaf(path: Path, t: Tensor) -> Tensor | None:
+            key = (side, *prefix, *path)
+            if key in grads:
+                return grads[key]
+            missing.append(key)
+            return None
+
+        result = _tree.map_tensors(leaf, tree, other=lambda value: None)
+        if missing and len(missing) == sum(1 for _ in _tree.leaves(tree)):
+            raise GradientUnavailableError(self._why_missing(missing[0]))
+        return result
+
+    def _why_missing(self, key: Path) -> str:
+        where = f"no gradient for {describe((self.layer, key))} (call {self.index})"
+        why = self._extra.why.get(key) if self._extra is not None else None
+        if why is not None:
+            return f"{where}: {why}"
+        if self._evicted:
+            return f"{where}: the call was no longer kept (keep=) when backward reached it"
+        if self._store.closed:
+            return (
+                f"{where}: backward had not reached it when the capture closed, and gradients "
+                "are recorded only while it is open. Call .backward() inside the `with` block."
+            )
+        return (
+            f"{where} yet: backward has not reached it. Call .backward() on a loss that "
+            "depends on this value while the capture is open."
+        )
+
+    def __repr__(self) -> str:
+        parts = [f"{self.layer!r}", f"call={self.index}", f"output={_tree.describe(self._output)}"]
+        if self._extra is not None and self._extra.inputs is not None:
+            parts.append(f"inputs={_tree.describe(self._extra.inputs)}")
+        if self._extra is not None and self._extra.grads is not None:
+            parts.append(f"grads={len(self._extra.grads)}")
+        return f"Call({', '.join(parts)})"
+
+
+class LayerRecord:
+    """Every kept call of one layer, oldest first; ``.output`` etc. read the latest call.
+
+    Attributes:
+        name: the layer's dotted name.
+        module_type: the module's class name.
+        calls: the kept :class:`Call` records, in call order.
+        count: how many times the layer ran while the capture was open (including calls
+            no longer kept because of ``keep=``).
+    """
+
+    __slots__ = ("calls", "count", "module_type", "name")
+
+    def __init__(self, name: str, module_type: str) -> None:
+        self.name = name
+        self.module_type = module_type
+        self.calls: list[Call] = []
+        self.count = 0
+
+    def evict(self, n: int) -> None:
+        """Stop keeping the ``n`` oldest calls."""
+        for call in self.calls[:n]:
+            call.evict()
+        del self.calls[:n]
+
+    @property
+    def last(self) -> Call:
+        """The most recent kept call."""
+        if not self.calls:
+            raise CaptureError(
+                f"{self.name!r} ({self.module_type}) has not run while the capture was open: "
+                "was the model called inside the `with` block, and does its forward reach "
+                "this layer?"
+            )
+        return self.calls[-1]
+
+    def only(self) -> Call:
+        """The single call; raises if the layer ran more or less than once."""
+        if len(self.calls) != 1:
+            raise CaptureError(f"{self.name!r} has {len(self.calls)} kept calls, not 1")
+        return self.calls[0]
+
+    output = property(lambda self: self.last.output, doc="Output of the latest call.")
+    inputs = property(lambda self: self.last.inputs, doc="Bound inputs of the latest call.")
+    input = property(lambda self: self.last.input, doc="First argument of the latest call.")
+    grad = property(lambda self: self.last.grad, doc="Output gradient of the latest call.")
+    grad_inputs = property(lambda self: self.last.grad_inputs, doc="Input grads, latest call.")
+    grad_input = property(lambda self: self.last.grad_input, doc="First input's grad, latest.")
+
+    @property
+    def outputs(self) -> list[Any]:
+        """Outputs of every kept call, in order."""
+        return [c.output for c in self.calls]
+
+    def __len__(self) -> int:
+        return len(self.calls)
+
+    def __iter__(self) -> Iterator[Call]:
+        return iter(self.calls)
+
+    def __getitem__(self, i: int) -> Call:
+        return self.calls[i]
+
+    def __repr__(self) -> str:
+        if not self.calls:
+            return f"LayerRecord({self.name!r}, {self.module_type}, no calls)"
+        shown = _tree.describe(self.calls[-1]._output)
+        return (
+            f"LayerRecord({self.name!r}, {self.module_type}, calls={len(self.calls)}/"
+            f"{self.count}, output={shown})"
+        )

@@ -1,0 +1,161 @@
+"""How a capture stores what it sees, decided once per session, and the bytes it holds.
+
+:class:`Store` turns a live tensor into the value a record keeps (a detached copy, the tensor
+itself, a reduction, a copy on another device) and charges its bytes against ``max_bytes``
+*before* copying. ``Store.nbytes`` is the sum of ``numel() * element_size()`` over every
+tensor the capture's kept calls hold (outputs, inputs, gradients): evicted calls and replaced
+gradients are refunded, and a call evicted before its gradient arrives never takes it.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import CaptureBudgetError, CaptureError, UsageError
+from . import _tree
+from ._types import CopyMode, Keep, Path, Reduce, ReduceFn
+
+__all__ = ["REDUCERS", "Store", "Where", "check_options", "describe"]
+
+REDUCERS: dict[str, ReduceFn] = {
+    "spatial_mean": lambda t: t.mean(dim=tuple(range(2, t.ndim))) if t.ndim > 2 else t,
+    "token_mean": lambda t: t.mean(dim=1) if t.ndim > 2 else t,
+    "batch_mean": lambda t: t.mean(dim=0) if t.ndim > 0 else t,
+}
+
+
+class Store:
+    """A capture's storage policy and byte account.
+
+    ``keep(t, where)`` returns ``(value, version)``: ``version`` is the tensor's version when
+    the value is the live tensor itself (``copy="reference"``), to detect a later in-place
+    change, else ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        copy: CopyMode,
+        device: torch.device | None,
+        reduce: Reduce | None,
+        detach: bool,
+        max_bytes: int | None,
+    ) -> None:
+        self.nbytes = 0
+        self.closed = False  # set when the owning session closes
+        self._max = max_bytes
+        self._device = device
+        self._reference = copy == "reference"
+        self._detach = detach
+        self._builtin = isinstance(reduce, str)
+        self._reduce = REDUCERS[reduce] if isinstance(reduce, str) else reduce
+
+    # -- storing ----------------------------------------------------------------------------
+    def keep(self, t: Tensor, where: Where, *, grad: bool = False) -> tuple[Tensor, Any]:
+        """The value to keep for ``t`` and a tag: ``None``; the live tensor's version (an
+        int: the value *is* the live tensor, check it on read); or a CUDA event to wait for
+        (the value is a non-blocking copy into pinned memory)."""
+        src = t.detach() if t.requires_grad and (self._detach or grad) else t
+        if self._reduce is not None and not (self._builtin and not src.is_floating_point()):
+            value = self._reduced(src, where)
+            self.charge(value, where)
+            return self._moved(value) if self._device is not None else (value, None)
+        self.charge(src, where)  # before copying: the budget is never exceeded
+        if self._device is not None and src.device != self._device:
+            return self._moved(src)  # the move is the copy
+        if self._reference and not src.is_inference():  # inference tensors have no
+            return src, src._version  # version counter: they are copied instead
+        return src.clone(), None
+
+    def _moved(self, t: Tensor) -> tuple[Tensor, Any]:
+        assert self._device is not None
+        if t.device == self._device:
+            return t, None
+        if t.is_cuda and self._device.type == "cpu":  # pinned, non-blocking: wait on read
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+            out.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            return out, event
+        return t.to(self._device, copy=True), None
+
+    def _reduced(self, src: Tensor, where: Where) -> Tensor:
+        assert self._reduce is not None
+        value = self._reduce(src)
+        if isinstance(value, numbers.Number):
+            value = torch.tensor(value, device=src.device)
+        if not isinstance(value, Tensor):
+            raise CaptureError(
+                f"reduce= returned {type(value).__name__} for {describe(where)}; it must "
+                "return a tensor (or a Python number)"
+            )
+        if _shares_storage(value, src):  # a view (e.g. t[:, 0]) would follow later changes
+            value = value.clone()
+        return value.detach() if self._detach and value.requires_grad else value
+
+    # -- accounting ---------------------------------------------------------------------------
+    def charge(self, value: Tensor, where: Where) -> int:
+        # not `value.nbytes`: dynamo cannot trace it with symbolic shapes (torch.compile)
+        nbytes = value.numel() * value.element_size()
+        if self._max is not None and self.nbytes + nbytes > self._max:
+            raise CaptureBudgetError(
+                f"capturing {describe(where)} ({nbytes / 2**20:.2f} MiB) would exceed "
+                f"max_bytes={self._max} ({self.nbytes / 2**20:.2f} MiB already held). Capture "
+                "fewer layers, pass reduce= (e.g. 'spatial_mean'), keep='last' or a smaller "
+                "ring (keep=N), or raise max_bytes."
+            )
+        self.nbytes += nbytes
+        return nbytes
+
+    def refund(self, nbytes: int) -> None:
+        self.nbytes -= nbytes
+
+
+def _shares_storage(a: Tensor, b: Tensor) -> bool:
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except RuntimeError:  # tensors without storage (e.g. some subclasses)
+        return False
+
+
+def check_options(
+    copy: Any, keep: Keep, max_bytes: Any, reduce: Reduce | None, stop: bool, grads: bool
+) -> None:
+    """Refuse bad capture options before anything is hooked."""
+    if copy not in ("clone", "reference"):
+        raise UsageError(f"copy={copy!r}: use 'clone' (safe default) or 'reference'")
+    ring = isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1
+    if not (ring or (isinstance(keep, str) and keep in ("pass", "all", "last"))):
+        raise UsageError(
+            f"keep={keep!r}: use 'pass', 'all', 'last' or a positive int N (a ring of N calls)"
+        )
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, numbers.Real) or max_bytes <= 0
+    ):
+        raise UsageError(
+            f"max_bytes={max_bytes!r} must be a positive number of bytes (e.g. 2**30), not "
+            f"{type(max_bytes).__name__}"
+        )
+    if isinstance(reduce, str) and reduce not in REDUCERS:
+        raise UsageError(f"reduce={reduce!r}: use one of {sorted(REDUCERS)} or a function")
+    if reduce is not None and not isinstance(reduce, str) and not callable(reduce):
+        raise UsageError(f"reduce must be a name or a function Tensor -> Tensor, not {reduce!r}")
+    if stop and grads:
+        raise UsageError(
+            "stop=True ends the forward early, so no loss exists to take gradients of: "
+            "use grads=True without stop=True"
+        )
+
+
+#: Where a value comes from, for messages: (layer name, path such as ("output", 0)).
+Where = tuple[str, Path]
+
+
+def describe(where: Where) -> str:
+    """``'layer' output[0]``."""
+    layer, path = where
+    return f"{layer!r} {path[0]}{_tree.path_str(path[1:])}"
