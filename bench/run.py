@@ -1,307 +1,279 @@
-"""hookscope capture benchmark: ``python bench/run.py`` (``--quick`` for a smoke run).
+"""hookscope benchmarks: ``python bench/run.py`` (``--quick`` for a smoke run); see README.md.
 
-Runs, each in its own process:
-
-1. timing, per model, with malloc tuned so freed memory stays resident (all variants, peers
-   included) and again with glibc's defaults (hookscope and hand-written variants only);
-2. the latency-bound tiny model (per-site cost of a hook call);
-3. memory, a fresh process per (model, variant);
-
-then writes raw JSON under ``bench/_out/`` and the tables to ``bench/RESULTS.md``
-(``--quick``: everything under ``bench/_out/quick/``, RESULTS.md included).
+Runs every capability module's worker processes, then writes RESULTS.md from their JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import io
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _cases import MODELS, THREADS_ENV  # noqa: E402
+import _common as common  # noqa: E402
+from _common import DASH, SETTINGS, Config, Job, Target  # noqa: E402
 
-#: Timing processes run with one of these malloc settings (see RESULTS.md, "Allocator").
-MALLOC_SETTINGS: dict[str, dict[str, str]] = {
-    # Freed memory stays in the heap: no trimming (16 GiB threshold) and no mmap below
-    # 32 MiB (glibc's ceiling for this knob), so repeated calls reuse resident pages.
+#: Capability modules. Each has ``jobs(cfg) -> list[Job]``, ``work(spec) -> dict`` (run in a
+#: worker process) and ``report(results, meta) -> (targets, markdown lines)``.
+MODULES = ("capture",)
+
+#: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
+MALLOC_ENV: dict[str, dict[str, str]] = {
+    # Freed memory stays in the heap (no trim below 16 GiB, no mmap below glibc's 32 MiB
+    # ceiling), so calls after warm-up reuse resident pages: the library's own cost, isolated.
     "tuned": {"MALLOC_TRIM_THRESHOLD_": str(16 * 2**30), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
-    # glibc's defaults (dynamic mmap threshold, trimming): what users get.
-    "defaults": {},
+    "defaults": {},  # what users get, page faults included
+    # Every buffer above 128 KiB is its own mapping, returned when freed: RSS tracks tensors.
+    "memory": {"MALLOC_MMAP_THRESHOLD_": "131072"},
 }
-#: Memory processes: every buffer above 128 KiB is its own mapping, so RSS tracks tensors.
-MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
-
-_MEMORY_KEYS_QUICK = ("plain", "hs_leaves_reduce")
-
-
-@dataclass(frozen=True)
-class Config:
-    quick: bool
-    out: Path
-    results_md: Path
-    warmup: int
-    rounds: int
-    min_rounds: int
-    heavy_rounds: int  # measured rounds that include torchlens (seconds per call)
-    budget_s: dict[str, float]  # per "model/setting": seconds for the rounds phase
-    latency: tuple[int, int, int]  # rounds, warmup, calls per sample
-    memory_repeats: int
-    settings: tuple[str, ...]
-
-
-def make_config(args: argparse.Namespace) -> Config:
-    out = Path(args.out) if args.out else HERE / "_out" / ("quick" if args.quick else "full")
-    if args.quick:
-        return Config(
-            quick=True,
-            out=out,
-            results_md=out / "RESULTS.md",
-            warmup=1,
-            rounds=2,
-            min_rounds=2,
-            heavy_rounds=0,
-            budget_s={},
-            latency=(3, 1, 20),
-            memory_repeats=1,
-            settings=("tuned",),
-        )
-    # Seconds for each timing process's rounds (warm-up included); a process stops early
-    # once it has min_rounds measured rounds and another round would overrun its budget.
-    budgets = {
-        "resnet50/tuned": 220.0,
-        "gpt2/tuned": 280.0,
-        "resnet50/defaults": 110.0,
-        "gpt2/defaults": 170.0,
-    }
-    return Config(
-        quick=False,
-        out=out,
-        results_md=HERE / "RESULTS.md",
-        warmup=1,
-        rounds=20,
-        min_rounds=5,
-        heavy_rounds=5,
-        budget_s=budgets,
-        latency=(30, 3, 100),
-        memory_repeats=2,
-        settings=tuple(MALLOC_SETTINGS),
-    )
-
-
-# -- orchestration -----------------------------------------------------------------------
-
-
-def _env(extra: dict[str, str]) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **extra)
-    return env
+BASELINE_DIR = HERE / "_out" / "baseline"
 
 
 def _log(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass(frozen=True)
-class Job:
-    """One worker process: its arguments, malloc environment and JSON output."""
-
-    args: list[str]
-    env: dict[str, str]
-    json_path: Path
-
-    def command(self) -> list[str]:
-        script = str(Path(__file__).resolve())
-        return [sys.executable, script, "--worker", *self.args, "--json", str(self.json_path)]
+# -- baseline ----------------------------------------------------------------------------------
 
 
-def run_jobs(jobs: list[Job], parallel: int, t0: float) -> None:
+def _git(*args: str) -> bytes:
+    return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, check=True).stdout
+
+
+def extract_baseline(rev: str) -> dict[str, Any]:
+    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` under bench/_out/baseline.
+
+    Renaming the folder is enough because the package imports itself only relatively; an
+    absolute ``import hookscope`` would mix in the code under test, so it is refused.
+    """
+    info: dict[str, Any] = {"rev": rev, "path": str(BASELINE_DIR)}
+    try:
+        info["commit"] = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
+        archive = _git("archive", "--format=tar", info["commit"], "src/hookscope")
+    except (OSError, subprocess.CalledProcessError) as e:
+        why = getattr(e, "stderr", b"").decode().strip() or e
+        return {**info, "error": f"git could not read {rev!r}: {why}"}
+    shutil.rmtree(BASELINE_DIR, ignore_errors=True)
+    package = BASELINE_DIR / "hookscope_baseline"
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar.getmembers():
+            if member.isfile() and member.name.startswith("src/hookscope/"):
+                target = package / member.name.removeprefix("src/hookscope/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+    absolute = re.compile(r"^\s*(from|import)\s+hookscope\b", re.MULTILINE)
+    bad = [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]
+    if bad:
+        shutil.rmtree(BASELINE_DIR)
+        return {**info, "error": f"absolute imports of hookscope in {bad}; cannot rename"}
+    return {**info, "sha1": common.source_hash(package)}
+
+
+# -- orchestration -----------------------------------------------------------------------------
+
+
+def _env(name: str, quick: bool) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **MALLOC_ENV[name])
+    if quick:  # --quick runs two processes at a time: one torch thread each
+        env[common.THREADS_ENV] = "1"
+    return env
+
+
+def run_jobs(jobs: list[Job], cfg: Config, parallel: int, t0: float) -> None:
     """Run worker processes, ``parallel`` at a time; a failure leaves an error record."""
-    pending = list(jobs)
-    running: list[tuple[Job, subprocess.Popen[str], float]] = []
+    pending, running = list(jobs), []
     while pending or running:
         while pending and len(running) < parallel:
             job = pending.pop(0)
-            proc = subprocess.Popen(
-                job.command(),
-                env=job.env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            running.append((job, proc, time.perf_counter()))
-        job, proc, start = running.pop(0)
-        _out, err = proc.communicate()
-        took = time.perf_counter() - start
-        if proc.returncode != 0:
-            tail = err[-3000:]
-            record = {"kind": "error", "args": job.args, "stderr": tail}
-            job.json_path.write_text(json.dumps(record))
-            _log(f"FAILED ({took:.0f} s): {' '.join(job.args)}\n{tail}", t0)
+            path = cfg.out / f"{job.module}_{job.name}.json"
+            log = (cfg.out / f"{job.module}_{job.name}.log").open("w")
+            cmd = [sys.executable, __file__, "--worker", job.module, "--json", str(path)]
+            cmd += ["--spec", json.dumps(job.spec)]
+            proc = subprocess.Popen(cmd, env=_env(job.env, cfg.quick), stderr=log, text=True)
+            running.append((job, path, log, proc, time.perf_counter()))
+        job, path, log, proc, start = running.pop(0)
+        proc.wait()
+        log.close()
+        took = f"({time.perf_counter() - start:.0f} s) {job.module} {job.name}"
+        if proc.returncode:
+            tail = Path(log.name).read_text()[-3000:]
+            path.write_text(json.dumps({"kind": "error", "job": job.name, "stderr": tail}))
+            _log(f"FAILED {took}\n{tail}", t0)
         else:
-            _log(f"done ({took:.0f} s): {' '.join(job.args)}", t0)
+            _log(f"done {took}", t0)
 
 
-def _env_for(cfg: Config, extra: dict[str, str]) -> dict[str, str]:
-    # --quick runs two processes at a time; one torch thread each keeps them off each other.
-    return _env({**extra, THREADS_ENV: "1"} if cfg.quick else extra)
-
-
-def timing_jobs(cfg: Config) -> list[Job]:
-    jobs = []
-    quick = ["--quick"] if cfg.quick else []
-    for model in MODELS:
-        for setting in cfg.settings:
-            args = ["timing", "--model", model, "--setting", setting, *quick]
-            args += ["--budget", str(cfg.budget_s.get(f"{model}/{setting}", 0.0))]
-            args += ["--rounds", str(cfg.rounds), "--warmup", str(cfg.warmup)]
-            args += ["--min-rounds", str(cfg.min_rounds), "--heavy-rounds", str(cfg.heavy_rounds)]
-            if setting == "tuned":  # --quick skips torchlens (seconds per trace even when tiny)
-                args += ["--peers", "nnsight" if cfg.quick else "all"]
-            path = cfg.out / f"timing_{model}_{setting}.json"
-            jobs.append(Job(args, _env_for(cfg, MALLOC_SETTINGS[setting]), path))
-    rounds, warmup, calls = cfg.latency
-    tuned = _env_for(cfg, MALLOC_SETTINGS["tuned"])
-    latency = ["latency", "--rounds", str(rounds), "--warmup", str(warmup), "--calls", str(calls)]
-    jobs.append(Job(latency, tuned, cfg.out / "latency.json"))
-    jobs.append(
-        Job(["profile", "--calls", str(max(calls, 20) * 3)], tuned, cfg.out / "profile.json")
-    )
-    return jobs
-
-
-def memory_jobs(cfg: Config) -> list[Job]:
-    from _variants import MEMORY_KEYS
-
-    jobs = []
-    quick = ["--quick"] if cfg.quick else []
-    for model in MODELS:
-        for key in _MEMORY_KEYS_QUICK if cfg.quick else MEMORY_KEYS:
-            args = ["memory", "--model", model, "--variant", key, *quick]
-            args += ["--repeats", str(cfg.memory_repeats)]
-            path = cfg.out / f"memory_{model}_{key}.json"
-            jobs.append(Job(args, _env_for(cfg, MEMORY_ENV), path))
-    return jobs
-
-
-def run_all(cfg: Config) -> None:
-    t0 = time.perf_counter()
+def run_all(cfg: Config, argv: Sequence[str], baseline: dict[str, Any] | None) -> None:
+    t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for old in cfg.out.glob("*.json"):
+    for old in [*cfg.out.glob("*.json"), *cfg.out.glob("*.log")]:
         old.unlink()
-    started = time.time()
-    # Timing processes run alone (2 threads on 2 cores), except in a --quick smoke run.
-    # Memory figures are per process (RSS), so two memory processes may share the machine.
-    run_jobs(timing_jobs(cfg), 2 if cfg.quick else 1, t0)
-    run_jobs(memory_jobs(cfg), 2, t0)
+    jobs = [j for m in MODULES for j in importlib.import_module(m).jobs(cfg)]
+    # Timing processes run alone (2 threads, 2 cores) except in --quick; memory figures are
+    # per process, so memory processes may share the machine.
+    run_jobs([j for j in jobs if j.alone], cfg, 2 if cfg.quick else 1, t0)
+    run_jobs([j for j in jobs if not j.alone], cfg, 2, t0)
     meta = {
-        "started": time.strftime("%Y-%m-%d %H:%M", time.localtime(started)),
+        "command": " ".join(["python bench/run.py", *argv]),
+        "started": started,
         "total_s": time.perf_counter() - t0,
         "quick": cfg.quick,
-        "command": "python bench/run.py" + (" --quick" if cfg.quick else ""),
-        "malloc_settings": MALLOC_SETTINGS,
-        "memory_env": MEMORY_ENV,
+        "malloc_env": MALLOC_ENV,
+        "baseline": baseline,
     }
     (cfg.out / "run_meta.json").write_text(json.dumps(meta, indent=1))
-    from _report import write_report
-
-    write_report(cfg.out, cfg.results_md)
-    _log(f"wrote {cfg.results_md}", t0)
 
 
-# -- worker side ---------------------------------------------------------------------------
+# -- report ------------------------------------------------------------------------------------
 
 
-def run_worker(args: argparse.Namespace) -> None:
-    if args.worker == "timing":
-        from _timing import Plan, run_timing
+def _header(meta: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
+    m = next((r["machine"] for r in results if "machine" in r), {})
+    versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items())
+    hashes = sorted({r["machine"]["hookscope_sha1"] for r in results if "machine" in r})
+    changed = " (changed during the run)" if len(hashes) > 1 else ""
+    lines = [
+        "# hookscope benchmark",
+        "",
+        f"Command: `{meta.get('command', '?')}`, started {meta.get('started', '?')}, "
+        f"{meta.get('total_s', 0) / 60:.1f} min.",
+        "",
+        f"Machine: {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, {m.get('memory_gib', '?')} "
+        f"GiB; {m.get('platform', '?')}; torch threads {m.get('torch_threads', '?')}.",
+        "",
+        f"Versions: python {m.get('python', '?')}, {versions}; hookscope source sha1 "
+        f"{', '.join(hashes)}{changed}.",
+        "",
+    ]
+    if bl := meta.get("baseline"):
+        got = (
+            bl.get("error") or f"commit {bl.get('commit', '?')[:12]}, source sha1 {bl.get('sha1')}"
+        )
+        failed = sorted({r["baseline_error"] for r in results if r.get("baseline_error")})
+        got += "".join(f"; **could not be imported**: {e}" for e in failed)
+        lines += [f"Baseline `{bl['rev']}`: {got}.", ""]
+    if meta.get("quick"):
+        lines += ["**--quick smoke run: tiny inputs, few rounds. Not measurements.**", ""]
+    return lines
 
-        plan = Plan(args.warmup, args.rounds, args.min_rounds, args.budget, args.heavy_rounds)
-        result = run_timing(args.model, args.setting, plan, peers=args.peers, quick=args.quick)
-    elif args.worker == "latency":
-        from _latency import run_latency
 
-        result = run_latency(args.rounds, args.warmup, args.calls)
-    elif args.worker == "profile":
-        from _profile import run_profile
+def _targets_table(targets: list[Target]) -> list[str]:
+    columns = list(dict.fromkeys(c for t in targets for c in t.cells))
+    header = ["target", "model", *(c if c != "other" else "memory / latency" for c in columns)]
+    rows = [
+        [t.what, t.model]
+        + [t.cells[c].cell() if t.cells.get(c) else DASH for c in columns]  # type: ignore[union-attr]
+        + [f"≤ {t.limit:.2f}", t.verdict()]
+        for t in targets
+    ]
+    return [
+        "## Targets",
+        "",
+        "Ratio = median over measured rounds of (variant ÷ baseline of the same round, same "
+        f"process), [q1{DASH}q3]. Memory: medians of fresh processes. Method: bench/README.md.",
+        "",
+        *common.table([*header, "limit", "verdict"], rows),
+    ]
 
-        result = run_profile(args.calls)
-    elif args.worker == "memory":
-        from _memory import run_memory
 
-        result = run_memory(args.model, args.variant, args.repeats, quick=args.quick)
-    else:
-        raise SystemExit(f"unknown worker {args.worker!r}")
-    Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+def _allocator(meta: dict[str, Any]) -> list[str]:
+    env = meta.get("malloc_env", MALLOC_ENV)
+    shown = {k: ", ".join(f"`{n}={v}`" for n, v in e.items()) or "none" for k, e in env.items()}
+    return [
+        "## Allocator and noise",
+        "",
+        f"MALLOC_* variables: {SETTINGS['tuned']} {shown['tuned']}; {SETTINGS['defaults']} "
+        f"{shown['defaults']}; memory processes {shown['memory']} (why: bench/README.md). Load "
+        "average and hypervisor steal per timing process are under its table; a ratio whose "
+        f"q1{DASH}q3 straddles its limit is not resolved on this machine.",
+        "",
+    ]
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--quick", action="store_true", help="smoke run: tiny inputs, few rounds (< 2 min)"
-    )
-    p.add_argument(
-        "--out", help="folder for the JSON (default bench/_out/full or bench/_out/quick)"
-    )
-    p.add_argument(
-        "--report-only", action="store_true", help="rewrite RESULTS.md from existing JSON"
-    )
-    p.add_argument(
-        "--wait-quiet",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="first wait up to S seconds for the 1-minute load average to fall below 0.5",
-    )
-    # worker-only options (the orchestrator passes them to its child processes)
-    p.add_argument(
-        "--worker", choices=["timing", "latency", "profile", "memory"], help=argparse.SUPPRESS
-    )
+def write_report(out: Path, results_md: Path) -> None:
+    meta_path = out / "run_meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    targets: list[Target] = []
+    everything: list[dict[str, Any]] = []
+    sections: list[str] = []
+    for name in MODULES:
+        results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}_*.json"))]
+        everything += results
+        got, lines = importlib.import_module(name).report(
+            [r for r in results if r["kind"] != "error"], meta
+        )
+        targets += got
+        sections += lines
+    failures = [
+        f"* `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n"
+        for r in everything
+        if r["kind"] == "error"
+    ]
+    lines = _header(meta, everything)
+    lines += ["**Worker failures:**", "", *failures] if failures else []
+    lines += _targets_table(targets) + sections + _allocator(meta)
+    results_md.parent.mkdir(parents=True, exist_ok=True)
+    results_md.write_text("\n".join(lines))
+
+
+# -- entry -------------------------------------------------------------------------------------
+
+
+def run_worker(module: str, spec: str, json_path: str) -> None:
+    result = importlib.import_module(module).work(json.loads(spec))
+    result["machine"] = common.machine_info()
+    Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+
+
+WAIT_HELP = "first wait up to S seconds for the 1-minute load average to fall below 0.5"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--quick", action="store_true", help="smoke run: tiny inputs, few rounds")
+    p.add_argument("--out", help="folder for the JSON and logs (default bench/_out/full|quick)")
+    p.add_argument("--report-only", action="store_true", help="rewrite RESULTS.md from the JSON")
+    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S", help=WAIT_HELP)
+    p.add_argument("--baseline", metavar="REV", help="also time src/hookscope at git REV")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
-    p.add_argument("--model", help=argparse.SUPPRESS)
-    p.add_argument("--setting", help=argparse.SUPPRESS)
-    p.add_argument("--variant", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--peers", choices=["none", "nnsight", "all"], default="none", help=argparse.SUPPRESS
-    )
-    p.add_argument("--rounds", type=int, default=10, help=argparse.SUPPRESS)
-    p.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
-    p.add_argument("--min-rounds", type=int, default=5, help=argparse.SUPPRESS)
-    p.add_argument("--budget", type=float, default=0.0, help=argparse.SUPPRESS)
-    p.add_argument("--heavy-rounds", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--calls", type=int, default=100, help=argparse.SUPPRESS)
-    p.add_argument("--repeats", type=int, default=2, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
-def _wait_quiet(limit_s: float) -> None:
-    deadline = time.monotonic() + limit_s
-    while os.getloadavg()[0] >= 0.5 and time.monotonic() < deadline:
-        time.sleep(10)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.worker:
-        run_worker(args)
+        run_worker(args.worker, args.spec, args.json)
         return
-    cfg = make_config(args)
-    if args.report_only:
-        from _report import write_report
-
-        write_report(cfg.out, cfg.results_md)
-        return
-    _wait_quiet(args.wait_quiet)
-    run_all(cfg)
+    out = Path(args.out) if args.out else HERE / "_out" / ("quick" if args.quick else "full")
+    # Only a full run into the default folder replaces the committed bench/RESULTS.md.
+    results_md = out / "RESULTS.md" if args.quick or args.out else HERE / "RESULTS.md"
+    if not args.report_only:
+        deadline = time.monotonic() + args.wait_quiet
+        while os.getloadavg()[0] >= 0.5 and time.monotonic() < deadline:
+            time.sleep(10)
+        baseline = extract_baseline(args.baseline) if args.baseline else None
+        path = baseline and not baseline.get("error") and str(BASELINE_DIR)
+        settings = ("tuned",) if args.quick else tuple(SETTINGS)
+        run_all(Config(args.quick, out, settings, path or None), argv, baseline)
+    write_report(out, results_md)
+    print(f"wrote {results_md}", file=sys.stderr)
 
 
 if __name__ == "__main__":
