@@ -370,10 +370,11 @@ class Capture(Session):
             return None
         segment, kind, first_runs = find_segments()
         call = self._replay.find(segment, site.name, backward_id()) if kind == REENTRANT else None
+        if call is not None:  # a checkpoint nested in this replay replays it again later
+            self._replay.note([key for key, _ in first_runs], site.name, call)
         if call is None or not torch.is_grad_enabled():
             site.replays.append(None)
             return None
-        self._replay.note([key for key, _ in first_runs], site.name, call)
         assert site.binder is not None
         bound = site.binder.bind(args, kwargs)
         boundary = Boundary(bound)
