@@ -326,40 +326,122 @@ def reference_output_grads(
 
     Each forward hook keeps ``c = out * 1`` and hands on ``c * 1``: ``c`` is used by nothing
     else (an ``nn.Identity`` returns its input object, whose total gradient would include
-    other uses), and later in-place ops (ReLU(inplace=True), ``x += residual``) modify the
-    copy handed on, so ``c`` stays the layer's output as it left the layer.
+    other uses; ``return h, fc(h)`` uses ``h`` inside), and later in-place ops modify the copy
+    handed on, so ``c`` stays the layer's output as it left the layer. Except when the layer
+    changed one of its inputs in place and returned it (ReLU(inplace=True)): the caller may
+    go on with that tensor under its own name (``self.act(h); use(h)``), so it is handed on
+    untouched and its gradient taken at the autograd edge it had when the layer returned
+    (``get_gradient_edge``), which later in-place ops do not move.
     """
     live: dict[str, list[Any]] = {n: [] for n in mods}
+    entered: dict[str, list[dict[int, int]]] = {n: [] for n in mods}
 
-    def post(name: str) -> Callable[..., Any]:
-        def hook(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
-            mine = tree_map(lambda t: t * 1 if _differentiable(t) else t, out)
-            live[name].append(mine)
-            return tree_map(lambda t: t * 1 if _differentiable(t) else t, mine)
+    def pre(name: str) -> Callable[..., None]:
+        def hook(m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> None:
+            entered[name].append({id(t): t._version for _, t in tree_leaves((a, kw))})
 
         return hook
 
-    handles = [m.register_forward_hook(post(n)) for n, m in mods.items()]
+    def post(name: str) -> Callable[..., Any]:
+        def hook(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
+            inputs = entered[name].pop()
+
+            def mark(t: Tensor) -> Any:
+                if not _differentiable(t):
+                    return t
+                if id(t) in inputs and inputs[id(t)] != t._version:  # changed in place
+                    return ("edge", torch.autograd.graph.get_gradient_edge(t), t)
+                return ("copy", t * 1)
+
+            marked = tree_map(mark, out)
+            live[name].append(marked)
+            return tree_map(lambda t: t, out) if not _has_copy(marked) else _handed_on(marked)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre(n), with_kwargs=True) for n, m in mods.items()]
+    handles += [m.register_forward_hook(post(n)) for n, m in mods.items()]
     try:
         loss = make_loss(model(*args, **kwargs))
     finally:
         for h in handles:
             h.remove()
-    keys, tensors = [], []
+    keys, targets = [], []
     for name, outs in live.items():
         for k, out in enumerate(outs):
-            for path, t in tree_leaves(out):
-                if _differentiable(t):
-                    keys.append((name, k, path))
-                    tensors.append(t)
-    grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+            for path, entry in _marked_leaves(out):
+                keys.append((name, k, path))
+                targets.append(entry[1])
+    grads = torch.autograd.grad(loss, targets, allow_unused=True)
     found = dict(zip(keys, grads))
     return {
         name: [
-            {p: found.get((name, k, p)) for p, _ in tree_leaves(out)} for k, out in enumerate(outs)
+            {p: found.get((name, k, p)) for p, _ in _all_leaves(out)} for k, out in enumerate(outs)
         ]
         for name, outs in live.items()
     }
+
+
+def _marked_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(path, ("copy", tensor) | ("edge", edge, tensor))`` for every differentiable leaf."""
+    for p, leaf in _all_leaves(obj, path):
+        if isinstance(leaf, tuple):
+            yield p, leaf
+
+
+def _all_leaves(obj: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """Every tensor leaf of the original output (a marked tuple counts as one leaf)."""
+    if isinstance(obj, tuple) and obj and obj[0] in ("copy", "edge"):
+        yield path, obj
+        return
+    if isinstance(obj, Tensor):
+        yield path, obj
+        return
+    if isinstance(obj, (tuple, list)):
+        for i, v in enumerate(obj):
+            yield from _all_leaves(v, (*path, i))
+    elif isinstance(obj, Mapping):
+        for k, v in obj.items():
+            yield from _all_leaves(v, (*path, k))
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _all_leaves(getattr(obj, f.name), (*path, f.name))
+
+
+def _has_copy(marked: Any) -> bool:
+    return any(leaf[0] == "copy" for _, leaf in _marked_leaves(marked))
+
+
+def _handed_on(marked: Any) -> Any:
+    """The output to hand on: each copied leaf as ``c * 1``, every other leaf as it was."""
+
+    def unmark(obj: Any) -> Any:
+        if isinstance(obj, tuple) and obj and obj[0] == "copy":
+            return obj[1] * 1
+        if isinstance(obj, tuple) and obj and obj[0] == "edge":
+            return obj[2]
+        return obj
+
+    return _map_marked(unmark, marked)
+
+
+def _map_marked(fn: Callable[[Any], Any], obj: Any) -> Any:
+    if isinstance(obj, tuple) and obj and obj[0] in ("copy", "edge"):
+        return fn(obj)
+    if isinstance(obj, Tensor):
+        return obj
+    if _is_namedtuple(obj):
+        return type(obj)(*(_map_marked(fn, v) for v in obj))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_map_marked(fn, v) for v in obj)
+    if isinstance(obj, Mapping):
+        items = {k: _map_marked(fn, v) for k, v in obj.items()}
+        return type(obj)(**items) if dataclasses.is_dataclass(obj) else type(obj)(items)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(
+            obj, **{f.name: _map_marked(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        )
+    return obj
 
 
 def reference_input_grads(
@@ -373,11 +455,14 @@ def reference_input_grads(
 
     The call's differentiable inputs are replaced by fresh leaves (cloned, so in-place
     modules stay legal): autograd.grad w.r.t. those leaves is exactly what flows through
-    this one call, not the input's total gradient (which includes skip connections).
+    this one call, not the input's total gradient (which includes skip connections). If the
+    layer changes such a clone in place, the change is copied back into the caller's tensor
+    (and a returned clone is swapped back for it), since the caller may go on with it.
     """
     leaves: dict[tuple[Any, ...], Tensor] = {}
     paths: list[tuple[Any, ...]] = []
     seen = [0]
+    clones: list[tuple[Tensor, Tensor, int]] = []  # (caller's tensor, clone, clone version)
 
     def pre(m: nn.Module, a: tuple[Any, ...], kw: dict[str, Any]) -> Any:
         index, seen[0] = seen[0], seen[0] + 1
@@ -390,17 +475,29 @@ def reference_input_grads(
             if not _differentiable(t):
                 return t
             leaves[path] = leaf = t.detach().requires_grad_()
-            return leaf.clone()
+            clone = leaf.clone()
+            clones.append((t, clone, clone._version))
+            return clone
 
         for pname, value in list(bound.arguments.items()):
             bound.arguments[pname] = tree_map_path(cut, value, (pname,))
         return bound.args, bound.kwargs
 
-    handle = module.register_forward_pre_hook(pre, with_kwargs=True)
+    def post(m: nn.Module, a: tuple[Any, ...], out: Any) -> Any:
+        back = {id(c): t for t, c, v in clones if c._version != v}
+        for t, c, v in clones:
+            if c._version != v:
+                t.copy_(c)
+        clones.clear()
+        return tree_map(lambda x: back.get(id(x), x), out) if back else None
+
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=True)]
+    handles.append(module.register_forward_hook(post))
     try:
         loss = make_loss(model(*args, **kwargs))
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     found: dict[tuple[Any, ...], Tensor | None] = {}
     if leaves:
         grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
@@ -1217,3 +1314,39 @@ class IdentityOut(nn.Module):
 def _identity() -> Example:
     _seed()
     return IdentityOut(), (torch.randn(2, 4),), {}
+
+
+class ActsOnParentsTensor(nn.Module):
+    """The parent relies on children changing its tensor in place: it ignores what
+    ``self.scale_(h)`` and ``self.act(h)`` return and goes on with ``h`` itself, which it also
+    adds to an identity of itself, then slices (a non-contiguous input for the head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+        self.act = nn.ReLU(inplace=True)
+        self.scale_ = InPlaceScale()
+        self.ident = nn.Identity()
+        self.head = nn.Linear(3, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        self.scale_(h)
+        self.act(h)
+        h = self.ident(h) + h
+        return self.head(h[:, ::2])
+
+
+class InPlaceScale(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.mul_(3.0)
+
+
+@register(
+    "acts_on_parents_tensor",
+    layers=("lin", "scale_", "act", "ident", "head"),
+    inplace=("lin", "scale_"),
+)
+def _acts_on_parents_tensor() -> Example:
+    _seed()
+    return ActsOnParentsTensor(), (torch.randn(3, 4),), {}
