@@ -39,14 +39,20 @@ def mlp() -> nn.Sequential:
 X = torch.randn(4, 16, requires_grad=True)
 
 
-@pytest.mark.parametrize("keep", [1, 2, "last", "pass"])
-def test_ring_and_passes_with_gradients(keep: Any) -> None:
+@pytest.mark.parametrize("keep", [1, 2, "last", "pass", "all"])
+@pytest.mark.parametrize("grads", [True, False], ids=["grads", "outputs-only"])
+def test_ring_and_passes(keep: Any, grads: bool) -> None:
     model = mlp()
-    with hs.capture(model, ["0", "2"], inputs=True, grads=True, keep=keep) as cap:
-        for _ in range(5):
+    with hs.capture(model, ["0", "2"], inputs=grads, grads=grads, keep=keep) as cap:
+        for step in range(5):
             model(X).pow(2).sum().backward()
             assert cap.nbytes == held(cap)
+            if step == 2:  # reading in between must not change what is kept or counted
+                assert [c.index for c in cap["2"].calls][-1] == 2
     assert cap.nbytes == held(cap) > 0
+    kept = {1: 1, 2: 2, "last": 1, "pass": 1, "all": 5}[keep]
+    assert [c.index for c in cap["2"].calls] == list(range(5 - kept, 5))
+    assert cap["2"].count == 5
     model.zero_grad(set_to_none=True)
     X.grad = None
 

@@ -93,7 +93,7 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
     ),
 }
 
-INNER_TEST = '''
+INNER_TEST = """
 import pytest
 import torch
 from torch import nn
@@ -118,7 +118,7 @@ def test_uses_hookscope(kind, monkeypatch):
     with hs.grad_of(z) as g:
         z.sum().backward()
     assert g.grad.shape == (3, 2)
-'''
+"""
 
 
 def _faulty_copy(dest: pathlib.Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -11,18 +12,11 @@ from torch import Tensor, nn
 
 from ..errors import LayerNotFoundError, UnsupportedModelError
 from . import _tree
-from ._autograd import (
-    Boundary,
-    backward_id,
-    can_have_grad,
-    queue_after_backward,
-    recomputing,
-    why_no_grad,
-)
+from ._autograd import Boundary, backward_id, can_have_grad, queue_after_backward, why_no_grad
 from ._bind import Binder
 from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._lifetime import HookSet
-from ._records import Call, LayerRecord
+from ._records import _OUTPUT, Call, LayerRecord
 from ._session import _CALL_CODES, Session, replica_error
 from ._store import Store, check_options
 from ._types import CopyMode, Inputs, Keep, LayerSelector, Path, Reduce
@@ -49,10 +43,10 @@ class _Site:
 
     __slots__ = ("binder", "done_in", "module", "name", "open", "record", "replays", "used_in")
 
-    def __init__(self, name: str, module: nn.Module) -> None:
+    def __init__(self, name: str, module: nn.Module, store: Store) -> None:
         self.name = name
         self.module = module
-        self.record = LayerRecord(name, type(module).__name__)
+        self.record = LayerRecord(name, type(module).__name__, store)
         self.binder: Binder | None = None  # set in open() when inputs are needed
         self.open: list[tuple[Call, Boundary | str | None]] = []  # calls running (recursion)
         self.replays: list[tuple[Call, Boundary] | None] = []  # replayed calls running
@@ -123,12 +117,6 @@ class Capture(Session):
     ) -> None:
         check_options(copy, keep, max_bytes, reduce, stop, grads)
         super().__init__(model, recompile=recompile)
-        self._sites = {n: _Site(n, m) for n, m in self._layers.select(layers).items()}
-        self.records: dict[str, LayerRecord] = {n: s.record for n, s in self._sites.items()}
-        self._inputs, self._grads = inputs, grads
-        self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
-        self._per_pass = keep == "pass"
-        self._stop = stop
         self._store = Store(
             copy=copy,
             device=torch.device(device) if device is not None else None,
@@ -136,9 +124,17 @@ class Capture(Session):
             detach=detach,
             max_bytes=max_bytes,
         )
+        selected = self._layers.select(layers)
+        self._sites = {n: _Site(n, m, self._store) for n, m in selected.items()}
+        self._records = {n: s.record for n, s in self._sites.items()}
+        self._inputs, self._grads = inputs, grads
+        self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
+        self._per_pass = keep == "pass"
+        self._stop = stop
         self._pass = -1
         self._remaining = len(self._sites)  # layers still to run in this pass (stop=True)
-        self._used: list[_Site] = []  # layers that ran in this pass: only they need resetting
+        self._used: list[_Site] = []  # layers that ran in this pass
+        self._stale: list[_Site] = []  # layers that ran in the pass before, maybe not since
         self._last_done: str | None = None
         self._replay = Replay()
         self._sums: dict[tuple[Call, Path], Tensor] = {}  # input grads, this backward
@@ -146,7 +142,14 @@ class Capture(Session):
     @property
     def nbytes(self) -> int:
         """Bytes of every tensor this capture holds (outputs, inputs, gradients)."""
+        self._sweep()
         return self._store.nbytes
+
+    @property
+    def records(self) -> dict[str, LayerRecord]:
+        """``{layer name: LayerRecord}``, in selection order."""
+        self._sweep()
+        return self._records
 
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
@@ -156,10 +159,13 @@ class Capture(Session):
                 site.binder = Binder(site.module)
                 pre = functools.partial(self._on_input, site)
                 hooks.forward_pre(site.module, pre, with_kwargs=True)
-            hooks.forward(site.module, functools.partial(self._on_output, site))
+                hooks.forward(site.module, functools.partial(self._on_output, site))
+            else:
+                hooks.forward(site.module, self._output_only(site))
 
     def _closed(self) -> None:
         self._store.closed = True
+        self._sweep()
         for site in self._sites.values():
             self._drop_open(site)
 
@@ -216,15 +222,40 @@ class Capture(Session):
         )
 
     # -- passes and calls -----------------------------------------------------------------
+    # With keep="pass", a layer's calls of the previous pass are dropped when the layer first
+    # runs in the new pass, or, for layers that do not run again, when the capture is read or
+    # the next pass starts: each forward touches only the layers it uses.
     def _new_pass(self) -> None:
-        # Runs once per forward: touch only the layers the last pass used, not every site.
+        if _functorch_level() is not None:  # once per forward; see also _enter_pass
+            raise _transformed(type(self._layers.root).__name__)
+        self._sweep()
         self._pass += 1
         self._remaining = len(self._sites)
-        for site in self._used:
-            self._drop_open(site)  # left over only if that forward was interrupted
-            if self._per_pass:
-                site.record.evict(len(site.record.calls))
-        self._used.clear()
+        self._stale, self._used = self._used, []
+
+    def _sweep(self) -> None:
+        """Drop what layers that did not run in the latest pass still hold from before."""
+        for site in self._stale:
+            if site.used_in != self._pass:
+                self._reset(site)
+        self._stale.clear()
+
+    def _enter_pass(self, site: _Site) -> None:
+        """The layer's first call in this pass."""
+        if not self._depth and _functorch_level() is not None:  # a call outside a forward
+            raise _transformed(site.name)  # of the model (the model's is checked above)
+        site.used_in = self._pass
+        self._used.append(site)
+        if site.open or site.replays:  # left over only if a forward was interrupted
+            self._drop_open(site)
+        if self._per_pass:
+            site.record.evict_all(grads=self._grads)
+
+    def _reset(self, site: _Site) -> None:
+        if site.open or site.replays:
+            self._drop_open(site)
+        if self._per_pass:
+            site.record.evict_all(grads=self._grads)
 
     def _drop_open(self, site: _Site) -> None:
         for call, _ in site.open:
@@ -232,22 +263,60 @@ class Capture(Session):
         site.open.clear()
         site.replays.clear()
 
+    def _make_room(self, record: LayerRecord) -> None:
+        """A ring of N calls: drop the oldest before storing (the budget sees the room)."""
+        assert self._ring is not None
+        if len(record) >= self._ring:
+            record.evict(len(record) - self._ring + 1, grads=self._grads)
+
     def _new_call(self, site: _Site) -> Call:
         if site.used_in != self._pass:
-            site.used_in = self._pass
-            self._used.append(site)
-        limit = self._ring
-        if limit is not None and len(site.record.calls) >= limit:  # make room first, so the
-            site.record.evict(len(site.record.calls) - limit + 1)  # budget sees it
+            self._enter_pass(site)
+        if self._ring is not None:
+            self._make_room(site.record)
         return Call(site.name, self._pass, self._store)
 
-    def _add(self, site: _Site, call: Call) -> None:
-        record = site.record
-        call.index = record.count
-        record.count += 1
-        record.calls.append(call)
-        if self._ring is not None and len(record.calls) > self._ring:  # nested calls
-            record.evict(len(record.calls) - self._ring)
+    def _finished(self, site: _Site) -> None:
+        """stop=True: end the forward once every layer has finished a call in this pass."""
+        if site.done_in != self._pass:
+            site.done_in = self._pass
+            self._remaining -= 1
+            if not self._remaining:
+                raise StopForward(self)
+
+    def _output_only(self, site: _Site) -> Callable[[nn.Module, Any, Any], None]:
+        """The forward hook of a capture of outputs only: the per-call hot path, with what it
+        needs bound once. It stores the value (and its version, by reference), nothing else.
+        With the default storage policy (see ``Store``) the copy is made right here."""
+        module, name, record, store = site.module, site.name, site.record, self._store
+        pending, ring, stop, where = record._pending, self._ring, self._stop, (site.name, _OUTPUT)
+        keep = None if store.keep == store._keep_clone else store.keep
+
+        def on_output(mod: nn.Module, args: Any, output: Any) -> None:
+            if mod is not module:
+                raise replica_error(mod)
+            if _backward_id() != -1:  # a checkpoint's replay: the call is already recorded
+                return
+            if site.used_in != self._pass:
+                self._enter_pass(site)
+            if ring is not None:
+                self._make_room(record)
+            if type(output) is not Tensor:
+                call = Call(name, self._pass, store)
+                call.set_output(output)
+                record.add(call)
+            elif keep is None:  # Store._keep_clone, inlined
+                value = (output.detach() if output.requires_grad else output).clone()
+                nbytes = value.nbytes
+                store.nbytes += nbytes
+                pending.append((value, None, nbytes, self._pass))
+            else:
+                pending.append((*keep(output, where), self._pass))
+            self._last_done = name
+            if stop:
+                self._finished(site)
+
+        return on_output
 
     # -- hooks ----------------------------------------------------------------------------
     def _on_input(
@@ -255,9 +324,8 @@ class Capture(Session):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module is not site.module:
             raise replica_error(module)
-        if recomputing():
+        if _backward_id() != -1:
             return self._replayed_input(site, args, kwargs)
-        _check_not_transformed(site.name)
         call = self._new_call(site)
         assert site.binder is not None
         bound = site.binder.bind(args, kwargs)
@@ -294,24 +362,21 @@ class Capture(Session):
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not site.module:
             raise replica_error(module)
-        if recomputing():
+        if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
         if site.open:
             call, boundary = site.open.pop()
         else:
-            _check_not_transformed(site.name)
             call, boundary = self._new_call(site), None
         call.set_output(output)
-        new_output = None
-        if self._grads:
-            new_output = self._watch(call, boundary, output)
-        self._add(site, call)
+        new_output = self._watch(call, boundary, output) if self._grads else None
+        record = site.record
+        record.add(call)
+        if self._ring is not None and len(record) > self._ring:  # nested calls
+            record.evict(len(record) - self._ring, grads=self._grads)
         self._last_done = site.name
-        if self._stop and site.done_in != self._pass:
-            site.done_in = self._pass
-            self._remaining -= 1
-            if not self._remaining:
-                raise StopForward(self)
+        if self._stop:
+            self._finished(site)
         return new_output
 
     # -- gradients ------------------------------------------------------------------------
@@ -397,13 +462,16 @@ def _why(t: Tensor) -> str:
     return why_no_grad()
 
 
-def _check_not_transformed(layer: str) -> None:
-    if torch._C._functorch.maybe_current_level() is not None:
-        raise UnsupportedModelError(
-            f"{layer!r} ran inside a torch.func transform (vmap, grad, jacrev, ...), where "
-            "tensors are per-sample wrappers that are meaningless outside it. Capture outside "
-            "the transform (e.g. run the batched model directly)."
-        )
+_backward_id = backward_id  # module globals: the per-call path looks them up fastest
+_functorch_level = torch._C._functorch.maybe_current_level
+
+
+def _transformed(layer: str) -> UnsupportedModelError:
+    return UnsupportedModelError(
+        f"{layer!r} ran inside a torch.func transform (vmap, grad, jacrev, ...), where "
+        "tensors are per-sample wrappers that are meaningless outside it. Capture outside "
+        "the transform (e.g. run the batched model directly)."
+    )
 
 
 def _raised_in_a_module(tb: TracebackType | None) -> bool:

@@ -70,30 +70,47 @@ class Call:
         self._store = store
         self._evicted = False
 
+    @classmethod
+    def made(
+        cls, layer: str, store: Store, index: int, value: Tensor, tag: Any, nbytes: int, pass_: int
+    ) -> Call:
+        """The call of a single-tensor output recorded as ``Store.keep`` returned it."""
+        call = cls(layer, pass_, store)
+        call.index, call.nbytes, call._output = index, nbytes, value
+        if type(tag) is int:
+            call._ref = (value, tag)
+        elif tag is not None:
+            call._more().events.append(tag)
+        return call
+
     # -- filling in (by the capture) --------------------------------------------------------
     def _more(self) -> _Extra:
         if self._extra is None:
             self._extra = _Extra()
         return self._extra
 
-    def _keep(self, t: Tensor, path: Path, *, grad: bool = False) -> Tensor:
+    def _keep(self, t: Tensor, path: Path, grad: bool = False) -> Tensor:
         store = self._store
-        before = store.nbytes
-        value, tag = store.keep(t, (self.layer, path), grad=grad)
-        self.nbytes += store.nbytes - before
+        value, tag, nbytes = (store.keep_grad if grad else store.keep)(t, (self.layer, path))
+        self.nbytes += nbytes
         if tag is None:
             return value
         if type(tag) is not int:  # a CUDA event: the copy is still running
             self._more().events.append(tag)
-        elif path is _OUTPUT and self._ref is None:  # the common single output, no _Extra
-            self._ref = (value, tag)
         else:
             self._more().refs.append((value, tag, path))
         return value
 
     def set_output(self, output: Any) -> None:
-        if type(output) is Tensor:  # the common case, without the tree walk
-            self._output = self._keep(output, _OUTPUT)
+        if type(output) is Tensor:  # the common case, inlined: this runs for every call
+            value, tag, nbytes = self._store.keep(output, (self.layer, _OUTPUT))
+            self.nbytes += nbytes
+            self._output = value
+            if tag is not None:
+                if type(tag) is int:
+                    self._ref = (value, tag)
+                else:
+                    self._more().events.append(tag)
         else:
             self._output = _tree.map_tensors(lambda p, t: self._keep(t, ("output", *p)), output)
 
@@ -122,7 +139,7 @@ class Call:
             self._store.refund(freed)
             self.nbytes -= freed
             extra.refs = [r for r in extra.refs if r[2] != ("grad", *key)]
-        extra.grads[key] = self._keep(grad, ("grad", *key), grad=True)
+        extra.grads[key] = self._keep(grad, ("grad", *key), True)
 
     def evict(self) -> None:
         """The capture no longer keeps this call: refund its bytes, take no more gradients."""
@@ -271,19 +288,67 @@ class LayerRecord:
             no longer kept because of ``keep=``).
     """
 
-    __slots__ = ("calls", "count", "module_type", "name")
+    __slots__ = ("_calls", "_dropped", "_pending", "_store", "module_type", "name")
 
-    def __init__(self, name: str, module_type: str) -> None:
+    def __init__(self, name: str, module_type: str, store: Store) -> None:
         self.name = name
         self.module_type = module_type
-        self.calls: list[Call] = []
-        self.count = 0
+        self._dropped = 0  # calls no longer kept
+        self._calls: list[Call] = []
+        # Output-only calls as recorded: (value, tag, nbytes, pass), made into Call objects
+        # when first read. Recording stores nothing else per call.
+        self._pending: list[tuple[Tensor, Any, int, int]] = []
+        self._store = store
 
-    def evict(self, n: int) -> None:
-        """Stop keeping the ``n`` oldest calls."""
-        for call in self.calls[:n]:
-            call.evict()
-        del self.calls[:n]
+    @property
+    def count(self) -> int:
+        """How many times the layer ran while the capture was open (kept or not)."""
+        return self._dropped + len(self._calls) + len(self._pending)
+
+    @property
+    def calls(self) -> list[Call]:
+        if self._pending:
+            first, name, store = self._dropped + len(self._calls), self.name, self._store
+            self._calls += [
+                Call.made(name, store, first + i, *entry) for i, entry in enumerate(self._pending)
+            ]
+            self._pending.clear()
+        return self._calls
+
+    def add(self, call: Call) -> None:
+        """Keep a finished call as the newest."""
+        if self._pending:
+            self.calls  # noqa: B018 - keeps the order
+        call.index = self.count
+        self._calls.append(call)
+
+    def evict(self, n: int, *, grads: bool) -> None:
+        """Stop keeping the ``n`` oldest calls (``grads``: they may still get gradients)."""
+        self._dropped += min(n, len(self))
+        gone = self._calls[:n]
+        del self._calls[:n]
+        if grads:  # mark each, so that its late gradients are dropped
+            for call in gone:
+                call.evict()
+        elif gone:  # nothing can arrive later: just refund
+            self._store.nbytes -= sum(call.nbytes for call in gone)
+        rest = n - len(gone)
+        if rest > 0 and self._pending:
+            self._store.nbytes -= sum(entry[2] for entry in self._pending[:rest])
+            del self._pending[:rest]
+
+    def evict_all(self, *, grads: bool) -> None:
+        """Stop keeping any call (the fast path of :meth:`evict`, once per layer and pass)."""
+        pending = self._pending
+        if pending and not self._calls:
+            self._store.nbytes -= pending[0][2] if len(pending) == 1 else sum(e[2] for e in pending)
+            self._dropped += len(pending)
+            pending.clear()
+        elif self._calls:
+            self.evict(len(self._calls) + len(pending), grads=grads)
+
+    def __len__(self) -> int:
+        return len(self._calls) + len(self._pending)
 
     @property
     def last(self) -> Call:
@@ -313,9 +378,6 @@ class LayerRecord:
     def outputs(self) -> list[Any]:
         """Outputs of every kept call, in order."""
         return [c.output for c in self.calls]
-
-    def __len__(self) -> int:
-        return len(self.calls)
 
     def __iter__(self) -> Iterator[Call]:
         return iter(self.calls)

@@ -24,7 +24,7 @@ from typing import Any
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ._autograd import recomputing
+from ._autograd import backward_id
 from ._compile import compile_guard, is_compiled
 from ._lifetime import HookSet
 from ._naming import Layers
@@ -98,7 +98,7 @@ class Session:
 
     # -- passes ------------------------------------------------------------------------------------
     def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if recomputing():  # activation checkpointing replays part of a pass in backward
+        if backward_id() != -1:  # activation checkpointing replays part of a pass in backward
             return
         if module is not self._layers.root:
             raise replica_error(module)
@@ -109,7 +109,7 @@ class Session:
             self._new_pass()
 
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not recomputing():
+        if backward_id() == -1:
             self._depth = max(0, self._depth - 1)
 
 

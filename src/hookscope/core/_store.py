@@ -31,9 +31,8 @@ REDUCERS: dict[str, ReduceFn] = {
 class Store:
     """A capture's storage policy and byte account.
 
-    ``keep(t, where)`` returns ``(value, version)``: ``version`` is the tensor's version when
-    the value is the live tensor itself (``copy="reference"``), to detect a later in-place
-    change, else ``None``.
+    ``keep(t, where)`` returns ``(value, tag, nbytes)`` (see :meth:`_keep`); ``keep_grad``
+    does the same for a gradient (always detached).
     """
 
     def __init__(
@@ -53,12 +52,44 @@ class Store:
         self._detach = detach
         self._builtin = isinstance(reduce, str)
         self._reduce = REDUCERS[reduce] if isinstance(reduce, str) else reduce
+        plain = reduce is None and device is None and max_bytes is None and detach
+        #: the policy, decided once: ``keep(t, where) -> (value, tag, nbytes)``
+        self.keep = (
+            (self._keep_reference if copy == "reference" else self._keep_clone)
+            if plain
+            else self._keep
+        )
 
     # -- storing ----------------------------------------------------------------------------
-    def keep(self, t: Tensor, where: Where, *, grad: bool = False) -> tuple[Tensor, Any]:
-        """The value to keep for ``t`` and a tag: ``None``; the live tensor's version (an
-        int: the value *is* the live tensor, check it on read); or a CUDA event to wait for
-        (the value is a non-blocking copy into pinned memory)."""
+    # The two hot paths, for the default policy (no reduce, device or budget).
+    def _keep_clone(self, t: Tensor, where: Where) -> tuple[Tensor, Any, int]:
+        value = (t.detach() if t.requires_grad else t).clone()
+        nbytes = value.nbytes
+        self.nbytes += nbytes
+        return value, None, nbytes
+
+    def _keep_reference(self, t: Tensor, where: Where) -> tuple[Tensor, Any, int]:
+        src = t.detach() if t.requires_grad else t
+        nbytes = src.nbytes
+        self.nbytes += nbytes
+        try:
+            return src, src._version, nbytes
+        except RuntimeError:  # an inference tensor has no version counter: copy it instead
+            return src.clone(), None, nbytes
+
+    def _keep(self, t: Tensor, where: Where, grad: bool = False) -> tuple[Tensor, Any, int]:
+        """The value to keep for ``t``, a tag and the bytes charged. The tag is ``None``; the
+        live tensor's version (an int: the value *is* the live tensor, check it on read); or a
+        CUDA event to wait for (the value is a non-blocking copy into pinned memory)."""
+        before = self.nbytes
+        value, tag = self._value(t, where, grad)
+        return value, tag, self.nbytes - before
+
+    def keep_grad(self, t: Tensor, where: Where) -> tuple[Tensor, Any, int]:
+        """:meth:`keep` for a gradient: detached whatever ``detach=`` says."""
+        return self._keep(t, where, grad=True)
+
+    def _value(self, t: Tensor, where: Where, grad: bool) -> tuple[Tensor, Any]:
         src = t.detach() if t.requires_grad and (self._detach or grad) else t
         if self._reduce is not None and not (self._builtin and not src.is_floating_point()):
             value = self._reduced(src, where)
@@ -99,8 +130,7 @@ class Store:
 
     # -- accounting ---------------------------------------------------------------------------
     def charge(self, value: Tensor, where: Where) -> int:
-        # not `value.nbytes`: dynamo cannot trace it with symbolic shapes (torch.compile)
-        nbytes = value.numel() * value.element_size()
+        nbytes = value.nbytes
         if self._max is not None and self.nbytes + nbytes > self._max:
             raise CaptureBudgetError(
                 f"capturing {describe(where)} ({nbytes / 2**20:.2f} MiB) would exceed "
