@@ -19,9 +19,15 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def test_all_is_exact_and_sorted() -> None:
     public = {n for n, v in vars(hs).items() if not n.startswith("_") and not inspect.ismodule(v)}
     assert set(hs.__all__) == public | {"__version__"}
-    assert list(hs.__all__) == sorted(hs.__all__, key=lambda s: (s.lower() != s, s)) or list(
-        hs.__all__
-    ) == sorted(hs.__all__)
+    assert list(hs.__all__) == sorted(hs.__all__)
+
+
+def test_public_names_report_hookscope_as_their_module() -> None:
+    """help(), reprs and docs show where users import them from, not a private module."""
+    for name in hs.__all__:
+        obj = getattr(hs, name)
+        if hasattr(obj, "__module__") and not isinstance(obj, str):
+            assert obj.__module__ == "hookscope", name
 
 
 def test_typed_package() -> None:

@@ -1,15 +1,17 @@
 """Activation checkpointing: a segment recomputed in backward is the same calls again.
 
-Oracle: the same model without checkpointing (same weights, same inputs), observed by the
-same hookscope session kind; plus hand-written hooks counting calls. Both
-``use_reentrant=False`` (backward runs through the first run's graph) and ``True`` (the first
-run is under no_grad; backward runs through the replay's graph) are covered, with a block
-reused across segments, nested checkpoints and Hugging Face's gradient checkpointing."""
+Oracles, all on the same model *without* checkpointing (same weights, same inputs) and never
+through hookscope: hand-written forward hooks for values and call counts, the zoo's autograd
+references for gradients, and edits written by hand as hooks. Both ``use_reentrant=False``
+(backward runs through the first run's graph) and ``True`` (the first run is under no_grad;
+backward runs through the replay's graph) are covered, with a block reused across segments,
+nested checkpoints and Hugging Face's gradient checkpointing."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import hookscope as hs
+from zoo import HandHooks, make_loss, reference_input_grads, reference_output_grads, tree_leaves
 
 REENTRANT = pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 
@@ -50,8 +53,10 @@ class Net(nn.Module):
         return x
 
 
-def loss(out: Tensor) -> Tensor:
-    return (out * torch.arange(1.0, 5.0)).pow(2).sum()
+def plain(net: Net) -> Net:
+    ref = copy.deepcopy(net)
+    ref.reentrant = None
+    return ref
 
 
 def param_grads(model: nn.Module) -> list[Tensor]:
@@ -62,31 +67,30 @@ def param_grads(model: nn.Module) -> list[Tensor]:
     return out
 
 
-def plain(net: Net) -> Net:
-    ref = copy.deepcopy(net)
-    ref.reentrant = None
-    return ref
-
-
 @REENTRANT
 @pytest.mark.parametrize("shared", [False, True], ids=["three-blocks", "one-block-thrice"])
 def test_capture_records_each_call_once_with_its_gradients(reentrant: bool, shared: bool) -> None:
     net = Net(reentrant, shared)
     ref = plain(net)
     x = torch.randn(2, 4, requires_grad=True)
-    layers = ["blocks.1.a", "blocks.1"]
-    with hs.capture(ref, layers, grads=True, inputs=True) as want:
-        loss(ref(x)).backward()
-    with hs.capture(net, layers, grads=True, inputs=True) as got:
-        loss(net(x)).backward()
-    for name in layers:
-        calls = 3 if shared else 1
-        assert len(got[name].calls) == got[name].count == calls, name
-        for a, b in zip(got[name].calls, want[name].calls, strict=True):
-            torch.testing.assert_close(a.output, b.output)
-            torch.testing.assert_close(a.input, b.input)
-            torch.testing.assert_close(a.grad, b.grad)
-            torch.testing.assert_close(a.grad_input, b.grad_input)
+    layers = {"blocks.1.a": ref.blocks[1].a, "blocks.1": ref.blocks[1]}
+    with HandHooks(layers) as hand:
+        ref(x)
+    out_grads = reference_output_grads(ref, layers, (x,), {})
+    with hs.capture(net, list(layers), grads=True, inputs=True) as got:
+        make_loss(net(x)).backward()
+    net.zero_grad(set_to_none=True)
+    for name, module in layers.items():
+        calls = got[name].calls
+        assert len(calls) == got[name].count == len(hand.records[name]) == (3 if shared else 1)
+        for k, (call, want) in enumerate(zip(calls, hand.records[name], strict=True)):
+            torch.testing.assert_close(call.output, want.output)
+            torch.testing.assert_close(
+                call.input, want.inputs["x" if name == "blocks.1" else "input"]
+            )
+            torch.testing.assert_close(call.grad, out_grads[name][k][()])
+            through = reference_input_grads(ref, module, want.start, (x,), {})
+            torch.testing.assert_close(call.grad_input, next(iter(through.values())))
 
 
 @REENTRANT
@@ -97,53 +101,91 @@ def test_nested_checkpoints(reentrant: bool) -> None:
     def inner_outer(x: Tensor) -> Tensor:
         return checkpoint(block, block(x), use_reentrant=reentrant)
 
+    class Twice(nn.Module):  # the same computation without checkpointing
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = copy.deepcopy(block)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.block(self.block(x))
+
     x = torch.randn(2, 4, requires_grad=True)
-    with hs.capture(net, "blocks.0.a", grads=True) as want:
-        loss(block(block(x))).backward()
-    with pytest.warns(UserWarning, match="None of the inputs") if reentrant else _nothing():
-        with hs.capture(net, "blocks.0.a", grads=True) as got:
-            loss(checkpoint(inner_outer, x, use_reentrant=reentrant)).backward()
+    ref = Twice()
+    want = reference_output_grads(ref, {"block.a": ref.block.a}, (x,), {})["block.a"]
+    warns = pytest.warns(UserWarning, match="None of the inputs") if reentrant else _nothing()
+    with warns, hs.capture(net, "blocks.0.a", grads=True) as got:
+        make_loss(checkpoint(inner_outer, x, use_reentrant=reentrant)).backward()
+    net.zero_grad(set_to_none=True)
     assert got["blocks.0.a"].count == 2
-    for a, b in zip(got["blocks.0.a"].calls, want["blocks.0.a"].calls, strict=True):
-        torch.testing.assert_close(a.grad, b.grad)
+    for call, grads in zip(got["blocks.0.a"].calls, want, strict=True):
+        torch.testing.assert_close(call.grad, grads[()])
 
 
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+@contextlib.contextmanager
+def _nothing() -> Iterator[None]:
+    yield
 
 
-EDITS: dict[str, Callable[[hs.Capture], dict[str, hs.Edit]]] = {
-    "patch": lambda src: {"blocks.1.a": hs.patch(src)},
-    "add": lambda src: {"blocks.1.b": hs.add(torch.ones(4))},
-    "grad": lambda src: {"blocks.2.a": hs.scale(2.0, on="grad")},
-    "input_grad": lambda src: {"blocks.1.a": hs.scale(3.0, on="input_grad")},
+# Each edit as hookscope spells it, and as hooks written by hand on the plain model.
+def _patch_by_hand(ref: Net, value: Tensor) -> list[Any]:
+    return [ref.blocks[1].a.register_forward_hook(lambda m, a, o: value.clone())]
+
+
+def _add_by_hand(ref: Net, value: Tensor) -> list[Any]:
+    return [ref.blocks[1].b.register_forward_hook(lambda m, a, o: o + torch.ones(4))]
+
+
+def _grad_by_hand(ref: Net, value: Tensor) -> list[Any]:
+    def hook(m: nn.Module, a: Any, o: Tensor) -> None:
+        o.register_hook(lambda g: 2.0 * g)
+
+    return [ref.blocks[2].a.register_forward_hook(hook)]
+
+
+def _input_grad_by_hand(ref: Net, value: Tensor) -> list[Any]:
+    def pre(m: nn.Module, a: tuple[Tensor]) -> tuple[Tensor]:
+        x = a[0].clone()
+        x.register_hook(lambda g: 3.0 * g)
+        return (x,)
+
+    return [ref.blocks[1].a.register_forward_pre_hook(pre)]
+
+
+EDITS: dict[str, tuple[Callable[[hs.Capture], dict[str, hs.Edit]], Callable[..., list[Any]]]] = {
+    "patch": (lambda src: {"blocks.1.a": hs.patch(src)}, _patch_by_hand),
+    "add": (lambda src: {"blocks.1.b": hs.add(torch.ones(4))}, _add_by_hand),
+    "grad": (lambda src: {"blocks.2.a": hs.scale(2.0, on="grad")}, _grad_by_hand),
+    "input_grad": (lambda src: {"blocks.1.a": hs.scale(3.0, on="input_grad")}, _input_grad_by_hand),
 }
 
 
 @REENTRANT
 @pytest.mark.parametrize("kind", list(EDITS))
-@pytest.mark.mutates_model  # the point is the gradients the edits leave on the parameters
-def test_edits_apply_once_per_call_and_match_no_checkpointing(reentrant: bool, kind: str) -> None:
+def test_edits_apply_once_per_call_and_match_hand_hooks(reentrant: bool, kind: str) -> None:
     net = Net(reentrant)
     ref = plain(net)
     x = torch.randn(2, 4, requires_grad=True)
-    with hs.capture(ref, "blocks.1.a") as src:
-        ref(torch.randn(2, 4))
-    edits = EDITS[kind](src)
-    with hs.edit(ref, edits) as want:
+    other = torch.randn(2, 4)
+    with hs.capture(ref, "blocks.1.a") as src:  # the source run needs no checkpointing
+        ref(other)
+    with torch.no_grad():
+        value = ref.blocks[1].a(ref.blocks[0](other))  # the source value, by hand
+    make_edits, by_hand = EDITS[kind]
+    handles = by_hand(ref, value)
+    try:
         want_out = ref(x)
-        loss(want_out).backward()
-    with hs.edit(net, edits) as got:
+        make_loss(want_out).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    edits = make_edits(src)
+    with hs.edit(net, edits) as editor:
         got_out = net(x)
-        loss(got_out).backward()
+        make_loss(got_out).backward()
     torch.testing.assert_close(got_out, want_out)
     for a, b in zip(param_grads(net), param_grads(ref), strict=True):
         torch.testing.assert_close(a, b)
-    assert got.applied == want.applied == {next(iter(edits)): 1}
+    assert editor.applied == {next(iter(edits)): 1}
 
 
 def test_whole_model_checkpointed_keeps_its_pass() -> None:
@@ -151,14 +193,15 @@ def test_whole_model_checkpointed_keeps_its_pass() -> None:
     net = Net(None)
     x = torch.randn(2, 4, requires_grad=True)
     with hs.capture(net, "blocks.0.a", grads=True) as cap:
-        loss(checkpoint(net, x, use_reentrant=False)).backward()
+        make_loss(checkpoint(net, x, use_reentrant=False)).backward()
+    want = reference_output_grads(net, {"blocks.0.a": net.blocks[0].a}, (x,), {})
+    net.zero_grad(set_to_none=True)
     assert cap["blocks.0.a"].count == 1
-    assert cap["blocks.0.a"].grad.shape == (2, 4)
+    torch.testing.assert_close(cap["blocks.0.a"].grad, want["blocks.0.a"][0][()])
 
 
 @pytest.mark.hf
 @REENTRANT
-@pytest.mark.mutates_model
 def test_hugging_face_gradient_checkpointing(reentrant: bool) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
@@ -173,26 +216,46 @@ def test_hugging_face_gradient_checkpointing(reentrant: bool) -> None:
         net.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         net.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
-    layers = ["transformer.h.0.mlp.c_fc", "transformer.h.1.attn", "transformer.h.1"]
-    results = []
-    for model in (ref, net):
-        with hs.capture(model, layers, grads=True) as cap:
-            model(input_ids=ids, use_cache=False).logits.sum().backward()
-        results.append(cap)
-        model.zero_grad(set_to_none=True)
-    for name in layers:
-        assert results[1][name].count == 1, name
-        torch.testing.assert_close(results[1][name].grad, results[0][name].grad)
+    inputs = {"input_ids": torch.randint(0, 100, (2, 8)), "use_cache": False}
+    names = ["transformer.h.0.mlp.c_fc", "transformer.h.1.mlp", "transformer.h.1"]
+    mods = {n: ref.get_submodule(n) for n in names}
+    want = reference_output_grads(ref, mods, (), inputs)
+    with hs.capture(net, names, grads=True) as got:
+        make_loss(net(**inputs)).backward()
+    for name in names:
+        assert got[name].count == 1, name
+        grads = dict(tree_leaves(got[name].grad))
+        assert grads.keys() == {p for p, g in want[name][0].items() if g is not None}, name
+        for path, grad in grads.items():
+            torch.testing.assert_close(grad, want[name][0][path])
+
+    # a patch from another input, and a gradient edit, written by hand on the plain model
+    other = {"input_ids": torch.randint(0, 100, (2, 8)), "use_cache": False}
+    with HandHooks({"mlp": ref.transformer.h[0].mlp}) as source:
+        ref(**other)
+    patched = source.records["mlp"][0].output
+
+    def grad_hook(m: nn.Module, a: Any, o: Tensor) -> None:
+        o.register_hook(lambda g: 0.5 * g)
+
+    handles = [
+        ref.transformer.h[0].mlp.register_forward_hook(lambda m, a, o: patched.clone()),
+        ref.transformer.h[1].mlp.c_proj.register_forward_hook(grad_hook),
+    ]
+    try:
+        make_loss(ref(**inputs)).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
     with hs.capture(ref, "transformer.h.0.mlp") as src:
-        ref(input_ids=torch.randint(0, 100, (2, 8)), use_cache=False)
+        ref(**other)
     edits = {
         "transformer.h.0.mlp": hs.patch(src),
         "transformer.h.1.mlp.c_proj": hs.scale(0.5, on="grad"),
     }
-    for model in (ref, net):
-        with hs.edit(model, edits) as editor:
-            model(input_ids=ids, use_cache=False).logits.sum().backward()
-        assert editor.applied == {"transformer.h.0.mlp": 1, "transformer.h.1.mlp.c_proj": 1}
+    net.zero_grad(set_to_none=True)
+    with hs.edit(net, edits) as editor:
+        make_loss(net(**inputs)).backward()
+    assert editor.applied == {"transformer.h.0.mlp": 1, "transformer.h.1.mlp.c_proj": 1}
     for a, b in zip(param_grads(net), param_grads(ref), strict=True):
         torch.testing.assert_close(a, b)

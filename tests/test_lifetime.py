@@ -38,7 +38,6 @@ def grads_of(model: nn.Module) -> list[Tensor]:
     [hs.scale(3.0, on="grad"), hs.scale(3.0, on="input_grad"), hs.clip_grad(value=1e-4)],
     ids=["grad", "input_grad", "clip_grad"],
 )
-@pytest.mark.mutates_model  # backward leaves .grad; the test compares them
 def test_gradient_edit_does_not_outlive_its_block(edit: hs.Edit) -> None:
     model, x = mlp(), torch.randn(3, 4)
     model(x).pow(2).sum().backward()
@@ -51,7 +50,6 @@ def test_gradient_edit_does_not_outlive_its_block(edit: hs.Edit) -> None:
         assert torch.equal(got, want)
 
 
-@pytest.mark.mutates_model
 def test_capture_closed_before_backward_takes_no_gradients() -> None:
     model, x = mlp(), torch.randn(3, 4, requires_grad=True)
     with hs.capture(model, ["0", "2"], grads=True) as cap:
@@ -64,7 +62,6 @@ def test_capture_closed_before_backward_takes_no_gradients() -> None:
             read()
 
 
-@pytest.mark.mutates_model
 def test_on_grad_after_remove_changes_nothing() -> None:
     x = torch.randn(3, requires_grad=True)
     z = x * 2

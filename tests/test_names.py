@@ -136,7 +136,7 @@ def test_capture_through_ddp(tmp_path: object) -> None:
     try:
         model = alexnet_like().eval()
         ddp = nn.parallel.DistributedDataParallel(model)
-        assert hs.names(ddp) == hs.names(model)
+        assert hs.names(ddp) == {n: type(m).__name__ for n, m in model.named_modules() if n}
         x = torch.randn(1, 3, 14, 14)
         with torch.no_grad(), hs.capture(ddp, "classifier.1") as cap:
             out = ddp(x)

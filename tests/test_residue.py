@@ -115,7 +115,7 @@ def test_memory_flat_over_1000_capture_and_edit_cycles() -> None:
             hs.edit(model, {"1": hs.scale(0.5)}),
         ):
             model(x).sum().backward()
-        assert cap["0"].grad is not None
+        assert cap["0"].grad.shape == (8, 16)
         hs.features(model, x, "0")
         x.grad = None
         model.zero_grad(set_to_none=True)
