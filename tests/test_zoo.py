@@ -106,8 +106,6 @@ NOOP_OPTIONS = {
 @pytest.mark.parametrize("options", list(NOOP_OPTIONS.values()), ids=list(NOOP_OPTIONS))
 @pytest.mark.parametrize("entry", zoo_params(lambda e: e.raises is None))
 def test_noop_capture_is_bit_identical(entry: ZooEntry, options: dict[str, Any]) -> None:
-    if entry.wrapper == "compile" and options.get("grads"):
-        pytest.skip("slow to compile; test_grads_match_autograd[compiled] checks this output")
     model, args, kwargs = entry.build()
     mods = layer_modules(model)
     with HandHooks(mods) as ref:
@@ -252,8 +250,6 @@ def check_grad_tree(read: Callable[[], Any], expected: GradMap, where: str) -> N
 def test_grads_match_autograd(entry: ZooEntry, leaf: bool) -> None:
     """Every layer's output gradients, and its input gradients (every layer with plain
     inputs; the metadata's interesting layers with leaf inputs, to stay fast)."""
-    if leaf and entry.wrapper == "compile":
-        pytest.skip("slow to compile; the plain-inputs case covers torch.compile")
     model, args, kwargs = entry.build()
     if leaf:
         args, kwargs = leaf_inputs(args, kwargs)
