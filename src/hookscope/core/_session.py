@@ -63,9 +63,11 @@ class Session:
         if self._hooks is not None:
             return self
         _check_replicas(self.model)
+        compiled = is_compiled(self.model)
         with contextlib.ExitStack() as stack:
-            stack.enter_context(compile_guard(self.model, recompile=self._recompile))
-            self._hooks = hooks = HookSet(eager=is_compiled(self.model))
+            if compiled:
+                stack.enter_context(compile_guard(self.model, recompile=self._recompile))
+            self._hooks = hooks = HookSet(eager=compiled)
             stack.callback(hooks.close)
             hooks.forward_pre(self._layers.root, self._on_root_start)
             hooks.forward(self._layers.root, self._on_root_end, always_call=True)
