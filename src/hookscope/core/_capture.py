@@ -11,19 +11,16 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LayerNotFoundError, UnsupportedModelError
-from . import _tree
-from ._autograd import Boundary, backward_id, can_have_grad, queue_after_backward, why_no_grad
+from ._autograd import Boundary, backward_id
 from ._bind import Binder
-from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._lifetime import HookSet
 from ._records import _OUTPUT, Call, LayerRecord
 from ._session import _CALL_CODES, Session, replica_error
 from ._store import Store, check_options
-from ._types import CopyMode, Inputs, Keep, LayerSelector, Path, Reduce
+from ._types import CopyMode, Keep, LayerSelector, Reduce
+from ._watch import GradWatch
 
 __all__ = ["Capture", "StopForward", "capture"]
-
-_PENDING = "pending"  # a reentrant checkpoint's first run: gradients come from its replay
 
 
 class StopForward(BaseException):
@@ -136,8 +133,7 @@ class Capture(Session):
         self._used: list[_Site] = []  # layers that ran in this pass
         self._stale: list[_Site] = []  # layers that ran in the pass before, maybe not since
         self._last_done: str | None = None
-        self._replay = Replay()
-        self._sums: dict[tuple[Call, Path], Tensor] = {}  # input grads, this backward
+        self._watch = GradWatch()
 
     @property
     def nbytes(self) -> int:
@@ -335,29 +331,11 @@ class Capture(Session):
         if not self._grads:
             return None
         call.expect_grads(None if self._inputs else bound)
-        boundary = self._boundary(site, call, bound)
+        boundary = self._watch.start(site.name, call, bound)
         site.open[-1] = (call, boundary)
         if isinstance(boundary, Boundary) and boundary.inputs is not bound:
             return site.binder.unbind(args, kwargs, boundary.inputs)
         return None
-
-    def _boundary(self, site: _Site, call: Call, bound: Inputs) -> Boundary | str | None:
-        """Start watching a call's gradients; a string says why no gradient can exist."""
-        if torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
-            boundary = Boundary(bound)
-            for path, t in _tree.leaves(bound):
-                if not t.requires_grad:
-                    call.no_grad(("input", *path), _why(t))
-            return boundary
-        if maybe_in_segment():
-            _, _, first_runs = find_segments()
-            if any(kind == REENTRANT for _, kind in first_runs):
-                self._replay.note([key for key, _ in first_runs], site.name, call)
-                return _PENDING
-        why = why_no_grad()
-        for path, _ in _tree.leaves(bound):
-            call.no_grad(("input", *path), why)
-        return why
 
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not site.module:
@@ -369,7 +347,10 @@ class Capture(Session):
         else:
             call, boundary = self._new_call(site), None
         call.set_output(output)
-        new_output = self._watch(call, boundary, output) if self._grads else None
+        new_output = None
+        if self._grads:
+            assert self._hooks is not None
+            new_output = self._watch.finish(self._hooks, call, boundary, output)
         record = site.record
         record.add(call)
         if self._ring is not None and len(record) > self._ring:  # nested calls
@@ -379,71 +360,18 @@ class Capture(Session):
             self._finished(site)
         return new_output
 
-    # -- gradients ------------------------------------------------------------------------
-    def _watch(self, call: Call, boundary: Boundary | str | None, output: Any) -> Any:
-        """Hook the gradients of a finished call; return a new output if stand-ins were
-        needed (see ``_autograd``), else None."""
-        if not isinstance(boundary, Boundary):
-            if boundary != _PENDING:
-                why = boundary or why_no_grad()
-                for path, t in _tree.leaves(output):
-                    call.no_grad(("output", *path), why if can_have_grad(t) else _why(t))
-            return None
-        for path, t in _tree.leaves(output):
-            if not t.requires_grad:
-                call.no_grad(("output", *path), _why(t))
-        new_output, hook_on, consumers = boundary.finish(output)
-        hooks = self._hooks
-        assert hooks is not None
-        for path, t in hook_on:
-            hooks.tensor(t, functools.partial(call.set_grad, ("output", *path)))
-        by_node: dict[Any, list[tuple[int, Path]]] = {}
-        for path, pairs in consumers.items():
-            for node, slot in pairs:
-                by_node.setdefault(node, []).append((slot, ("input", *path)))
-        for node, slots in by_node.items():
-            hooks.node(node, functools.partial(self._on_input_grad, call, slots))
-        for path in boundary.input_paths():
-            if path not in consumers:
-                call.no_grad(("input", *path), "the layer's output does not depend on it")
-        return new_output if new_output is not output else None
-
-    def _on_input_grad(
-        self, call: Call, slots: list[tuple[int, Path]], grad_inputs: Any, grad_outputs: Any
-    ) -> None:
-        # A layer may use an input several times: sum what each use sends back, and store
-        # the sum once this backward is over.
-        if not self._sums:
-            queue_after_backward(self._flush_input_grads)
-        for slot, key in slots:
-            g = grad_inputs[slot]
-            if g is not None:
-                old = self._sums.get((call, key))
-                self._sums[call, key] = g if old is None else old + g
-
-    def _flush_input_grads(self) -> None:
-        sums, self._sums = self._sums, {}
-        for (call, key), g in sums.items():
-            call.set_grad(key, g)
-
+    # -- checkpoint replays (only captures with grads=True hook them) ----------------------
     def _replayed_input(
         self, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        """A checkpoint replays a call in backward: hook the replay's graph for the
-        original call's gradients if backward runs through it (reentrant checkpoint)."""
-        if not self._grads:
-            return None
-        segment, kind, first_runs = find_segments()
-        call = self._replay.find(segment, site.name, backward_id()) if kind == REENTRANT else None
-        if call is not None:  # a checkpoint nested in this replay replays it again later
-            self._replay.note([key for key, _ in first_runs], site.name, call)
-        if call is None or not torch.is_grad_enabled():
+        found = self._watch.replayed(site.name) if self._grads else None
+        if found is None:
             site.replays.append(None)
             return None
         assert site.binder is not None
         bound = site.binder.bind(args, kwargs)
         boundary = Boundary(bound)
-        site.replays.append((call, boundary))
+        site.replays.append((found, boundary))
         if boundary.inputs is not bound:
             return site.binder.unbind(args, kwargs, boundary.inputs)
         return None
@@ -452,14 +380,9 @@ class Capture(Session):
         entry = site.replays.pop() if site.replays else None
         if entry is None:
             return None
+        assert self._hooks is not None
         call, boundary = entry
-        return self._watch(call, boundary, output)
-
-
-def _why(t: Tensor) -> str:
-    if not can_have_grad(t):
-        return f"it is a {t.dtype} tensor; only floating-point tensors have gradients"
-    return why_no_grad()
+        return self._watch.finish(self._hooks, call, boundary, output)
 
 
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest
