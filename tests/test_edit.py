@@ -259,3 +259,30 @@ def test_on_grad_result_must_keep_the_gradients_shape() -> None:
     z = x * 2
     with hs.on_grad(z, lambda g: g.sum()), pytest.raises(hs.EditError, match="keep their shape"):
         z.sum().backward()
+
+
+@pytest.mark.parametrize(
+    "entry_name", ["acts_on_parents_tensor", "inplace_relu", "inplace_custom", "densenet"]
+)
+def test_noop_input_grad_edits_keep_in_place_layers_working(entry_name: str) -> None:
+    """An ``input_grad`` edit gives the layer a stand-in input; a layer that changes its input
+    in place must still change the caller's tensor (the parent may go on with it), so the
+    output stays bit-identical and the gradients stay those of the model."""
+    from zoo import ZOO, layer_modules, make_loss, tree_map
+
+    entry = ZOO[entry_name]
+    model, args, kwargs = entry.build()
+    leaf = tree_map(lambda t: t.detach().requires_grad_() if t.is_floating_point() else t, args)
+    expected = model(*leaf, **kwargs)
+    make_loss(expected).backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    layers = [n for n in layer_modules(model) if n in entry.layers]
+    with hs.edit(model, {n: hs.transform(torch.clone, on="input_grad") for n in layers}) as ed:
+        actual = model(*leaf, **kwargs)
+        make_loss(actual).backward()
+    assert torch.equal(actual, expected)
+    for got, ref in zip([p.grad for p in model.parameters()], want, strict=True):
+        torch.testing.assert_close(got, ref)
+    assert all(ed.applied[n] >= 1 for n in layers)
+    model.zero_grad(set_to_none=True)
