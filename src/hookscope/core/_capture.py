@@ -139,7 +139,9 @@ class Capture(Session):
     def nbytes(self) -> int:
         """Bytes of every tensor this capture holds (outputs, inputs, gradients)."""
         self._sweep()
-        return self._store.nbytes
+        if self._store.counting:
+            return self._store.nbytes
+        return sum(record.held() for record in self._records.values())
 
     @property
     def records(self) -> dict[str, LayerRecord]:
@@ -303,9 +305,7 @@ class Capture(Session):
                 record.add(call)
             elif keep is None:  # Store._keep_clone, inlined
                 value = (output.detach() if output.requires_grad else output).clone()
-                nbytes = value.nbytes
-                store.nbytes += nbytes
-                pending.append((value, None, nbytes, self._pass))
+                pending.append((value, None, self._pass))
             else:
                 pending.append((*keep(output, where), self._pass))
             self._last_done = name

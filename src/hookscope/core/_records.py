@@ -44,7 +44,6 @@ class Call:
         layer: the layer's dotted name.
         index: position of this call among the layer's calls since the capture opened.
         pass_index: which top-level forward of the model this call belonged to.
-        nbytes: bytes of the tensors this call holds.
     """
 
     __slots__ = (
@@ -55,7 +54,6 @@ class Call:
         "_store",
         "index",
         "layer",
-        "nbytes",
         "pass_index",
     )
 
@@ -63,7 +61,6 @@ class Call:
         self.layer = layer
         self.index = -1  # set when the call finishes
         self.pass_index = pass_index
-        self.nbytes = 0
         self._output: Any = None
         self._ref: tuple[Tensor, int] | None = None  # a single by-reference output
         self._extra: _Extra | None = None
@@ -72,11 +69,11 @@ class Call:
 
     @classmethod
     def made(
-        cls, layer: str, store: Store, index: int, value: Tensor, tag: Any, nbytes: int, pass_: int
+        cls, layer: str, store: Store, index: int, value: Tensor, tag: Any, pass_: int
     ) -> Call:
         """The call of a single-tensor output recorded as ``Store.keep`` returned it."""
         call = cls(layer, pass_, store)
-        call.index, call.nbytes, call._output = index, nbytes, value
+        call.index, call._output = index, value
         if type(tag) is int:
             call._ref = (value, tag)
         elif tag is not None:
@@ -91,8 +88,7 @@ class Call:
 
     def _keep(self, t: Tensor, path: Path, grad: bool = False) -> Tensor:
         store = self._store
-        value, tag, nbytes = (store.keep_grad if grad else store.keep)(t, (self.layer, path))
-        self.nbytes += nbytes
+        value, tag = (store.keep_grad if grad else store.keep)(t, (self.layer, path))
         if tag is None:
             return value
         if type(tag) is not int:  # a CUDA event: the copy is still running
@@ -103,8 +99,7 @@ class Call:
 
     def set_output(self, output: Any) -> None:
         if type(output) is Tensor:  # the common case, inlined: this runs for every call
-            value, tag, nbytes = self._store.keep(output, (self.layer, _OUTPUT))
-            self.nbytes += nbytes
+            value, tag = self._store.keep(output, (self.layer, _OUTPUT))
             self._output = value
             if tag is not None:
                 if type(tag) is int:
@@ -135,9 +130,7 @@ class Call:
             return
         old = extra.grads.pop(key, None)
         if old is not None:
-            freed = old.numel() * old.element_size()
-            self._store.refund(freed)
-            self.nbytes -= freed
+            self._store.refund(old.nbytes)
             extra.refs = [r for r in extra.refs if r[2] != ("grad", *key)]
         extra.grads[key] = self._keep(grad, ("grad", *key), True)
 
@@ -146,7 +139,15 @@ class Call:
         if not self._evicted:
             self._evicted = True
             self._store.refund(self.nbytes)
-            self.nbytes = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors this call holds (output, inputs, gradients)."""
+        extra = self._extra
+        trees = [self._output]
+        if extra is not None:
+            trees += [extra.inputs, extra.grads]
+        return sum(t.nbytes for tree in trees for _, t in _tree.leaves(tree))
 
     # -- reading ------------------------------------------------------------------------------
     def _ready(self) -> _Extra | None:
@@ -295,9 +296,9 @@ class LayerRecord:
         self.module_type = module_type
         self._dropped = 0  # calls no longer kept
         self._calls: list[Call] = []
-        # Output-only calls as recorded: (value, tag, nbytes, pass), made into Call objects
-        # when first read. Recording stores nothing else per call.
-        self._pending: list[tuple[Tensor, Any, int, int]] = []
+        # Output-only calls as recorded: (value, tag, pass), made into Call objects when
+        # first read. Recording stores nothing else per call.
+        self._pending: list[tuple[Tensor, Any, int]] = []
         self._store = store
 
     @property
@@ -327,25 +328,31 @@ class LayerRecord:
         self._dropped += min(n, len(self))
         gone = self._calls[:n]
         del self._calls[:n]
+        counting = self._store.counting
         if grads:  # mark each, so that its late gradients are dropped
             for call in gone:
                 call.evict()
-        elif gone:  # nothing can arrive later: just refund
-            self._store.nbytes -= sum(call.nbytes for call in gone)
+        elif gone and counting:  # nothing can arrive later: just refund
+            self._store.refund(sum(call.nbytes for call in gone))
         rest = n - len(gone)
         if rest > 0 and self._pending:
-            self._store.nbytes -= sum(entry[2] for entry in self._pending[:rest])
+            if counting:
+                self._store.refund(sum(entry[0].nbytes for entry in self._pending[:rest]))
             del self._pending[:rest]
 
     def evict_all(self, *, grads: bool) -> None:
         """Stop keeping any call (the fast path of :meth:`evict`, once per layer and pass)."""
         pending = self._pending
-        if pending and not self._calls:
-            self._store.nbytes -= pending[0][2] if len(pending) == 1 else sum(e[2] for e in pending)
-            self._dropped += len(pending)
+        if len(pending) == 1 and not self._calls and not self._store.counting:
+            self._dropped += 1
             pending.clear()
-        elif self._calls:
+        elif self._calls or pending:
             self.evict(len(self._calls) + len(pending), grads=grads)
+
+    def held(self) -> int:
+        """Bytes of every tensor the kept calls hold."""
+        pending = sum(entry[0].nbytes for entry in self._pending)
+        return pending + sum(call.nbytes for call in self._calls)
 
     def __len__(self) -> int:
         return len(self._calls) + len(self._pending)

@@ -1,10 +1,10 @@
-"""How a capture stores what it sees, decided once per session, and the bytes it holds.
+"""How a capture stores what it sees, decided once per session, and its byte budget.
 
 :class:`Store` turns a live tensor into the value a record keeps (a detached copy, the tensor
-itself, a reduction, a copy on another device) and charges its bytes against ``max_bytes``
-*before* copying. ``Store.nbytes`` is the sum of ``numel() * element_size()`` over every
-tensor the capture's kept calls hold (outputs, inputs, gradients): evicted calls and replaced
-gradients are refunded, and a call evicted before its gradient arrives never takes it.
+itself, a reduction, a copy on another device). With ``max_bytes`` it also keeps a running
+total, charged *before* copying (so the budget is never exceeded) and refunded when calls are
+evicted or gradients replaced. Without a budget no total is kept per call: the bytes held are
+summed from the kept calls when asked (``Capture.nbytes``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ REDUCERS: dict[str, ReduceFn] = {
 class Store:
     """A capture's storage policy and byte account.
 
-    ``keep(t, where)`` returns ``(value, tag, nbytes)`` (see :meth:`_keep`); ``keep_grad``
-    does the same for a gradient (always detached).
+    ``keep(t, where)`` returns ``(value, tag)`` (see :meth:`_keep`); ``keep_grad`` does the
+    same for a gradient (always detached).
     """
 
     def __init__(
@@ -44,6 +44,7 @@ class Store:
         detach: bool,
         max_bytes: int | None,
     ) -> None:
+        self.counting = max_bytes is not None  # a running total, for the budget only
         self.nbytes = 0
         self.closed = False  # set when the owning session closes
         self._max = max_bytes
@@ -53,7 +54,7 @@ class Store:
         self._builtin = isinstance(reduce, str)
         self._reduce = REDUCERS[reduce] if isinstance(reduce, str) else reduce
         plain = reduce is None and device is None and max_bytes is None and detach
-        #: the policy, decided once: ``keep(t, where) -> (value, tag, nbytes)``
+        #: the policy, decided once: ``keep(t, where) -> (value, tag)``
         self.keep = (
             (self._keep_reference if copy == "reference" else self._keep_clone)
             if plain
@@ -62,34 +63,24 @@ class Store:
 
     # -- storing ----------------------------------------------------------------------------
     # The two hot paths, for the default policy (no reduce, device or budget).
-    def _keep_clone(self, t: Tensor, where: Where) -> tuple[Tensor, Any, int]:
-        value = (t.detach() if t.requires_grad else t).clone()
-        nbytes = value.nbytes
-        self.nbytes += nbytes
-        return value, None, nbytes
+    def _keep_clone(self, t: Tensor, where: Where) -> tuple[Tensor, Any]:
+        return (t.detach() if t.requires_grad else t).clone(), None
 
-    def _keep_reference(self, t: Tensor, where: Where) -> tuple[Tensor, Any, int]:
+    def _keep_reference(self, t: Tensor, where: Where) -> tuple[Tensor, Any]:
         src = t.detach() if t.requires_grad else t
-        nbytes = src.nbytes
-        self.nbytes += nbytes
         try:
-            return src, src._version, nbytes
+            return src, src._version
         except RuntimeError:  # an inference tensor has no version counter: copy it instead
-            return src.clone(), None, nbytes
+            return src.clone(), None
 
-    def _keep(self, t: Tensor, where: Where, grad: bool = False) -> tuple[Tensor, Any, int]:
-        """The value to keep for ``t``, a tag and the bytes charged. The tag is ``None``; the
-        live tensor's version (an int: the value *is* the live tensor, check it on read); or a
-        CUDA event to wait for (the value is a non-blocking copy into pinned memory)."""
-        before = self.nbytes
-        value, tag = self._value(t, where, grad)
-        return value, tag, self.nbytes - before
-
-    def keep_grad(self, t: Tensor, where: Where) -> tuple[Tensor, Any, int]:
+    def keep_grad(self, t: Tensor, where: Where) -> tuple[Tensor, Any]:
         """:meth:`keep` for a gradient: detached whatever ``detach=`` says."""
         return self._keep(t, where, grad=True)
 
-    def _value(self, t: Tensor, where: Where, grad: bool) -> tuple[Tensor, Any]:
+    def _keep(self, t: Tensor, where: Where, grad: bool = False) -> tuple[Tensor, Any]:
+        """The value to keep for ``t`` and a tag: ``None``; the live tensor's version (an
+        int: the value *is* the live tensor, check it on read); or a CUDA event to wait for
+        (the value is a non-blocking copy into pinned memory)."""
         src = t.detach() if t.requires_grad and (self._detach or grad) else t
         if self._reduce is not None and not (self._builtin and not src.is_floating_point()):
             value = self._reduced(src, where)
@@ -128,8 +119,10 @@ class Store:
             value = value.clone()
         return value.detach() if self._detach and value.requires_grad else value
 
-    # -- accounting ---------------------------------------------------------------------------
-    def charge(self, value: Tensor, where: Where) -> int:
+    # -- accounting (with a budget only) ----------------------------------------------------------
+    def charge(self, value: Tensor, where: Where) -> None:
+        if not self.counting:
+            return
         nbytes = value.nbytes
         if self._max is not None and self.nbytes + nbytes > self._max:
             raise CaptureBudgetError(
@@ -139,10 +132,10 @@ class Store:
                 "ring (keep=N), or raise max_bytes."
             )
         self.nbytes += nbytes
-        return nbytes
 
     def refund(self, nbytes: int) -> None:
-        self.nbytes -= nbytes
+        if self.counting:
+            self.nbytes -= nbytes
 
 
 def _shares_storage(a: Tensor, b: Tensor) -> bool:
