@@ -6,11 +6,12 @@
   identity, requires_grad, parameter hooks, values);
 * every tensor handed to one: its hooks, requires_grad and value;
 * process-global state: torch's global module hooks, ``nn.Module.__getstate__``,
-  dynamo's config and compile stance.
+  ``copyreg.dispatch_table``, dynamo's config and compile stance.
 """
 
 from __future__ import annotations
 
+import copyreg
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -153,6 +154,11 @@ def global_state() -> dict[str, Any]:
 
     state: dict[str, Any] = {n: tuple(getattr(module_globals, n).items()) for n in _GLOBAL_HOOKS}
     state["nn.Module.__getstate__"] = nn.Module.__dict__["__getstate__"]
+    state["copyreg.dispatch_table"] = {  # the module classes' entries (imports add others)
+        cls: fn
+        for cls, fn in copyreg.dispatch_table.items()
+        if isinstance(cls, type) and issubclass(cls, nn.Module)
+    }
     state["dynamo config"] = torch._dynamo.config.get_config_copy()
     state["dynamo stance"] = eval_frame._stance
     return state

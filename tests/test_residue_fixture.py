@@ -79,11 +79,11 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
         "            torch._dynamo.config.skip_nnmodule_hook_guards = False",
         "global state changed: dynamo config",
     ),
-    "getstate": (
+    "copy_hooks": (
         "_lifetime.py",
-        "                CLEAN_COPIES.release()",
-        "                CLEAN_COPIES.acquire()  # as if never released",
-        "global state changed: nn.Module.__getstate__",
+        "            while self._classes:",
+        "            self._classes.clear()  # forget to release the copy rules",
+        "global state changed: copyreg.dispatch_table",
     ),
     "tensor_hook": (
         "_grad.py",

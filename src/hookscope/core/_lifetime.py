@@ -20,9 +20,9 @@ fails when a later in-place op touches the module's output and skips dict output
 Process-global effects, each reference-counted (made by the first session that needs it,
 undone exactly by the last one to close, whatever the order):
 
-* ``nn.Module.__getstate__`` is wrapped while any session is open, so that ``copy.deepcopy``,
-  ``pickle`` and ``torch.save`` of a hooked model work and the copy carries none of
-  hookscope's hooks (the user's own hooks are copied as PyTorch always does);
+* ``copyreg.dispatch_table`` has an entry for each class of module hookscope has hooked, so
+  that ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a hooked model work and the copy
+  carries none of hookscope's hooks (the user's own hooks are copied as PyTorch always does);
 * ``torch._dynamo.config.skip_nnmodule_hook_guards`` is set to ``False`` while a session
   with ``recompile=True`` is open (see ``_compile``).
 
@@ -33,6 +33,7 @@ calls the module: a capture also records calls other threads make while it is op
 from __future__ import annotations
 
 import contextlib
+import copyreg
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -74,48 +75,74 @@ class Shared:
             self._saved = None
 
 
-def _getstate_without_our_hooks(original: Callable[[nn.Module], dict[str, Any]]) -> Any:
-    def __getstate__(self: nn.Module) -> dict[str, Any]:
-        state = original(self)
-        for key in _HOOK_DICTS:
-            hooks = state.get(key)
-            if hooks and not _MODULE_HOOK_IDS.isdisjoint(hooks):
-                state[key] = OrderedDict(
-                    (k, v) for k, v in hooks.items() if k not in _MODULE_HOOK_IDS
-                )
-        return state
+class _CleanCopies:
+    """Copies and pickles of hooked modules leave hookscope's hooks out.
 
-    __getstate__._hookscope = True  # type: ignore[attr-defined]
-    return __getstate__
+    ``copy.deepcopy``, ``pickle`` and ``torch.save`` look a class up in
+    ``copyreg.dispatch_table`` before anything else; while a module of that exact class holds
+    hookscope hooks, an entry there reduces it as usual and then drops those hooks from its
+    state. Entries are counted per class and removed by the last release (a dict entry, so
+    installing it does not touch the class itself).
+    """
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self._count: dict[type, int] = {}
+        self._before: dict[type, Any] = {}  # what dispatch_table held for the class
+
+    def acquire(self, cls: type) -> None:
+        count = self._count.get(cls, 0)
+        if count == 0:
+            self._before[cls] = copyreg.dispatch_table.get(cls, self._MISSING)
+            copyreg.dispatch_table[cls] = self.reduce
+        self._count[cls] = count + 1
+
+    def release(self, cls: type) -> None:
+        count = self._count.pop(cls) - 1
+        if count:
+            self._count[cls] = count
+            return
+        before = self._before.pop(cls)
+        if copyreg.dispatch_table.get(cls) == self.reduce:  # leave a later owner's entry
+            if before is self._MISSING:
+                del copyreg.dispatch_table[cls]
+            else:
+                copyreg.dispatch_table[cls] = before
+
+    def reduce(self, module: nn.Module) -> Any:
+        before = self._before.get(type(module), self._MISSING)
+        rv = module.__reduce_ex__(4) if before is self._MISSING else before(module)
+        if isinstance(rv, tuple) and len(rv) > 2 and isinstance(rv[2], dict):
+            rv = (rv[0], rv[1], _without_our_hooks(rv[2]), *rv[3:])
+        return rv
 
 
-def _wrap_getstate() -> Any:
-    original = nn.Module.__dict__["__getstate__"]
-    nn.Module.__getstate__ = _getstate_without_our_hooks(original)  # type: ignore[method-assign]
-    return original
-
-
-def _unwrap_getstate(original: Any) -> None:
-    current = nn.Module.__dict__.get("__getstate__")
-    if getattr(current, "_hookscope", False):  # leave it if someone wrapped it after us
-        nn.Module.__getstate__ = original  # type: ignore[method-assign]
+def _without_our_hooks(state: dict[str, Any]) -> dict[str, Any]:
+    out = dict(state)
+    for key in _HOOK_DICTS:
+        hooks = out.get(key)
+        if hooks and not _MODULE_HOOK_IDS.isdisjoint(hooks):
+            out[key] = OrderedDict((k, v) for k, v in hooks.items() if k not in _MODULE_HOOK_IDS)
+    return out
 
 
 #: Copies of a hooked model carry none of hookscope's hooks (see the module docstring).
-CLEAN_COPIES = Shared(_wrap_getstate, _unwrap_getstate)
+CLEAN_COPIES = _CleanCopies()
 
 
 class HookSet:
     """The hooks one hookscope session added, removed together on :meth:`close`."""
 
-    __slots__ = ("_eager", "_handles", "_module_ids", "_prune_at")
+    __slots__ = ("_classes", "_eager", "_handles", "_module_ids", "_prune_at")
 
     def __init__(self, *, eager: bool = False) -> None:
         #: run module hooks outside torch.compile graphs (a graph break around each hook):
         #: hookscope's hooks read the real autograd graph, which tracing does not have
         self._eager = eager
         self._handles: list[RemovableHandle] = []
-        self._module_ids: list[int] | None = None  # set by the first module hook
+        self._module_ids: list[int] = []
+        self._classes: list[type] = []  # of hooked modules, for CLEAN_COPIES
         self._prune_at = 256
 
     def __len__(self) -> int:
@@ -125,7 +152,7 @@ class HookSet:
         self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
     ) -> None:
         fn = self._outside_graphs(fn)
-        self._module(module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
+        self._module(module, module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
     def forward(
         self,
@@ -136,9 +163,8 @@ class HookSet:
         always_call: bool = False,
     ) -> None:
         fn = self._outside_graphs(fn)
-        self._module(
-            module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
-        )
+        handle = module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
+        self._module(module, handle)
 
     def tensor(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None]) -> None:
         """Hook ``tensor``'s gradient until :meth:`close`."""
@@ -154,10 +180,10 @@ class HookSet:
             while self._handles:
                 self._handles.pop().remove()
         finally:
-            if self._module_ids is not None:
-                _MODULE_HOOK_IDS.difference_update(self._module_ids)
-                self._module_ids = None
-                CLEAN_COPIES.release()
+            _MODULE_HOOK_IDS.difference_update(self._module_ids)
+            self._module_ids.clear()
+            while self._classes:
+                CLEAN_COPIES.release(self._classes.pop())
 
     def _outside_graphs(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self._eager:
@@ -167,13 +193,12 @@ class HookSet:
         disabled: Callable[..., Any] = torch._dynamo.disable(fn)  # type: ignore[no-untyped-call]
         return disabled
 
-    def _module(self, handle: RemovableHandle) -> None:
-        if self._module_ids is None:
-            self._module_ids = []
-            CLEAN_COPIES.acquire()
+    def _module(self, module: nn.Module, handle: RemovableHandle) -> None:
         self._handles.append(handle)
         self._module_ids.append(handle.id)
         _MODULE_HOOK_IDS.add(handle.id)
+        self._classes.append(type(module))
+        CLEAN_COPIES.acquire(type(module))
 
     def _keep(self, handle: RemovableHandle) -> None:
         # A hook on a graph node lives as long as the graph; once the graph is freed its
