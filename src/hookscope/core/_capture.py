@@ -239,7 +239,8 @@ class Capture(Session):
         self._stale.clear()
 
     def _enter_pass(self, site: _Site) -> None:
-        """The layer's first call in this pass."""
+        """The layer's first call in this pass (it runs once per layer and forward: the body
+        of _reset is repeated here rather than called)."""
         if not self._depth and _functorch_level() is not None:  # a call outside a forward
             raise _transformed(site.name)  # of the model (the model's is checked above)
         site.used_in = self._pass
@@ -250,6 +251,7 @@ class Capture(Session):
             site.record.evict_all(grads=self._grads)
 
     def _reset(self, site: _Site) -> None:
+        """Drop a layer's calls left from earlier passes (keep="pass")."""
         if site.open or site.replays:
             self._drop_open(site)
         if self._per_pass:
@@ -287,7 +289,7 @@ class Capture(Session):
         needs bound once. It stores the value (and its version, by reference), nothing else.
         With the default storage policy (see ``Store``) the copy is made right here."""
         module, name, record, store = site.module, site.name, site.record, self._store
-        pending, ring, stop, where = record._pending, self._ring, self._stop, (site.name, _OUTPUT)
+        append, ring, stop, where = record.appender(), self._ring, self._stop, (name, _OUTPUT)
         keep = None if store.keep == store._keep_clone else store.keep
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
@@ -305,9 +307,9 @@ class Capture(Session):
                 record.add(call)
             elif keep is None:  # Store._keep_clone, inlined
                 value = (output.detach() if output.requires_grad else output).clone()
-                pending.append((value, None, self._pass))
+                append((value, None, self._pass))
             else:
-                pending.append((*keep(output, where), self._pass))
+                append((*keep(output, where), self._pass))
             self._last_done = name
             if stop:
                 self._finished(site)

@@ -8,7 +8,7 @@ checks by-reference values for later in-place changes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch import Tensor
@@ -300,6 +300,12 @@ class LayerRecord:
         # first read. Recording stores nothing else per call.
         self._pending: list[tuple[Tensor, Any, int]] = []
         self._store = store
+
+    def appender(self) -> Callable[[tuple[Tensor, Any, int]], None]:
+        """How a capture's hot path records a finished call with a single-tensor output:
+        ``append((value, tag, pass_index))``, with ``value, tag`` as ``Store.keep`` returns
+        them. The :class:`Call` is made when the record is read."""
+        return self._pending.append
 
     @property
     def count(self) -> int:
