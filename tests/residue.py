@@ -104,7 +104,7 @@ class ModuleState:
             out += [
                 f"parameter {a[0]!r} values changed"
                 for a, b in zip(self.params, now.params)
-                if not torch.equal(a[4], b[4])
+                if not _equal_or_none(a[4], b[4])
             ]
         if [b[:2] for b in self.buffers] != [b[:2] for b in now.buffers]:
             out.append("buffer list or identity changed")
@@ -124,7 +124,9 @@ def _copy(t: Tensor) -> Tensor:
 def _equal_or_none(a: Tensor | None, b: Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
-    return bool(a.is_meta or torch.equal(a, b))
+    if (a.device, a.dtype, a.shape) != (b.device, b.dtype, b.shape):
+        return False  # moved, cast or resized
+    return bool(a.is_meta or torch.equal(a, b))  # meta tensors hold no values
 
 
 @dataclass

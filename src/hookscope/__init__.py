@@ -46,6 +46,7 @@ from .errors import (
     UnsupportedModelError,
     UsageError,
 )
+from .look import Summary, SummaryRow, summary
 
 __all__ = [
     "Call",
@@ -64,6 +65,8 @@ __all__ = [
     "LayerNotFoundError",
     "LayerRecord",
     "StaleCaptureError",
+    "Summary",
+    "SummaryRow",
     "UnsupportedModelError",
     "UsageError",
     "__version__",
@@ -80,6 +83,7 @@ __all__ = [
     "patch",
     "replace",
     "scale",
+    "summary",
     "transform",
 ]
 

@@ -6,6 +6,7 @@ each other's private modules. The public API is re-exported flat from ``hookscop
 
 from ._autograd import can_have_grad, recomputing, why_no_grad
 from ._capture import Capture, StopForward, capture
+from ._compile import run_eagerly
 from ._edit import (
     Edit,
     EditContext,
@@ -57,6 +58,7 @@ __all__ = [
     "recomputing",
     "replace",
     "resolve",
+    "run_eagerly",
     "scale",
     "training_mode",
     "transform",

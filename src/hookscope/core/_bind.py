@@ -41,6 +41,14 @@ class Binder:
             fast.append(p.name)
         self._fast = tuple(fast)
 
+    def parameters(self) -> frozenset[str] | None:
+        """The names ``forward`` takes by keyword (not ``*args`` / ``**kwargs``), or None if
+        its signature cannot be read."""
+        if self._sig is None:
+            return None
+        keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        return frozenset(n for n, k in self._kinds.items() if k in keyword)
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inputs:
         """``{parameter name: value}`` for one call (``arg{i}`` where no name exists)."""
         if not kwargs and len(args) <= len(self._fast):

@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import CompiledModelError
 from ._lifetime import Shared
 
-__all__ = ["compile_guard", "is_compiled"]
+__all__ = ["compile_guard", "is_compiled", "run_eagerly"]
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -92,6 +92,26 @@ _HAS_STANCE = hasattr(torch.compiler, "set_stance")
 #: Compiled code runs eagerly while a recompile=True session is open (see the docstring).
 EAGER = Shared(_force_eager, _restore_stance)
 _GUARDS = Shared(_hook_guards_on, _hook_guards_restore)  # torch < 2.6 only
+
+
+@contextlib.contextmanager
+def run_eagerly(model: nn.Module) -> Iterator[None]:
+    """Context in which a compiled model runs its Python code, compiling and reading nothing.
+
+    For tools that must see every operator (a dispatch mode under a compiled graph would see
+    one opaque call, and compiling under it would cache code traced with the tool's hooks).
+    """
+    if not is_compiled(model):
+        yield
+    elif _HAS_STANCE:
+        EAGER.acquire()
+        try:
+            yield
+        finally:
+            EAGER.release()
+    else:  # pragma: no cover - torch < 2.6
+        with compile_guard(model, recompile=True):
+            yield
 
 
 @contextlib.contextmanager

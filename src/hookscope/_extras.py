@@ -1,0 +1,23 @@
+"""Optional dependencies: imported where used, with the exact install line when missing."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["require"]
+
+
+def require(module: str, extra: str, *, purpose: str) -> ModuleType:
+    """Import ``module`` or raise ImportError saying which hookscope extra provides it.
+
+    Example: ``require("PIL.Image", "images", purpose="saving PNG files")``.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        top = module.split(".")[0]
+        raise ImportError(
+            f"{purpose} needs the optional package {top!r}, which is not installed: "
+            f'pip install "hookscope[{extra}]"'
+        ) from e
