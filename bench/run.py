@@ -28,7 +28,7 @@ from _common import DASH, SETTINGS, Config, Job, Target  # noqa: E402
 
 #: Capability modules. Each has ``jobs(cfg) -> list[Job]``, ``work(spec) -> dict`` (run in a
 #: worker process) and ``report(results, meta) -> (targets, markdown lines)``.
-MODULES = ("capture",)
+MODULES = ("capture", "look")
 
 #: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
 MALLOC_ENV: dict[str, dict[str, str]] = {
@@ -117,12 +117,19 @@ def run_jobs(jobs: list[Job], cfg: Config, parallel: int, t0: float) -> None:
             _log(f"done {took}", t0)
 
 
-def run_all(cfg: Config, argv: Sequence[str], baseline: dict[str, Any] | None) -> None:
+def _meta_path(out: Path, only: str | None) -> Path:
+    return out / (f"run_meta_{only}.json" if only else "run_meta.json")
+
+
+def run_all(
+    cfg: Config, argv: Sequence[str], baseline: dict[str, Any] | None, only: str | None = None
+) -> None:
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
     cfg.out.mkdir(parents=True, exist_ok=True)
-    for old in [*cfg.out.glob("*.json"), *cfg.out.glob("*.log")]:
+    modules, prefix = ((only,), f"{only}_") if only else (MODULES, "")
+    for old in [*cfg.out.glob(f"{prefix}*.json"), *cfg.out.glob(f"{prefix}*.log")]:
         old.unlink()
-    jobs = [j for m in MODULES for j in importlib.import_module(m).jobs(cfg)]
+    jobs = [j for m in modules for j in importlib.import_module(m).jobs(cfg)]
     # Timing processes run alone (2 threads, 2 cores) except in --quick; memory figures are
     # per process, so memory processes may share the machine.
     run_jobs([j for j in jobs if j.alone], cfg, 2 if cfg.quick else 1, t0)
@@ -135,7 +142,7 @@ def run_all(cfg: Config, argv: Sequence[str], baseline: dict[str, Any] | None) -
         "malloc_env": MALLOC_ENV,
         "baseline": baseline,
     }
-    (cfg.out / "run_meta.json").write_text(json.dumps(meta, indent=1))
+    _meta_path(cfg.out, only).write_text(json.dumps(meta, indent=1))
 
 
 # -- report ------------------------------------------------------------------------------------
@@ -173,7 +180,11 @@ def _header(meta: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
 
 def _targets_table(targets: list[Target]) -> list[str]:
     columns = list(dict.fromkeys(c for t in targets for c in t.cells))
-    header = ["target", "model", *(c if c != "other" else "memory / latency" for c in columns)]
+    header = [
+        "target",
+        "model",
+        *(c if c != "other" else "memory / latency / other" for c in columns),
+    ]
     rows = [
         [t.what, t.model]
         + [t.cells[c].cell() if t.cells.get(c) else DASH for c in columns]  # type: ignore[union-attr]
@@ -204,13 +215,31 @@ def _allocator(meta: dict[str, Any]) -> list[str]:
     ]
 
 
-def write_report(out: Path, results_md: Path) -> None:
-    meta_path = out / "run_meta.json"
+def splice(old: str, module: str, new: list[str]) -> str:
+    """``old`` RESULTS.md with ``module``'s sections (headed ``## Module: ...``) replaced by
+    ``new``, or ``new`` put before the allocator notes if it had none."""
+    kept: list[str] = []
+    at, skipping = None, False
+    for line in old.splitlines():
+        if line.startswith("## "):
+            skipping = line.startswith(f"## {module.capitalize()}:")
+            at = len(kept) if skipping and at is None else at
+        if not skipping:
+            kept.append(line)
+    if at is None:
+        at = next((i for i, x in enumerate(kept) if x.startswith("## Allocator")), len(kept))
+    return "\n".join([*kept[:at], *new, *kept[at:], ""])
+
+
+def write_report(out: Path, results_md: Path, only: str | None = None) -> None:
+    """RESULTS.md from the JSON in ``out``; with ``only``, that module's sections replace
+    its old ones in the existing RESULTS.md and everything else is kept."""
+    meta_path = _meta_path(out, only)
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     targets: list[Target] = []
     everything: list[dict[str, Any]] = []
     sections: list[str] = []
-    for name in MODULES:
+    for name in (only,) if only else MODULES:
         results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}_*.json"))]
         everything += results
         got, lines = importlib.import_module(name).report(
@@ -223,10 +252,15 @@ def write_report(out: Path, results_md: Path) -> None:
         for r in everything
         if r["kind"] == "error"
     ]
-    lines = _header(meta, everything)
-    lines += ["**Worker failures:**", "", *failures] if failures else []
-    lines += _targets_table(targets) + sections + _allocator(meta)
+    failed = ["**Worker failures:**", "", *failures] if failures else []
     results_md.parent.mkdir(parents=True, exist_ok=True)
+    if only and results_md.exists():  # the other sections stay as their own run left them
+        title = f"## {only.capitalize()}: targets (run on its own; the header is the other run's)"
+        new = [title, "", *_header(meta, everything)[2:], *failed, *_targets_table(targets)[2:]]
+        results_md.write_text(splice(results_md.read_text(), only, new + sections))
+        return
+    lines = _header(meta, everything) + failed
+    lines += _targets_table(targets) + sections + _allocator(meta)
     results_md.write_text("\n".join(lines))
 
 
@@ -240,6 +274,7 @@ def run_worker(module: str, spec: str, json_path: str) -> None:
 
 
 WAIT_HELP = "first wait up to S seconds for the 1-minute load average to fall below 0.5"
+ONLY_HELP = "run one capability module; its sections replace its old ones in RESULTS.md"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -249,6 +284,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true", help="rewrite RESULTS.md from the JSON")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S", help=WAIT_HELP)
     p.add_argument("--baseline", metavar="REV", help="also time src/hookscope at git REV")
+    p.add_argument("--only", choices=MODULES, help=ONLY_HELP)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
@@ -271,8 +307,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         baseline = extract_baseline(args.baseline) if args.baseline else None
         path = baseline and not baseline.get("error") and str(BASELINE_DIR)
         settings = ("tuned",) if args.quick else tuple(SETTINGS)
-        run_all(Config(args.quick, out, settings, path or None), argv, baseline)
-    write_report(out, results_md)
+        run_all(Config(args.quick, out, settings, path or None), argv, baseline, args.only)
+    write_report(out, results_md, args.only)
     print(f"wrote {results_md}", file=sys.stderr)
 
 
