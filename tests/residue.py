@@ -126,7 +126,11 @@ def _equal_or_none(a: Tensor | None, b: Tensor | None) -> bool:
         return a is b
     if (a.device, a.dtype, a.shape) != (b.device, b.dtype, b.shape):
         return False  # moved, cast or resized
-    return bool(a.is_meta or torch.equal(a, b))  # meta tensors hold no values
+    if a.is_meta or torch.equal(a, b):  # meta tensors hold no values
+        return True
+    if not a.is_floating_point():
+        return False
+    return bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())  # NaN where NaN was
 
 
 @dataclass

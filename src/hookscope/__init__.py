@@ -46,7 +46,7 @@ from .errors import (
     UnsupportedModelError,
     UsageError,
 )
-from .look import Summary, SummaryRow, summary
+from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
 
 __all__ = [
     "Call",
@@ -75,6 +75,8 @@ __all__ = [
     "capture",
     "clip_grad",
     "edit",
+    "feature_grid",
+    "feature_grids",
     "features",
     "grad_of",
     "mean_ablate",
