@@ -34,6 +34,7 @@ from .core import (
     scale,
     transform,
 )
+from .diagnose import NonFiniteReport, nonfinite
 from .errors import (
     CaptureBudgetError,
     CaptureError,
@@ -42,6 +43,7 @@ from .errors import (
     GradientUnavailableError,
     HookscopeError,
     LayerNotFoundError,
+    NonFiniteError,
     StaleCaptureError,
     UnsupportedModelError,
     UsageError,
@@ -64,6 +66,8 @@ __all__ = [
     "HookscopeError",
     "LayerNotFoundError",
     "LayerRecord",
+    "NonFiniteError",
+    "NonFiniteReport",
     "StaleCaptureError",
     "Summary",
     "SummaryRow",
@@ -81,6 +85,7 @@ __all__ = [
     "grad_of",
     "mean_ablate",
     "names",
+    "nonfinite",
     "on_grad",
     "patch",
     "replace",

@@ -12,7 +12,8 @@ for the same kind of problem, so ``except LookupError`` keeps working::
     ├── CaptureBudgetError (MemoryError)      storing the next tensor would exceed max_bytes
     ├── EditError (ValueError)                an edit would change shape/dtype, or is ambiguous
     ├── CompiledModelError (RuntimeError)     hooks would be silently ignored by torch.compile
-    └── UnsupportedModelError (RuntimeError)  the model runs in a way hookscope cannot follow
+    ├── UnsupportedModelError (RuntimeError)  the model runs in a way hookscope cannot follow
+    └── NonFiniteError (FloatingPointError)   a NaN/Inf appeared (hs.nonfinite names its source)
 
 Failures raised by the user's model or callbacks are never wrapped: they propagate unchanged,
 with a note (``add_note``) naming the layer hookscope was handling when it happened.
@@ -28,6 +29,7 @@ __all__ = [
     "GradientUnavailableError",
     "HookscopeError",
     "LayerNotFoundError",
+    "NonFiniteError",
     "StaleCaptureError",
     "UnsupportedModelError",
     "UsageError",
@@ -75,3 +77,34 @@ class CompiledModelError(HookscopeError, RuntimeError):
 
 class UnsupportedModelError(HookscopeError, RuntimeError):
     """The model runs in a way hookscope cannot follow correctly (e.g. several replicas)."""
+
+
+class NonFiniteError(HookscopeError, FloatingPointError):
+    """A NaN or Inf appeared in a forward or backward watched by :func:`hookscope.nonfinite`.
+
+    Attributes:
+        phase: ``"forward"`` or ``"backward"``.
+        module: the producing module's dotted name (``""`` for the model's own forward),
+            ``"<input>"`` when the value came in with the inputs, ``"<loss>"`` when it came in
+            as the gradient of the model's outputs.
+        call: which call of that module (1-based), or None.
+        op: the operator that produced it (e.g. ``"aten.div"``), or None if not found.
+        stats: ``{"inputs": {...}, "outputs": {...}}`` of finite/non-finite statistics.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        phase: str,
+        module: str,
+        call: int | None = None,
+        op: str | None = None,
+        stats: dict[str, object] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.phase = phase
+        self.module = module
+        self.call = call
+        self.op = op
+        self.stats = stats if stats is not None else {}
