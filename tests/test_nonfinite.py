@@ -241,3 +241,16 @@ def test_readme_message_is_the_real_one() -> None:
     net = copy.deepcopy(namespace["net"])
     assert isinstance(net, nn.Module)
     assert "'AddmmBackward0' returned nan" in _anomaly(net, _step(torch.randn(2, 4)))
+
+
+class InplaceLog(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.sub_(x).log_()  # log(0) in place on its input: same tensor object out
+
+
+def test_in_place_producer_is_found() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), InplaceLog(), nn.Linear(4, 1))
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        model(torch.randn(2, 4))
+    assert (info.value.module, info.value.op) == ("1", "aten.log_")

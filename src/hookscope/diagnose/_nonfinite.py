@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -84,13 +85,11 @@ def _nonfinite_kind(tensors: list[Tensor]) -> tuple[bool, bool]:
     return nan, nan or any(not bool(torch.isfinite(t).all()) for t in tensors)
 
 
-def _produces(ins: list[Tensor], outs: list[Tensor]) -> bool:
-    """Non-finite out of finite in, or a NaN out of inputs without one."""
-    out_nan, out_bad = _nonfinite_kind(outs)
-    if not out_bad:
-        return False
-    in_nan, in_bad = _nonfinite_kind(ins)
-    return not in_bad or (out_nan and not in_nan)
+def _produces(before: tuple[bool, bool], after: tuple[bool, bool]) -> bool:
+    """Non-finite out of finite in, or a NaN out of inputs without one (``_nonfinite_kind``
+    of the inputs before the operation and of its outputs after)."""
+    (in_nan, in_bad), (out_nan, out_bad) = before, after
+    return out_bad and (not in_bad or (out_nan and not in_nan))
 
 
 def _summed(t: Tensor) -> Tensor:
@@ -142,6 +141,7 @@ class _Tracer:
         self.pending: list[tuple[_Pass, _Call | None, Tensor]] = []  # backward flags
         self.queued: set[int] = set()
         self.quiet = False  # replaying: tier 1 looks away
+        self.sums = _Sums()
 
     # -- tier 1: forward ----------------------------------------------------------------------
 
@@ -163,14 +163,14 @@ class _Tracer:
             self._start(args, kwargs)
         n = self.counts[id(module)] = self.counts.get(id(module), 0) + 1
         call = _Call(self.names[id(module)], n, id(module) in self.allowed)
-        call.inp = _flag((args, kwargs))
+        call.inp = self.sums((args, kwargs))
         self.stack.append(call)
 
     def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if self.quiet or recomputing() or not self.stack or self.pass_ is None:
             return
         call = self.stack.pop()
-        call.out = _flag(output)
+        call.out = self.sums(output)
         self.pass_.calls.append(call)
         self._watch_grads(output, call, root=module is self.root and not self.stack)
         if not self.stack:
@@ -179,12 +179,13 @@ class _Tracer:
     def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.counts.clear()
         self.stack.clear()
+        self.sums.clear()
 
         def keep(_: Any, t: Tensor) -> Tensor:
             return t.detach().clone().requires_grad_(t.requires_grad and t.is_leaf)
 
         self.pass_ = _Pass(map_tensors(keep, args), map_tensors(keep, kwargs), _rng_state())
-        self.pass_.inp = _flag((args, kwargs))
+        self.pass_.inp = self.sums((args, kwargs))
         self.report.forwards += 1
 
     def _end_forward(self) -> None:
@@ -394,7 +395,7 @@ class _Tracker:
         def check(grad_inputs: Any, grad_outputs: Any) -> None:
             ins = [g for g in grad_outputs if isinstance(g, Tensor)]
             outs = [g for g in grad_inputs if isinstance(g, Tensor)]
-            if not found and _produces(ins, outs):
+            if not found and _produces(_nonfinite_kind(ins), _nonfinite_kind(outs)):
                 module, call = self.owner(node._sequence_nr())
                 op = _op_of(node.name())
                 found.append(
@@ -413,26 +414,52 @@ class _OpCheck(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name, call, allowed = self.tracker.where()
-        if not allowed and func.overloadpacket is not torch.ops.aten._local_scalar_dense:
-            ins, outs = _floats((args, kwargs)), _floats(out)
-            if outs and _produces(ins, outs):
-                op = f"aten.{func.overloadpacket.__name__}"
-                self.found = (op, name, call, {"inputs": stats(ins), "outputs": stats(outs)})
-                raise _Replay
+        if allowed or func.overloadpacket is torch.ops.aten._local_scalar_dense:
+            return func(*args, **kwargs)
+        ins = _floats((args, kwargs))
+        before = _nonfinite_kind(ins)  # before the op: an in-place op changes its input
+        in_stats = stats(ins) if func._schema.is_mutable else None
+        out = func(*args, **kwargs)
+        outs = _floats(out)
+        if outs and _produces(before, _nonfinite_kind(outs)):
+            op = f"aten.{func.overloadpacket.__name__}"
+            st = {"inputs": in_stats or stats(ins), "outputs": stats(outs)}
+            self.found = (op, name, call, st)
+            raise _Replay
         return out
 
 
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _flag(obj: Any) -> Tensor | None:
-    sums = [_summed(t) for t in _floats(obj)]
-    if not sums:
-        return None
-    device = sums[0].device
-    return torch.stack([s.to(device) for s in sums]).sum() if len(sums) > 1 else sums[0]
+class _Sums:
+    """Each tensor's sum, computed once per forward: a layer's input is mostly the output of
+    the layer before. Keyed by identity and version, so an in-place change is summed again."""
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[int, int], tuple[weakref.ref[Tensor], Tensor]] = {}
+
+    def clear(self) -> None:
+        self._done.clear()
+
+    def __call__(self, obj: Any) -> Tensor | None:
+        sums = [self._one(t) for t in _floats(obj)]
+        if not sums:
+            return None
+        device = sums[0].device
+        return torch.stack([s.to(device) for s in sums]).sum() if len(sums) > 1 else sums[0]
+
+    def _one(self, t: Tensor) -> Tensor:
+        if t.is_inference():  # no version counter to tell an in-place change by
+            return _summed(t)
+        key = (id(t), t._version)
+        hit = self._done.get(key)
+        if hit is not None and hit[0]() is t:
+            return hit[1]
+        s = _summed(t)
+        self._done[key] = (weakref.ref(t), s)
+        return s
 
 
 def _read(flags: list[Tensor | None]) -> list[bool]:
