@@ -254,3 +254,29 @@ def test_in_place_producer_is_found() -> None:
     with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
         model(torch.randn(2, 4))
     assert (info.value.module, info.value.op) == ("1", "aten.log_")
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_masked_attention_in_gpt2_and_bert_raises_nothing(impl: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    small_gpt2 = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=1000)
+    small_bert = transformers.BertConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=2,
+        intermediate_size=128,
+        vocab_size=1000,
+    )
+    for config, cls in (
+        (small_gpt2, transformers.GPT2LMHeadModel),
+        (small_bert, transformers.BertForMaskedLM),
+    ):
+        model = cls._from_config(config, attn_implementation=impl).train()
+        ids = torch.randint(0, 1000, (2, 10))
+        mask = torch.ones(2, 10, dtype=torch.long)
+        mask[0, 7:] = 0  # padding: masked attention scores
+        with hs.nonfinite(model) as report:
+            model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        assert report.ok and report.forwards == report.backwards == 1, cls.__name__
