@@ -280,3 +280,31 @@ def test_masked_attention_in_gpt2_and_bert_raises_nothing(impl: str) -> None:
         with hs.nonfinite(model) as report:
             model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
         assert report.ok and report.forwards == report.backwards == 1, cls.__name__
+
+
+@pytest.mark.mutates_model  # training steps move BatchNorm statistics, as they should
+def test_tier_one_reads_the_device_once_per_forward_and_once_per_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Count every Tensor -> host read (item, tolist, bool, cpu, numpy) in clean steps."""
+    reads: list[str] = []
+    for name in ("item", "tolist", "__bool__", "cpu", "numpy", "__float__", "__int__"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self: Tensor, *args: object, _f=original, _n=name, **kw: object) -> object:
+            reads.append(_n)
+            return _f(self, *args, **kw)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6 * 6, 2)
+    )
+    x = torch.randn(2, 3, 8, 8)
+    model(x).sum().backward()
+    plain = len(reads)
+    reads.clear()
+    with hs.nonfinite(model) as report:
+        for _ in range(3):
+            model(x).sum().backward()
+    assert report.ok and len(reads) - 3 * plain == 3 * 2, reads
