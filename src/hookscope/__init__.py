@@ -48,9 +48,20 @@ from .errors import (
     UnsupportedModelError,
     UsageError,
 )
+from .explain import (
+    CAM,
+    EigenCAM,
+    Explanation,
+    GradCAM,
+    GradCAMPlusPlus,
+    HiResCAM,
+    LayerCAM,
+    XGradCAM,
+)
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
 
 __all__ = [
+    "CAM",
     "Call",
     "Capture",
     "CaptureBudgetError",
@@ -60,10 +71,16 @@ __all__ = [
     "EditContext",
     "EditError",
     "Editor",
+    "EigenCAM",
+    "Explanation",
     "FeatureExtractor",
+    "GradCAM",
+    "GradCAMPlusPlus",
     "GradHook",
     "GradientUnavailableError",
+    "HiResCAM",
     "HookscopeError",
+    "LayerCAM",
     "LayerNotFoundError",
     "LayerRecord",
     "NonFiniteError",
@@ -73,6 +90,7 @@ __all__ = [
     "SummaryRow",
     "UnsupportedModelError",
     "UsageError",
+    "XGradCAM",
     "__version__",
     "ablate",
     "add",

@@ -1,0 +1,18 @@
+"""Explain: the CAM family of attribution maps, batched, for CNNs and vision transformers."""
+
+from ._base import METHODS, Explanation, LayerMethod, normalize
+from .methods import CAM, EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
+
+__all__ = [
+    "CAM",
+    "METHODS",
+    "EigenCAM",
+    "Explanation",
+    "GradCAM",
+    "GradCAMPlusPlus",
+    "HiResCAM",
+    "LayerCAM",
+    "LayerMethod",
+    "XGradCAM",
+    "normalize",
+]

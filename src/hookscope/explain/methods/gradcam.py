@@ -1,0 +1,25 @@
+"""Grad-CAM (Selvaraju et al., 2017): channels weighted by their spatially averaged gradient."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .._base import LayerMethod
+
+
+class GradCAM(LayerMethod):
+    """``ReLU(sum_c mean_hw(dS/dA_c) * A_c)``.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 2))
+        >>> hs.GradCAM(net, "0")(torch.randn(2, 3, 8, 8), targets=[0, 1]).maps.shape
+        torch.Size([2, 8, 8])
+    """
+
+    name = "gradcam"
+
+    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
+        assert grads is not None
+        return (grads.mean((2, 3), keepdim=True) * acts).sum(1)

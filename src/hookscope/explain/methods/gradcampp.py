@@ -1,0 +1,25 @@
+"""Grad-CAM++ (Chattopadhyay et al., 2018): pixel-wise weights from second and third powers
+of the gradient (the closed form for an exponential of the score, as usually implemented)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._base import LayerMethod
+
+
+class GradCAMPlusPlus(LayerMethod):
+    """``w_c = sum_hw a_c,hw * ReLU(g_c,hw)`` with
+    ``a = g^2 / (2 g^2 + sum_hw(A_c) g^3)`` (0 where the gradient is 0)."""
+
+    name = "gradcam++"
+
+    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
+        assert grads is not None
+        g2, g3 = grads.pow(2), grads.pow(3)
+        total = acts.sum((2, 3), keepdim=True)
+        alpha = g2 / (2 * g2 + total * g3 + 1e-7)
+        alpha = torch.where(grads != 0, alpha, torch.zeros_like(alpha))
+        weights = (alpha * grads.clamp_min(0)).sum((2, 3), keepdim=True)
+        return (weights * acts).sum(1)

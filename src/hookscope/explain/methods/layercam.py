@@ -1,0 +1,17 @@
+"""Layer-CAM (Jiang et al., 2021): each position weighted by its own positive gradient."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .._base import LayerMethod
+
+
+class LayerCAM(LayerMethod):
+    """``ReLU(sum_c ReLU(g_c) * A_c)``."""
+
+    name = "layercam"
+
+    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
+        assert grads is not None
+        return (grads.clamp_min(0) * acts).sum(1)

@@ -1,0 +1,18 @@
+"""XGrad-CAM (Fu et al., 2020): gradients weighted by the normalised activation."""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .._base import LayerMethod
+
+
+class XGradCAM(LayerMethod):
+    """``w_c = sum_hw (A_c,hw / sum_hw A_c) * g_c,hw``."""
+
+    name = "xgradcam"
+
+    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
+        assert grads is not None
+        share = acts / (acts.sum((2, 3), keepdim=True) + 1e-7)
+        return ((share * grads).sum((2, 3), keepdim=True) * acts).sum(1)

@@ -1,0 +1,194 @@
+"""The CAM family against references written here: activations from a plain forward hook,
+gradients from one full backward per sample on a copy of the model, each method's formula
+spelled out per sample; CAM against the classifier's explicit weights."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+from hookscope.explain import METHODS
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(6, 5, 3, padding=1), nn.ReLU(inplace=True),  # "2": the explained layer
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 4),
+    )  # fmt: skip
+
+
+def _reference(model: nn.Module, x: Tensor, targets: list[int]) -> tuple[Tensor, Tensor]:
+    """Activations of layer "2" and d score_i / d A_i, one full backward per sample."""
+    acts: list[Tensor] = []
+    grads: list[Tensor] = []
+
+    def keep(mod: nn.Module, args: object, out: Tensor) -> None:
+        acts.append(out.detach().clone()[0])  # before the in-place ReLU that follows
+        out.register_hook(lambda g: grads.append(g[0]))
+
+    for i, t in enumerate(targets):
+        m = copy.deepcopy(model).eval()
+        m[2].register_forward_hook(keep)
+        m(x[i : i + 1])[0, t].backward()
+    return torch.stack(acts), torch.stack(grads)
+
+
+def _by_hand(name: str, a: Tensor, g: Tensor) -> Tensor:
+    """Each method's map for one sample: a, g of shape (C, h, w)."""
+    if name == "gradcam":
+        cam = (g.mean((1, 2))[:, None, None] * a).sum(0)
+    elif name == "hirescam":
+        cam = (g * a).sum(0)
+    elif name == "layercam":
+        cam = (torch.relu(g) * a).sum(0)
+    elif name == "xgradcam":
+        w = (g * a / (a.sum((1, 2), keepdim=True) + 1e-7)).sum((1, 2))
+        cam = (w[:, None, None] * a).sum(0)
+    elif name == "gradcam++":
+        alpha = g**2 / (2 * g**2 + a.sum((1, 2), keepdim=True) * g**3 + 1e-7)
+        alpha[g == 0] = 0
+        w = (alpha * torch.relu(g)).sum((1, 2))
+        cam = (w[:, None, None] * a).sum(0)
+    else:
+        raise AssertionError(name)
+    return torch.relu(cam)
+
+
+@pytest.mark.parametrize("name", ["gradcam", "gradcam++", "xgradcam", "layercam", "hirescam"])
+def test_gradient_methods_match_hand_references(name: str) -> None:
+    model, x, targets = _net(), torch.randn(3, 3, 8, 8), [0, 3, 1]
+    a, g = _reference(model, x, targets)
+    exp = METHODS[name](model, "2")(x, targets=targets)
+    expected = torch.stack([_by_hand(name, a[i], g[i]) for i in range(3)])
+    assert exp.raw.shape == (3, 8, 8) and exp.maps.shape == (3, 8, 8)
+    torch.testing.assert_close(exp.raw, expected, rtol=1e-4, atol=1e-6)
+    assert exp.targets.tolist() == targets and exp.method == name and exp.layer == "2"
+    assert all(p.grad is None for p in model.parameters())  # autograd.grad to the layer only
+
+
+def test_cam_equals_classifier_weights_and_gradcam_times_area() -> None:
+    model, x = _net(), torch.randn(2, 3, 8, 8)
+    a, _ = _reference(model, x, [2, 2])
+    a = torch.relu(a)  # layer "3" (the in-place ReLU) feeds the pooling and the classifier
+    cam = hs.CAM(model, "3", fc="6")(x, targets=2)
+    w = model[6].weight.detach()[2]
+    torch.testing.assert_close(cam.raw, torch.relu((w[None, :, None, None] * a).sum(1)))
+    # with global average pooling then a linear layer, Grad-CAM is CAM / (h * w)
+    grad = hs.GradCAM(model, "3")(x, targets=2)
+    torch.testing.assert_close(grad.raw * 64, cam.raw, rtol=1e-4, atol=1e-6)
+
+
+def test_eigencam_is_the_first_principal_component() -> None:
+    model, x = _net(), torch.randn(2, 3, 8, 8)
+    a, _ = _reference(model, x, [0, 0])
+    exp = hs.EigenCAM(model, "2")(x)
+    for i in range(2):
+        m = a[i].reshape(5, 64).T.double().numpy()
+        m = m - m.mean(0)
+        _, _, vt = np.linalg.svd(m, full_matrices=False)
+        proj = (m @ vt[0]).reshape(8, 8)
+        ours = exp.raw[i].double().numpy()
+        assert np.allclose(np.abs(ours), np.abs(proj), atol=1e-5)  # equal up to the sign
+        summed = a[i].sum(0).double().numpy()
+        assert (ours * (summed - summed.mean())).sum() >= 0  # the sign we document
+
+
+def test_batch_equals_single_images_and_targets_are_validated() -> None:
+    model, x = _net(), torch.randn(4, 3, 8, 8)
+    batch = hs.GradCAM(model, "2")(x, targets=[1, 0, 3, 2])
+    for i, t in enumerate([1, 0, 3, 2]):
+        one = hs.GradCAM(model, "2")(x[i : i + 1], targets=t)
+        torch.testing.assert_close(batch.raw[i], one.raw[0], rtol=1e-4, atol=1e-6)
+    broadcast = hs.GradCAM(model, "2")(x, targets=3)  # one class for every sample
+    assert broadcast.targets.tolist() == [3, 3, 3, 3] and broadcast.raw[1:].abs().sum() > 0
+    assert hs.GradCAM(model, "2")(x, targets=[3]).targets.tolist() == [3, 3, 3, 3]
+    top = hs.GradCAM(model, "2")(x)
+    with torch.no_grad():
+        assert top.targets.tolist() == model.eval()(x).argmax(1).tolist()
+    with pytest.raises(hs.UsageError, match="got 2 targets for a batch of 4"):
+        hs.GradCAM(model, "2")(x, targets=[1, 2])
+    with pytest.raises(hs.UsageError, match=r"0\.\.3"):
+        hs.GradCAM(model, "2")(x, targets=4)
+    scores = hs.GradCAM(model, "2")(x, targets=lambda out: out[:, 0] - out[:, 1])
+    assert scores.targets is None and scores.scores.shape == (4,)
+
+
+def test_under_no_grad_frozen_parameters_and_in_place_after_the_layer() -> None:
+    model, x = _net(), torch.randn(2, 3, 8, 8)
+    expected = hs.GradCAM(model, "2")(x, targets=[0, 1]).raw
+    frozen = copy.deepcopy(model).requires_grad_(False)
+    with torch.no_grad():
+        got = hs.GradCAM(frozen, "2")(x, targets=[0, 1]).raw
+    torch.testing.assert_close(got, expected)
+    with torch.inference_mode():
+        xi = torch.randn(1, 3, 8, 8)
+    assert hs.GradCAM(model, "2")(xi, targets=0).raw.shape == (1, 8, 8)
+    with torch.inference_mode(), pytest.raises(hs.UsageError, match="inference_mode"):
+        hs.GradCAM(model, "2")(x, targets=0)
+
+
+class TokenModel(nn.Module):
+    """A toy vision transformer: 4x4 patches, CLS and register tokens in front."""
+
+    def __init__(self, registers: int) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.prefix = nn.Parameter(torch.randn(1, 1 + registers, 8))
+        self.block = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = self.patch(x).flatten(2).transpose(1, 2)
+        t = torch.cat([self.prefix.expand(len(x), -1, -1), t], 1)
+        return self.head(torch.tanh(self.block(t)).mean(1))
+
+
+@pytest.mark.parametrize(("registers", "size"), [(0, (16, 16)), (4, (8, 24))])
+def test_token_grid_inferred(registers: int, size: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    model = TokenModel(registers)
+    x = torch.randn(2, 3, *size)
+    exp = hs.GradCAM(model, "block")(x, targets=[0, 2])
+    h, w = size[0] // 4, size[1] // 4
+    assert exp.raw.shape == (2, h, w) and exp.maps.shape == (2, *size)
+    # reference: drop the prefix tokens by hand, on the known grid
+    kept: list[Tensor] = []
+    grads: list[Tensor] = []
+
+    def keep(mod: nn.Module, args: object, out: Tensor) -> None:
+        kept.append(out)
+        out.register_hook(grads.append)
+
+    m = copy.deepcopy(model)
+    m.block.register_forward_hook(keep)
+    out = m(x)
+    (out[0, 0] + out[1, 2]).backward()
+    a = kept[0].detach()[:, 1 + registers :].reshape(2, h, w, 8).permute(0, 3, 1, 2)
+    g = grads[0][:, 1 + registers :].reshape(2, h, w, 8).permute(0, 3, 1, 2)
+    expected = torch.stack([_by_hand("gradcam", a[i], g[i]) for i in range(2)])
+    torch.testing.assert_close(exp.raw, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_normalize_never_nan() -> None:
+    maps = torch.stack([torch.zeros(3, 3), torch.arange(9.0).view(3, 3)])
+    per_image = hs.explain.normalize(maps)
+    assert per_image[0].eq(0).all() and per_image[1].max() == 1 and per_image[1].min() == 0
+    batch = hs.explain.normalize(maps, per="batch")
+    torch.testing.assert_close(batch[1], maps[1] / 8)
+
+
+def test_layer_selection_errors() -> None:
+    model = _net()
+    with pytest.raises(hs.UsageError, match="explains one layer"):
+        hs.GradCAM(model, nn.Conv2d)
+    with pytest.raises(hs.LayerNotFoundError):
+        hs.GradCAM(model, "nope")
+    with pytest.raises(hs.UsageError, match=r"CAM needs the nn\.Linear head"):
+        hs.CAM(model, "2", fc="0")
