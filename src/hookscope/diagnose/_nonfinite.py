@@ -6,20 +6,14 @@ is non-finite exactly when the tensor holds a NaN or an Inf (a float32 sum; a su
 overflows is a false alarm that tier 2 clears). The numbers are read with one host
 synchronisation at the end of each forward and one at the end of each backward.
 
-Tier 2 runs only when tier 1 found something: it replays the step on copies of the inputs
-taken at the start of the forward, with the RNG state of that forward and buffers restored
-afterwards, at operator level. Forward: a dispatch mode checks every operator; the producer is
-the first one whose output is non-finite although its inputs were not (or that made a NaN from
-inputs without one). Backward: the replayed forward's graph is differentiated into a private
-gradient (``.grad`` is not touched) with the gradient that reached the model's outputs, and
-post-hooks on its nodes find the first node that sent a non-finite gradient while receiving a
-finite one; the node's sequence number names the module call that created it.
+Tier 2 (``_replay``) runs only when tier 1 found something: it replays the step at operator
+level, on copies of the inputs taken when the forward began and with that forward's RNG state,
+to name the operator (forward) or the autograd node (backward) and the module call that ran it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -28,13 +22,12 @@ from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
-from torch._C._autograd import _get_sequence_nr
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import HookSet, Layers, leaves, map_tensors, recomputing, unwrap
 from ..core._autograd import backward_id, queue_after_backward
 from ..core._naming import is_called
 from ..errors import NonFiniteError, UsageError
+from ._replay import Found, floats, replay_backward, replay_forward, stats
 
 __all__ = ["NonFiniteReport", "nonfinite"]
 
@@ -54,42 +47,6 @@ class NonFiniteReport:
     @property
     def ok(self) -> bool:
         return not self.findings
-
-
-def stats(tensors: list[Tensor]) -> dict[str, Any]:
-    """Counts of NaN / +Inf / -Inf and min, max, mean of the finite values (exact, on host)."""
-    flat = (
-        torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
-        if tensors
-        else torch.zeros(0, dtype=torch.float64)
-    )
-    finite = flat[torch.isfinite(flat)]
-    out: dict[str, Any] = {
-        "numel": flat.numel(),
-        "nan": int(flat.isnan().sum()),
-        "posinf": int((flat == float("inf")).sum()),
-        "neginf": int((flat == float("-inf")).sum()),
-    }
-    for name, fn in (("min", torch.min), ("max", torch.max), ("mean", torch.mean)):
-        out[name] = float(fn(finite)) if finite.numel() else None
-    return out
-
-
-def _floats(obj: Any) -> list[Tensor]:
-    return [t for _, t in leaves(obj) if t.is_floating_point() or t.is_complex()]
-
-
-def _nonfinite_kind(tensors: list[Tensor]) -> tuple[bool, bool]:
-    """(has NaN, has any non-finite), exactly."""
-    nan = any(bool(t.isnan().any()) for t in tensors)
-    return nan, nan or any(not bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _produces(before: tuple[bool, bool], after: tuple[bool, bool]) -> bool:
-    """Non-finite out of finite in, or a NaN out of inputs without one (``_nonfinite_kind``
-    of the inputs before the operation and of its outputs after)."""
-    (in_nan, in_bad), (out_nan, out_bad) = before, after
-    return out_bad and (not in_bad or (out_nan and not in_nan))
 
 
 def _summed(t: Tensor) -> Tensor:
@@ -119,10 +76,6 @@ class _Pass:
     calls: list[_Call] = field(default_factory=list)
     out_grads: dict[int, Tensor] = field(default_factory=dict)  # output leaf index -> grad
     loss: list[Tensor] = field(default_factory=list)  # device scalars of those grads
-
-
-class _Replay(BaseException):
-    """Ends a tier-2 replay at the producer (a BaseException: model code cannot catch it)."""
 
 
 class _Tracer:
@@ -194,21 +147,18 @@ class _Tracer:
         values = _read([p.inp, *(f for c in p.calls for f in (c.inp, c.out))])
         bad_input, rest = values[0], values[1:]
         if bad_input and not self.allow_inputs:
-            self._found(
-                "forward", INPUT, None, None, {"inputs": stats(_floats((p.args, p.kwargs)))}
-            )
+            self._found("forward", INPUT, None, None, {"inputs": stats(floats((p.args, p.kwargs)))})
             return
         culprit = _producer(p.calls, rest)
         if culprit is not None:
-            op, module, call, found = (
-                self._replay_forward(p) if self.replay else (None, None, 0, {})
-            )
+            found = self._replay_forward(p) if self.replay else None
+            op, module, call, st = found if found is not None else (None, None, 0, {})
             self._found(
                 "forward",
                 module if module is not None else culprit.name,
                 call or culprit.call,
                 op,
-                found,
+                st,
             )
 
     # -- tier 1: backward ---------------------------------------------------------------------
@@ -262,49 +212,22 @@ class _Tracer:
 
     # -- tier 2 -------------------------------------------------------------------------------
 
-    def _replay_forward(self, p: _Pass) -> tuple[str | None, str | None, int, dict[str, Any]]:
-        tracker = _Tracker(self)
-        mode = _OpCheck(tracker)
-        with self._replaying(p), tracker, contextlib.suppress(_Replay), mode:
-            self.root(*p.args, **p.kwargs)
-        return mode.found
-
-    def _replay_backward(
-        self, p: _Pass
-    ) -> tuple[str | None, str | None, int, dict[str, Any]] | None:
-        if not p.out_grads:
-            return None
-        tracker = _Tracker(self, seq=True)
-        with self._replaying(p), tracker, torch.enable_grad():
-            output = self.root(*p.args, **p.kwargs)
-            outs = [t for i, (_, t) in enumerate(leaves(output)) if i in p.out_grads]
-            grads = [p.out_grads[i] for i, (_, t) in enumerate(leaves(output)) if i in p.out_grads]
-            found = tracker.watch_nodes(outs)
-            wrt = [
-                x
-                for x in (*self.root.parameters(), *_floats((p.args, p.kwargs)))
-                if x.requires_grad
-            ]
-            with contextlib.suppress(_Replay):
-                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-        return found[0] if found else None
-
-    @contextlib.contextmanager
-    def _replaying(self, p: _Pass) -> Iterator[None]:
-        buffers = [(b, b.detach().clone()) for b in self.root.buffers()]
-        devices = [torch.device("cuda", i) for i in range(len(p.rng[1]))] if p.rng[1] else []
+    def _replay_forward(self, p: _Pass) -> Found | None:
         self.quiet = True
         try:
-            with torch.random.fork_rng(devices=devices):
-                torch.random.set_rng_state(p.rng[0])
-                if p.rng[1]:
-                    torch.cuda.set_rng_state_all(p.rng[1])
-                yield
+            return replay_forward(self.root, self.names, self.allowed, (p.args, p.kwargs), p.rng)
         finally:
             self.quiet = False
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
+
+    def _replay_backward(self, p: _Pass) -> Found | None:
+        if not p.out_grads:
+            return None
+        self.quiet = True
+        try:
+            inputs = (p.args, p.kwargs)
+            return replay_backward(self.root, self.names, self.allowed, inputs, p.rng, p.out_grads)
+        finally:
+            self.quiet = False
 
     # -- findings -----------------------------------------------------------------------------
 
@@ -329,110 +252,6 @@ class _Tracer:
         self.pass_, self.pending = None, []
 
 
-class _Tracker:
-    """Module calls during a replay: the stack (forward) or sequence-number ranges (backward)."""
-
-    def __init__(self, tracer: _Tracer, *, seq: bool = False) -> None:
-        self.tracer, self.seq = tracer, seq
-        self.stack: list[tuple[str, int, bool]] = []
-        self.counts: dict[int, int] = {}
-        self.ranges: list[tuple[int, int, str, int]] = []  # start, end, name, call
-        self.hooks = HookSet()
-
-    def __enter__(self) -> _Tracker:
-        for module in self.tracer.root.modules():
-            if id(module) in self.tracer.names:
-                self.hooks.forward_pre(module, self._pre)
-                self.hooks.forward(module, self._post, always_call=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.hooks.close()
-
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        n = self.counts[id(module)] = self.counts.get(id(module), 0) + 1
-        self.stack.append((self.tracer.names[id(module)], n, id(module) in self.tracer.allowed))
-        if self.seq:
-            self.ranges.append((_get_sequence_nr(), -1, *self.stack[-1][:2]))
-
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        name, n, _ = self.stack.pop()
-        if self.seq:
-            for i in range(len(self.ranges) - 1, -1, -1):
-                start, end, rname, rn = self.ranges[i]
-                if end == -1 and (rname, rn) == (name, n):
-                    self.ranges[i] = (start, _get_sequence_nr(), rname, rn)
-                    break
-
-    def where(self) -> tuple[str | None, int, bool]:
-        return self.stack[-1] if self.stack else (None, 0, False)
-
-    def owner(self, seq: int) -> tuple[str | None, int]:
-        inside = [r for r in self.ranges if r[0] <= seq < r[1]]
-        if not inside:
-            return None, 0
-        best = min(inside, key=lambda r: r[1] - r[0])
-        return best[2], best[3]
-
-    def watch_nodes(self, outs: list[Tensor]) -> list[Any]:
-        """Post-hooks on every node of the replayed graph; the first producer lands in the
-        returned list and ends the backward."""
-        found: list[Any] = []
-        start = min((r[0] for r in self.ranges), default=0)
-        seen: set[Any] = set()
-        todo: list[Any] = [t.grad_fn for t in outs if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node in seen or node is None:
-                continue
-            seen.add(node)
-            if node._sequence_nr() >= start:
-                self.hooks.node(node, self._node_hook(node, found))
-            todo.extend(n for n, _ in node.next_functions)
-        return found
-
-    def _node_hook(self, node: Any, found: list[Any]) -> Any:
-        def check(grad_inputs: Any, grad_outputs: Any) -> None:
-            ins = [g for g in grad_outputs if isinstance(g, Tensor)]
-            outs = [g for g in grad_inputs if isinstance(g, Tensor)]
-            if not found and _produces(_nonfinite_kind(ins), _nonfinite_kind(outs)):
-                module, call = self.owner(node._sequence_nr())
-                op = _op_of(node.name())
-                found.append(
-                    (op, module, call, {"gradient in": stats(ins), "gradient out": stats(outs)})
-                )
-                raise _Replay
-
-        return check
-
-
-class _OpCheck(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, tracker: _Tracker) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self.tracker = tracker
-        self.found: tuple[str | None, str | None, int, dict[str, Any]] = (None, None, 0, {})
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        name, call, allowed = self.tracker.where()
-        if allowed or func.overloadpacket is torch.ops.aten._local_scalar_dense:
-            return func(*args, **kwargs)
-        ins = _floats((args, kwargs))
-        before = _nonfinite_kind(ins)  # before the op: an in-place op changes its input
-        in_stats = stats(ins) if func._schema.is_mutable else None
-        out = func(*args, **kwargs)
-        outs = _floats(out)
-        if outs and _produces(before, _nonfinite_kind(outs)):
-            op = f"aten.{func.overloadpacket.__name__}"
-            st = {"inputs": in_stats or stats(ins), "outputs": stats(outs)}
-            self.found = (op, name, call, st)
-            raise _Replay
-        return out
-
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
 class _Sums:
     """Each tensor's sum, computed once per forward: a layer's input is mostly the output of
     the layer before. Keyed by identity and version, so an in-place change is summed again."""
@@ -444,7 +263,7 @@ class _Sums:
         self._done.clear()
 
     def __call__(self, obj: Any) -> Tensor | None:
-        sums = [self._one(t) for t in _floats(obj)]
+        sums = [self._one(t) for t in floats(obj)]
         if not sums:
             return None
         device = sums[0].device
@@ -499,11 +318,6 @@ def _allowed(model: nn.Module, allow: Any) -> tuple[bool, set[int]]:
 def _rng_state() -> tuple[Tensor, list[Tensor]]:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
     return torch.random.get_rng_state(), cuda
-
-
-def _op_of(node_name: str) -> str:
-    base = re.sub(r"Backward\d*$", "", node_name)
-    return "aten." + re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
 
 
 def _fmt(st: dict[str, Any]) -> str:
