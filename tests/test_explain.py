@@ -192,3 +192,56 @@ def test_layer_selection_errors() -> None:
         hs.GradCAM(model, "nope")
     with pytest.raises(hs.UsageError, match=r"CAM needs the nn\.Linear head"):
         hs.CAM(model, "2", fc="0")
+
+
+class TwoLayer(nn.Module):
+    """x -> W1 x + b1 -> relu (functional, optionally in place) -> W2 . + b2."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(6, 5), nn.Linear(5, 3), how
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc1(x.flatten(1))
+        if self.how == "F.relu":
+            r = torch.nn.functional.relu(h)
+        elif self.how == "F.relu inplace":
+            r = torch.nn.functional.relu(h, inplace=True)
+        elif self.how == "relu_":
+            r = h.relu_()
+        else:
+            r = torch.relu(h)
+        return self.fc2(r)
+
+
+@pytest.mark.parametrize("how", ["F.relu", "F.relu inplace", "relu_", "torch.relu"])
+def test_guided_backprop_covers_functional_relus(how: str) -> None:
+    torch.manual_seed(0)
+    model, x = TwoLayer(how), torch.randn(4, 1, 2, 3)
+    t = [0, 1, 2, 0]
+    guided = hs.GuidedBackprop(model)(x, targets=t).raw
+    plain = hs.Saliency(model)(x, targets=t)
+    # by hand: g_r = W2[t]; guided: relu(g_r) where h > 0; then W1^T
+    w1, w2 = model.fc1.weight.detach(), model.fc2.weight.detach()
+    h = x.flatten(1) @ w1.T + model.fc1.bias.detach()
+    g_r = w2[t]
+    expected = ((torch.relu(g_r) * (h > 0)) @ w1).reshape(x.shape)
+    plain_expected = ((g_r * (h > 0)) @ w1).reshape(x.shape)
+    torch.testing.assert_close(guided, expected)
+    torch.testing.assert_close(plain.raw, plain_expected.abs())
+    assert not torch.allclose(guided, plain_expected)  # really guided
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_guided_backprop_with_relu_modules_and_refusal_without_relu() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.ReLU(inplace=True), nn.Linear(5, 3))
+    x = torch.randn(2, 1, 2, 3)
+    ref = TwoLayer("torch.relu")
+    ref.fc1, ref.fc2 = model[1], model[3]
+    torch.testing.assert_close(
+        hs.GuidedBackprop(model)(x, targets=1).raw, hs.GuidedBackprop(ref)(x, targets=1).raw
+    )
+    gelu = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3))
+    with pytest.raises(hs.UsageError, match="no ReLU ran"):
+        hs.GuidedBackprop(gelu)(x, targets=0)

@@ -54,8 +54,10 @@ from .explain import (
     Explanation,
     GradCAM,
     GradCAMPlusPlus,
+    GuidedBackprop,
     HiResCAM,
     LayerCAM,
+    Saliency,
     XGradCAM,
 )
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
@@ -76,6 +78,7 @@ __all__ = [
     "FeatureExtractor",
     "GradCAM",
     "GradCAMPlusPlus",
+    "GuidedBackprop",
     "GradHook",
     "GradientUnavailableError",
     "HiResCAM",
@@ -85,6 +88,7 @@ __all__ = [
     "LayerRecord",
     "NonFiniteError",
     "NonFiniteReport",
+    "Saliency",
     "StaleCaptureError",
     "Summary",
     "SummaryRow",

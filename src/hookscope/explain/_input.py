@@ -1,0 +1,150 @@
+"""Input-space methods: saliency and guided backpropagation, maps of shape ``(N, C, H, W)``.
+
+Guided backpropagation (Springenberg et al., 2015) passes back, through every ReLU, only
+positive gradients at positions where the ReLU's input was positive. hookscope applies that
+rule where ReLUs are *called*, not where ``nn.ReLU`` modules sit: for the duration of the call
+a ``TorchFunctionMode`` routes ``torch.relu``, ``torch.relu_``, ``F.relu`` (``inplace`` or
+not), ``Tensor.relu`` and ``Tensor.relu_`` through a guided autograd function, so functional
+ReLUs in a ``forward`` (DenseNet's ``F.relu(x, inplace=True)``) are guided too, and no module
+is swapped. In-place calls keep their effect (the guided result is copied into the tensor).
+GELU, SiLU and other smooth activations are left as they are (the guided rule is defined for
+ReLU's zero region); if no ReLU runs at all, the call is refused rather than returning the
+plain gradient under another name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from ..core import call_model, training_mode
+from ..errors import UsageError
+from ._base import Explanation, _image, _with_grad
+from ._targets import Target, scores
+
+__all__ = ["GuidedBackprop", "InputMethod", "Saliency"]
+
+
+class _GuidedReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        positive = x > 0
+        ctx.save_for_backward(positive)  # the mask, not x: an in-place caller may change x
+        return x.clamp_min(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (positive,) = ctx.saved_tensors
+        out: Tensor = grad.clamp_min(0) * positive
+        return out
+
+
+_OUT_OF_PLACE = {torch.relu, Tensor.relu}
+_IN_PLACE = {torch.relu_, Tensor.relu_, F.relu_}
+
+
+class _Guide(TorchFunctionMode):
+    """Routes every ReLU call through :class:`_GuidedReLU` and counts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        inplace = func in _IN_PLACE
+        if func is F.relu:
+            inplace = bool(kwargs.get("inplace", args[1] if len(args) > 1 else False))
+        elif not inplace and func not in _OUT_OF_PLACE:
+            return func(*args, **kwargs)
+        self.sites += 1
+        x = args[0]
+        guided = _GuidedReLU.apply(x)  # type: ignore[no-untyped-call]
+        return x.copy_(guided) if inplace else guided
+
+
+class InputMethod:
+    """Base of the input-space methods: ``Method(model)(x, targets=...) -> Explanation`` with
+    ``raw`` and ``maps`` of the input's shape ``(N, C, H, W)``."""
+
+    name: ClassVar[str] = ""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not isinstance(model, nn.Module):
+            raise UsageError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+
+    def __call__(self, x: Any, targets: Target = None) -> Explanation:
+        image = _image(x)
+        inputs = _with_grad(x, image)
+        leaf = next(v for v in _leaves(inputs) if v.requires_grad and v.shape == image.shape)
+        with training_mode(self.model, False), torch.enable_grad(), self._mode() as mode:
+            s, index = scores(call_model(self.model, inputs), targets, image.shape[0])
+            self._check(mode)
+            (grad,) = torch.autograd.grad(s.sum(), leaf)
+        raw = self.post(grad.detach())
+        return Explanation(raw, raw, index, s.detach(), self.name, "<input>")
+
+    def _mode(self) -> Any:
+        return _NoMode()
+
+    def _check(self, mode: Any) -> None:
+        return None
+
+    def post(self, grad: Tensor) -> Tensor:
+        return grad
+
+
+class _NoMode:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _leaves(x: Any) -> list[Tensor]:
+    from ..core import leaves
+
+    return [t for _, t in leaves(x)]
+
+
+class Saliency(InputMethod):
+    """Simonyan et al. (2014): the absolute gradient of the score w.r.t. the input.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+        >>> hs.Saliency(net)(torch.randn(2, 3, 2, 2), targets=1).raw.shape
+        torch.Size([2, 3, 2, 2])
+    """
+
+    name = "saliency"
+
+    def post(self, grad: Tensor) -> Tensor:
+        return grad.abs()
+
+
+class GuidedBackprop(InputMethod):
+    """Guided backpropagation (signed input gradients; see the module notes).
+
+    Raises:
+        UsageError: no ReLU ran in the forward, so there is nothing to guide.
+    """
+
+    name = "guided_backprop"
+
+    def _mode(self) -> Any:
+        return _Guide()
+
+    def _check(self, mode: Any) -> None:
+        if mode.sites == 0:
+            raise UsageError(
+                f"no ReLU ran in {type(self.model).__name__}'s forward, so guided "
+                "backpropagation would be the plain gradient (GELU, SiLU and other smooth "
+                "activations are not guided): use hs.Saliency"
+            )
