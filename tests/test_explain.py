@@ -245,3 +245,63 @@ def test_guided_backprop_with_relu_modules_and_refusal_without_relu() -> None:
     gelu = nn.Sequential(nn.Flatten(), nn.Linear(6, 5), nn.GELU(), nn.Linear(5, 3))
     with pytest.raises(hs.UsageError, match="no ReLU ran"):
         hs.GuidedBackprop(gelu)(x, targets=0)
+
+
+def _scorecam_by_hand(model: nn.Module, x: Tensor, targets: list[int], k: int | None) -> Tensor:
+    a, _ = _reference(model, x, targets)
+    cams = []
+    for n, t in enumerate(targets):
+        order = a[n].mean((1, 2)).argsort(descending=True)[: k or a.shape[1]]
+        s = []
+        for c in order.tolist():
+            up = torch.nn.functional.interpolate(
+                a[n, c][None, None], size=x.shape[-2:], mode="bilinear", align_corners=True
+            )[0, 0]
+            span = up.max() - up.min()
+            mask = (up - up.min()) / span if span > 0 else torch.zeros_like(up)
+            with torch.no_grad():
+                s.append(model.eval()(x[n : n + 1] * mask)[0, t])
+        w = torch.softmax(torch.stack(s), 0)
+        cams.append(torch.relu((w[:, None, None] * a[n, order]).sum(0)))
+    return torch.stack(cams)
+
+
+@pytest.mark.parametrize("top_k", [None, 2])
+def test_scorecam_matches_hand_reference_and_states_its_cost(top_k: int | None) -> None:
+    model, x, targets = _net(), torch.randn(3, 3, 8, 8), [0, 3, 1]
+    method = hs.ScoreCAM(model, "2", batch_size=4, top_k=top_k)
+    k = top_k or 5
+    assert method.cost(x) == {"forwards": 3 * k, "calls": -(-3 * k // 4)}
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape[0]))
+    try:
+        exp = method(x, targets=targets)
+    finally:
+        handle.remove()
+    assert calls[1:] == [min(4, 3 * k - i) for i in range(0, 3 * k, 4)]  # after the first
+    torch.testing.assert_close(exp.raw, _scorecam_by_hand(model, x, targets, top_k))
+
+
+def test_ablationcam_matches_hand_reference() -> None:
+    model, x, targets = _net(), torch.randn(2, 3, 8, 8), [2, 0]
+    a, _ = _reference(model, x, targets)
+    expected = []
+    for n, t in enumerate(targets):
+        with torch.no_grad():
+            s0 = model.eval()(x[n : n + 1])[0, t]
+        w = []
+        for c in range(5):
+
+            def zero(m: nn.Module, args: object, out: Tensor, c: int = c) -> Tensor:
+                out = out.clone()
+                out[:, c] = 0
+                return out
+
+            h = model[2].register_forward_hook(zero)
+            with torch.no_grad():
+                w.append((s0 - model(x[n : n + 1])[0, t]) / (s0 + 1e-7))
+            h.remove()
+        expected.append(torch.relu((torch.stack(w)[:, None, None] * a[n]).sum(0)))
+    exp = hs.AblationCAM(model, "2", batch_size=3)(x, targets=targets)
+    torch.testing.assert_close(exp.raw, torch.stack(expected), rtol=1e-4, atol=1e-6)
+    assert hs.AblationCAM(model, "2").cost(x) == {"forwards": 10, "calls": 1}

@@ -50,6 +50,7 @@ from .errors import (
 )
 from .explain import (
     CAM,
+    AblationCAM,
     EigenCAM,
     Explanation,
     GradCAM,
@@ -58,12 +59,14 @@ from .explain import (
     HiResCAM,
     LayerCAM,
     Saliency,
+    ScoreCAM,
     XGradCAM,
 )
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
 
 __all__ = [
     "CAM",
+    "AblationCAM",
     "Call",
     "Capture",
     "CaptureBudgetError",
@@ -89,6 +92,7 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteReport",
     "Saliency",
+    "ScoreCAM",
     "StaleCaptureError",
     "Summary",
     "SummaryRow",

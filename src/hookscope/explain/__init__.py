@@ -2,11 +2,23 @@
 
 from ._base import METHODS, Explanation, LayerMethod, normalize
 from ._input import GuidedBackprop, InputMethod, Saliency
-from .methods import CAM, EigenCAM, GradCAM, GradCAMPlusPlus, HiResCAM, LayerCAM, XGradCAM
+from ._perturb import Perturbation
+from .methods import (
+    CAM,
+    AblationCAM,
+    EigenCAM,
+    GradCAM,
+    GradCAMPlusPlus,
+    HiResCAM,
+    LayerCAM,
+    ScoreCAM,
+    XGradCAM,
+)
 
 __all__ = [
     "CAM",
     "METHODS",
+    "AblationCAM",
     "EigenCAM",
     "Explanation",
     "GradCAM",
@@ -16,7 +28,9 @@ __all__ = [
     "InputMethod",
     "LayerCAM",
     "LayerMethod",
+    "Perturbation",
     "Saliency",
+    "ScoreCAM",
     "XGradCAM",
     "normalize",
 ]

@@ -147,7 +147,11 @@ class LayerMethod:
         first tensor is the image) for ``targets`` (see :mod:`._targets`)."""
         image = _image(x)
         acts, grads, s, index = self._forward(x, image, targets)
-        cam = self.combine(acts, grads, index)
+        self.call = (x, image, targets, s.detach())  # for methods that run the model again
+        try:
+            cam = self.combine(acts, grads, index)
+        finally:
+            del self.call
         if self.relu:
             cam = cam.clamp_min(0)
         size = tuple(image.shape[-2:])

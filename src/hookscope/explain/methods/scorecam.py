@@ -1,0 +1,38 @@
+"""Score-CAM (Wang et al., 2020): each channel weighted by the score of the input masked with
+that channel's upsampled, min-max scaled activation (softmax over the channels explored)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._perturb import Perturbation, _pairs, upsampled_masks
+
+
+class ScoreCAM(Perturbation):
+    """``ReLU(sum_k softmax_k(S(x * M_k)) * A_k)``; ``cost(x)`` tells the extra forwards.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 2))
+        >>> hs.ScoreCAM(net, "1", batch_size=4).cost(torch.randn(2, 3, 8, 8))
+        {'forwards': 8, 'calls': 2}
+    """
+
+    name = "scorecam"
+
+    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
+        x, image, spec, _ = self.call
+        masks = upsampled_masks(acts, (image.shape[-2], image.shape[-1]))
+        chosen = self._chosen(acts)
+        pairs = _pairs(chosen)
+
+        def run(chunk: Tensor) -> object:
+            rows, channels = chunk[:, 0], chunk[:, 1]
+            return self._run(x, image, rows, image[rows] * masks[rows, channels][:, None])
+
+        s = self._scores(spec, targets, run, pairs).view(chosen.shape)
+        weights = torch.zeros(acts.shape[:2], dtype=acts.dtype, device=acts.device)
+        weights.scatter_(1, chosen, s.softmax(1).to(acts.dtype))
+        return (weights[:, :, None, None] * acts).sum(1)
