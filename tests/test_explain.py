@@ -305,3 +305,33 @@ def test_ablationcam_matches_hand_reference() -> None:
     exp = hs.AblationCAM(model, "2", batch_size=3)(x, targets=targets)
     torch.testing.assert_close(exp.raw, torch.stack(expected), rtol=1e-4, atol=1e-6)
     assert hs.AblationCAM(model, "2").cost(x) == {"forwards": 10, "calls": 1}
+
+
+def test_overlay_pixels_png_and_missing_matplotlib(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+    from pathlib import Path
+
+    import matplotlib
+    from PIL import Image
+
+    image = torch.zeros(3, 2, 2)
+    heat = torch.tensor([[0.0, 1.0], [0.5, 0.0]])
+    gray = hs.overlay(image, heat, cmap="gray", alpha=0.5)
+    assert gray.shape == (2, 2, 3) and gray.dtype == torch.uint8
+    assert gray[..., 0].tolist() == [[0, 128], [64, 0]]  # half of gray(v) * 255, black image
+    jet = hs.overlay(torch.full((2, 2, 3), 255, dtype=torch.uint8), heat, alpha=1.0)
+    expected = np.round(np.array(matplotlib.colormaps["jet"](0.0)[:3]) * 255)
+    assert jet[0, 0].tolist() == expected.tolist()
+    path = Path(str(tmp_path)) / "over.png"
+    out = hs.overlay(image, heat * 7, save=path)  # any scale: the map is scaled to 0..1
+    with Image.open(path) as png:
+        assert png.mode == "RGB" and np.array_equal(np.asarray(png), out.numpy())
+    with pytest.raises(hs.UsageError, match="heatmap must be"):
+        hs.overlay(image, torch.zeros(3, 3))
+    with pytest.raises(hs.UsageError, match="unknown matplotlib colormap"):
+        hs.overlay(image, heat, cmap="nope")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(ImportError, match=r'pip install "hookscope\[plots\]"'):
+        hs.overlay(image, heat)

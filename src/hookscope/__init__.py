@@ -61,6 +61,7 @@ from .explain import (
     Saliency,
     ScoreCAM,
     XGradCAM,
+    overlay,
 )
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
 
@@ -113,6 +114,7 @@ __all__ = [
     "names",
     "nonfinite",
     "on_grad",
+    "overlay",
     "patch",
     "replace",
     "scale",

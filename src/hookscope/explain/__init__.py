@@ -2,6 +2,7 @@
 
 from ._base import METHODS, Explanation, LayerMethod, normalize
 from ._input import GuidedBackprop, InputMethod, Saliency
+from ._overlay import overlay
 from ._perturb import Perturbation
 from .methods import (
     CAM,
@@ -33,4 +34,5 @@ __all__ = [
     "ScoreCAM",
     "XGradCAM",
     "normalize",
+    "overlay",
 ]
