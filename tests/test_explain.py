@@ -335,3 +335,42 @@ def test_overlay_pixels_png_and_missing_matplotlib(
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(ImportError, match=r'pip install "hookscope\[plots\]"'):
         hs.overlay(image, heat)
+
+
+class Region(nn.Module):
+    """logit 0 = sum of the top-left 2x2 pixels, logit 1 = 0: the right map is known."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = x[:, :, :2, :2].sum((1, 2, 3))
+        return torch.stack([s, torch.zeros_like(s)], 1)
+
+
+def test_deletion_insertion_average_drop_by_hand() -> None:
+    from hookscope.explain import metrics
+
+    x = torch.ones(2, 1, 4, 4)
+    right = torch.zeros(4, 4)
+    right[:2, :2] = 1
+    ramp = torch.arange(16.0).view(4, 4) / 100  # breaks ties: order within a region is fixed
+    maps = torch.stack([right + ramp, 1 - right + ramp])  # image 0 right, image 1 inverted
+    d = metrics.deletion(Region(), x, maps, 0, steps=4, prob=False)
+    assert d.forwards == 2 * 5 and d.fractions.tolist() == [0, 0.25, 0.5, 0.75, 1]
+    assert d.curve.tolist() == [[4, 0, 0, 0, 0], [4, 4, 4, 4, 0]]
+    assert d.auc.tolist() == [0.5, 3.5]  # trapezoid rule over the fractions, by hand
+    i = metrics.insertion(Region(), x, maps, [0, 0], steps=4, prob=False)
+    assert i.curve.tolist() == [[0, 4, 4, 4, 4], [0, 0, 0, 0, 4]] and i.auc.tolist() == [3.5, 0.5]
+    drop = metrics.average_drop(Region(), x, torch.stack([right, 1 - right]), 0, prob=False)
+    assert drop == {"average_drop": 50.0, "increase": 0.0, "forwards": 4}  # 0% and 100%
+    with pytest.raises(hs.UsageError, match="maps must be"):
+        metrics.deletion(Region(), x, maps[0], 0)
+
+
+def test_pointing_game() -> None:
+    from hookscope.explain import metrics
+
+    maps = torch.zeros(3, 4, 4)
+    maps[0, 0, 0] = 1  # inside
+    maps[1, 3, 3] = 1  # outside
+    masks = torch.zeros(3, 4, 4, dtype=torch.bool)
+    masks[:, :2, :2] = True
+    assert metrics.pointing_game(maps, masks).tolist() == [True, False, True]  # a flat map ties

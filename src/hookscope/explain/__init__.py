@@ -1,5 +1,9 @@
-"""Explain: the CAM family of attribution maps, batched, for CNNs and vision transformers."""
+"""Explain: the CAM family of attribution maps, batched, for CNNs and vision transformers.
 
+Faithfulness metrics live in ``hookscope.explain.metrics``.
+"""
+
+from . import metrics
 from ._base import METHODS, Explanation, LayerMethod, normalize
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
@@ -33,6 +37,7 @@ __all__ = [
     "Saliency",
     "ScoreCAM",
     "XGradCAM",
+    "metrics",
     "normalize",
     "overlay",
 ]

@@ -1,0 +1,167 @@
+"""Faithfulness of attribution maps: deletion / insertion curves and their AUC, average drop
+and increase in confidence, and the pointing game.
+
+Scores are the target's softmax probability for class targets (``prob=False`` for raw logits),
+or what a target callable returns. Every function states the forwards it runs: deletion and
+insertion ``N * (steps + 1)`` images, batched by ``batch_size``; average drop 2 N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core import call_model, training_mode
+from ..errors import UsageError
+from ._targets import Target, logits_of
+
+__all__ = ["Curve", "average_drop", "deletion", "insertion", "pointing_game"]
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Scores as pixels are deleted (or inserted) most-important first: ``curve (N, steps+1)``
+    at fractions ``fractions (steps+1,)``, ``auc (N,)`` by the trapezoid rule, and the number
+    of image ``forwards`` it took."""
+
+    auc: Tensor
+    curve: Tensor
+    fractions: Tensor
+    forwards: int
+
+
+def _score(model: nn.Module, images: Tensor, targets: Target, rows: Tensor, prob: bool) -> Tensor:
+    with torch.no_grad(), training_mode(model, False):
+        out = call_model(model, images)
+    if callable(targets) and not isinstance(targets, Tensor):
+        return targets(out).detach().float()
+    logits = logits_of(out)
+    values = logits.softmax(1) if prob else logits
+    index = _indices(targets, logits, len(rows))
+    return values.gather(1, index[rows][:, None])[:, 0].float()
+
+
+def _indices(targets: Target, logits: Tensor, n: int) -> Tensor:
+    if targets is None:
+        raise UsageError("metrics need the classes the maps explain: pass targets=")
+    index = torch.as_tensor(targets, dtype=torch.long, device=logits.device).reshape(-1)
+    return index.expand(n) if index.numel() == 1 else index
+
+
+def _check(x: Tensor, maps: Tensor) -> None:
+    if x.dim() != 4 or maps.shape != (x.shape[0], *x.shape[-2:]):
+        raise UsageError(
+            f"maps must be (N, H, W) for images (N, C, H, W): got maps {tuple(maps.shape)} "
+            f"for images {tuple(x.shape)} (use an Explanation's .maps)"
+        )
+
+
+def _curve(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    targets: Target,
+    *,
+    start: Tensor,
+    end: Tensor,
+    steps: int,
+    batch_size: int,
+    prob: bool,
+) -> Curve:
+    _check(x, maps)
+    if not isinstance(steps, int) or steps < 1:
+        raise UsageError(f"steps must be an int >= 1, got {steps!r}")
+    n, (h, w) = x.shape[0], x.shape[-2:]
+    order = maps.detach().reshape(n, -1).argsort(1, descending=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(h * w).expand(n, -1))
+    fractions = torch.linspace(0, 1, steps + 1)
+    images, rows = [], []
+    for f in fractions:
+        switched = (rank < round(float(f) * h * w)).reshape(n, 1, h, w)
+        images.append(torch.where(switched, end, start))
+        rows.append(torch.arange(n))
+    batch, index = torch.cat(images), torch.cat(rows)
+    scores = torch.cat(
+        [
+            _score(model, batch[i : i + batch_size], targets, index[i : i + batch_size], prob)
+            for i in range(0, len(batch), batch_size)
+        ]
+    )
+    curve = scores.reshape(steps + 1, n).T
+    auc = torch.trapezoid(curve, fractions.to(curve), dim=1)
+    return Curve(auc, curve, fractions, len(batch))
+
+
+def deletion(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    targets: Target,
+    *,
+    steps: int = 20,
+    baseline: float | Tensor = 0.0,
+    batch_size: int = 32,
+    prob: bool = True,
+) -> Curve:
+    """Delete pixels (set them to ``baseline``) in order of importance; a faithful map makes
+    the score fall fast (low AUC)."""
+    base = torch.as_tensor(baseline, dtype=x.dtype, device=x.device).expand_as(x)
+    return _curve(
+        model, x, maps, targets, start=x, end=base, steps=steps, batch_size=batch_size, prob=prob
+    )
+
+
+def insertion(
+    model: nn.Module,
+    x: Tensor,
+    maps: Tensor,
+    targets: Target,
+    *,
+    steps: int = 20,
+    baseline: float | Tensor = 0.0,
+    batch_size: int = 32,
+    prob: bool = True,
+) -> Curve:
+    """Insert pixels into ``baseline`` in order of importance; a faithful map makes the score
+    rise fast (high AUC)."""
+    base = torch.as_tensor(baseline, dtype=x.dtype, device=x.device).expand_as(x)
+    return _curve(
+        model, x, maps, targets, start=base, end=x, steps=steps, batch_size=batch_size, prob=prob
+    )
+
+
+def average_drop(
+    model: nn.Module, x: Tensor, maps: Tensor, targets: Target, *, prob: bool = True
+) -> dict[str, Any]:
+    """Chattopadhyay et al. (2018): keep only what the map highlights (``x * map`` with the map
+    scaled to 0..1 per image). ``average_drop`` = mean of ``max(0, y - o) / y`` in percent,
+    ``increase`` = percentage of images whose score rose. 2 N forwards."""
+    from ._base import normalize
+
+    _check(x, maps)
+    rows = torch.arange(x.shape[0])
+    y = _score(model, x, targets, rows, prob)
+    o = _score(model, x * normalize(maps.detach())[:, None].to(x), targets, rows, prob)
+    drop = (y - o).clamp_min(0) / y.abs().clamp_min(1e-12)
+    return {
+        "average_drop": float(drop.mean() * 100),
+        "increase": float((o > y).float().mean() * 100),
+        "forwards": 2 * x.shape[0],
+    }
+
+
+def pointing_game(maps: Tensor, masks: Tensor) -> Tensor:
+    """Zhang et al. (2016): whether each map's maximum falls inside its object's ``mask``
+    (``(N, H, W)`` bool); ties count as hits if any maximum is inside. ``.float().mean()`` is
+    the accuracy."""
+    if maps.shape != masks.shape or maps.dim() != 3:
+        raise UsageError(
+            f"maps and masks must both be (N, H, W): got {tuple(maps.shape)} and "
+            f"{tuple(masks.shape)}"
+        )
+    flat = maps.detach().reshape(maps.shape[0], -1)
+    top = flat == flat.amax(1, keepdim=True)
+    return (top & masks.reshape(masks.shape[0], -1).bool()).any(1)
