@@ -374,3 +374,33 @@ def test_pointing_game() -> None:
     masks = torch.zeros(3, 4, 4, dtype=torch.bool)
     masks[:, :2, :2] = True
     assert metrics.pointing_game(maps, masks).tolist() == [True, False, True]  # a flat map ties
+
+
+def test_smoothgrad_over_saliency_of_a_linear_model_is_its_weights() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    x = torch.randn(2, 3, 2, 2)
+    calls: list[int] = []
+    net.register_forward_pre_hook(lambda m, a: calls.append(len(a[0])))
+    try:
+        exp = hs.SmoothGrad(hs.Saliency(net), samples=5, seed=0)(x, targets=[0, 2])
+    finally:
+        net._forward_pre_hooks.clear()
+    w = net[1].weight.detach()
+    torch.testing.assert_close(exp.raw, w[[0, 2]].abs().reshape(2, 3, 2, 2))  # noise-free
+    assert len(calls) == 6 and exp.method == "smoothgrad(saliency)"
+    model, x = _net(), torch.randn(2, 3, 8, 8)
+    a = hs.SmoothGrad(hs.GradCAM(model, "2"), samples=3, seed=1)(x)
+    b = hs.SmoothGrad(hs.GradCAM(model, "2"), samples=3, seed=1)(x)
+    c = hs.SmoothGrad(hs.GradCAM(model, "2"), samples=3, seed=2)(x)
+    assert a.raw.shape == (2, 8, 8) and torch.equal(a.raw, b.raw)  # seeded: repeatable
+    assert not torch.equal(a.raw, c.raw)  # the noise matters for a non-linear model
+
+
+def test_guided_gradcam_is_the_product() -> None:
+    model, x = _net(), torch.randn(2, 3, 8, 8)
+    exp = hs.GuidedGradCAM(model, "2")(x, targets=[1, 2])
+    guided = hs.GuidedBackprop(model)(x, targets=[1, 2]).raw
+    cam = hs.GradCAM(model, "2")(x, targets=[1, 2]).maps
+    torch.testing.assert_close(exp.raw, guided * cam[:, None])
+    assert exp.raw.shape == (2, 3, 8, 8)

@@ -5,6 +5,7 @@ Faithfulness metrics live in ``hookscope.explain.metrics``.
 
 from . import metrics
 from ._base import METHODS, Explanation, LayerMethod, normalize
+from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
 from ._perturb import Perturbation
@@ -29,6 +30,7 @@ __all__ = [
     "GradCAM",
     "GradCAMPlusPlus",
     "GuidedBackprop",
+    "GuidedGradCAM",
     "HiResCAM",
     "InputMethod",
     "LayerCAM",
@@ -36,6 +38,7 @@ __all__ = [
     "Perturbation",
     "Saliency",
     "ScoreCAM",
+    "SmoothGrad",
     "XGradCAM",
     "metrics",
     "normalize",
