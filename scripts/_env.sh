@@ -10,4 +10,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -c constraints.txt -e ".[$1]"
+if [ "$1" = dev ]; then
+    # pytorch-grad-cam, a peer in the tests, requires torchvision, which must not be installed
+    # here: install it alone (its other dependencies come with the dev extra).
+    .venv/bin/python -m pip install -q -c constraints.txt --no-deps "grad-cam==1.5.7"
+fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

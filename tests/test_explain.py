@@ -52,7 +52,7 @@ def _by_hand(name: str, a: Tensor, g: Tensor) -> Tensor:
         w = (g * a / (a.sum((1, 2), keepdim=True) + 1e-7)).sum((1, 2))
         cam = (w[:, None, None] * a).sum(0)
     elif name == "gradcam++":
-        alpha = g**2 / (2 * g**2 + a.sum((1, 2), keepdim=True) * g**3 + 1e-7)
+        alpha = g**2 / (2 * g**2 + a.sum((1, 2), keepdim=True) * g**3 + 1e-6)
         alpha[g == 0] = 0
         w = (alpha * torch.relu(g)).sum((1, 2))
         cam = (w[:, None, None] * a).sum(0)

@@ -19,7 +19,7 @@ class GradCAMPlusPlus(LayerMethod):
         assert grads is not None
         g2, g3 = grads.pow(2), grads.pow(3)
         total = acts.sum((2, 3), keepdim=True)
-        alpha = g2 / (2 * g2 + total * g3 + 1e-7)
+        alpha = g2 / (2 * g2 + total * g3 + 1e-6)  # the epsilon of pytorch-grad-cam
         alpha = torch.where(grads != 0, alpha, torch.zeros_like(alpha))
         weights = (alpha * grads.clamp_min(0)).sum((2, 3), keepdim=True)
         return (weights * acts).sum(1)

@@ -1,0 +1,100 @@
+"""The CAM family against pytorch-grad-cam and Captum on a Hugging Face ResNet built from a
+config, after the same post-processing.
+
+pytorch-grad-cam 1.5 imports torchvision at package import (for image utilities the CAM
+classes never call), and torchvision cannot be installed here (ENVIRONMENT.md); the package
+is imported with placeholder torchvision modules that are removed again right after."""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import hookscope as hs
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.hf
+
+
+def _pytorch_grad_cam() -> Any:
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
+    stubs = {n: types.ModuleType(n) for n in names}
+    stubs["torchvision.transforms"].Compose = object  # type: ignore[attr-defined]
+    stubs["torchvision.transforms"].Normalize = object  # type: ignore[attr-defined]
+    stubs["torchvision.transforms"].ToTensor = object  # type: ignore[attr-defined]
+    stubs["torchvision.transforms.functional"].resize = None  # type: ignore[attr-defined]
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update(stubs)
+    try:
+        import pytorch_grad_cam
+        from pytorch_grad_cam.utils import model_targets
+    finally:
+        for n, module in saved.items():
+            if module is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = module
+    return pytorch_grad_cam, model_targets
+
+
+class Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x).logits
+
+
+@pytest.fixture(scope="module")
+def resnet() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], num_labels=10
+    )
+    return transformers.ResNetForImageClassification(config).eval()
+
+
+def _theirs_scaled(raw: Tensor, size: tuple[int, int]) -> np.ndarray:
+    """pytorch-grad-cam's post-processing: min-max per image, then bilinear resize."""
+    lo = raw.flatten(1).min(1).values[:, None, None]
+    hi = raw.flatten(1).max(1).values[:, None, None]
+    scaled = (raw - lo) / (1e-7 + hi - lo)
+    return F.interpolate(scaled[:, None], size=size, mode="bilinear", align_corners=False)[
+        :, 0
+    ].numpy()
+
+
+@pytest.mark.parametrize(
+    "name", ["GradCAM", "GradCAMPlusPlus", "XGradCAM", "LayerCAM", "HiResCAM", "ScoreCAM"]
+)
+def test_matches_pytorch_grad_cam(resnet: nn.Module, name: str) -> None:
+    pgc, model_targets = _pytorch_grad_cam()
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    ours = getattr(hs, name)(resnet, "resnet.encoder.stages.3")(x, targets=[3, 7])
+    assert all(p.grad is None for p in resnet.parameters())  # autograd.grad to the layer only
+    layer = resnet.resnet.encoder.stages[3]
+    with getattr(pgc, name)(model=Logits(resnet), target_layers=[layer]) as cam:
+        targets = [model_targets.ClassifierOutputTarget(c) for c in (3, 7)]
+        theirs = cam(input_tensor=x, targets=targets)
+    assert np.abs(_theirs_scaled(ours.raw, (64, 64)) - theirs).max() < 1e-4
+    resnet.zero_grad(set_to_none=True)  # pytorch-grad-cam's full backward filled .grad
+
+
+def test_gradcam_matches_captum(resnet: nn.Module) -> None:
+    from captum.attr import LayerGradCam
+
+    x = torch.randn(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    ours = hs.GradCAM(resnet, "resnet.encoder.stages.3")(x, targets=[1, 4])
+    layer = resnet.resnet.encoder.stages[3]
+    theirs = LayerGradCam(Logits(resnet), layer).attribute(x, target=[1, 4], relu_attributions=True)
+    torch.testing.assert_close(ours.raw, theirs[:, 0].detach(), rtol=1e-4, atol=1e-6)
+    resnet.zero_grad(set_to_none=True)  # Captum's backward fills .grad; ours never does
