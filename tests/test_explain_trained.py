@@ -7,49 +7,35 @@ corners)."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 import hookscope as hs
 from hookscope.explain import metrics
 
 
-def shapes(n: int, generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """Images (n, 1, 32, 32), labels (0 square, 1 disk, 2 none), object masks (n, 32, 32)."""
-    yy, xx = torch.meshgrid(torch.arange(32.0), torch.arange(32.0), indexing="ij")
-    labels = torch.randint(0, 3, (n,), generator=generator)
-    centers = torch.randint(6, 26, (n, 2), generator=generator).float()
-    dy, dx = yy - centers[:, 0, None, None], xx - centers[:, 1, None, None]
-    square = (dy.abs() <= 4) & (dx.abs() <= 4)
-    disk = dy**2 + dx**2 <= 4.5**2
-    masks = torch.where(labels[:, None, None] == 0, square, disk) & (labels[:, None, None] < 2)
-    images = torch.randn(n, 32, 32, generator=generator) * 0.3 + masks.float()
-    return images[:, None], labels, masks
+def _example() -> Any:
+    """examples/cam_shapes.py, which the README's picture comes from: the same data and model."""
+    path = Path(__file__).parent.parent / "examples" / "cam_shapes.py"
+    spec = importlib.util.spec_from_file_location("cam_shapes", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def train() -> nn.Module:
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 3),
-    )  # fmt: skip
-    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(250):
-        x, y, _ = shapes(64, g)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model.eval()
+shapes = _example().shapes
 
 
 @pytest.fixture(scope="module")
 def trained() -> nn.Module:
-    return train()
+    model: nn.Module = _example().train()
+    return model
 
 
 @pytest.mark.slow
