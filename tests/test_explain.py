@@ -247,11 +247,14 @@ def test_guided_backprop_with_relu_modules_and_refusal_without_relu() -> None:
         hs.GuidedBackprop(gelu)(x, targets=0)
 
 
-def _scorecam_by_hand(model: nn.Module, x: Tensor, targets: list[int], k: int | None) -> Tensor:
-    a, _ = _reference(model, x, targets)
+def _scorecam_by_hand(
+    model: nn.Module, x: Tensor, targets: list[int], k: int | None, rank: str
+) -> Tensor:
+    a, g = _reference(model, x, targets)
     cams = []
     for n, t in enumerate(targets):
-        order = a[n].mean((1, 2)).argsort(descending=True)[: k or a.shape[1]]
+        weight = a[n].mean((1, 2)) * (g[n].mean((1, 2)) if rank == "gradient" else 1)
+        order = weight.argsort(descending=True)[: k or a.shape[1]]
         s = []
         for c in order.tolist():
             up = torch.nn.functional.interpolate(
@@ -266,10 +269,12 @@ def _scorecam_by_hand(model: nn.Module, x: Tensor, targets: list[int], k: int | 
     return torch.stack(cams)
 
 
-@pytest.mark.parametrize("top_k", [None, 2])
-def test_scorecam_matches_hand_reference_and_states_its_cost(top_k: int | None) -> None:
+@pytest.mark.parametrize(
+    ("top_k", "rank"), [(None, "gradient"), (2, "gradient"), (2, "activation")]
+)
+def test_scorecam_matches_hand_reference_and_states_its_cost(top_k: int | None, rank: str) -> None:
     model, x, targets = _net(), torch.randn(3, 3, 8, 8), [0, 3, 1]
-    method = hs.ScoreCAM(model, "2", batch_size=4, top_k=top_k)
+    method = hs.ScoreCAM(model, "2", batch_size=4, top_k=top_k, rank=rank)
     k = top_k or 5
     assert method.cost(x) == {"forwards": 3 * k, "calls": -(-3 * k // 4)}
     calls: list[int] = []
@@ -279,7 +284,7 @@ def test_scorecam_matches_hand_reference_and_states_its_cost(top_k: int | None) 
     finally:
         handle.remove()
     assert calls[1:] == [min(4, 3 * k - i) for i in range(0, 3 * k, 4)]  # after the first
-    torch.testing.assert_close(exp.raw, _scorecam_by_hand(model, x, targets, top_k))
+    torch.testing.assert_close(exp.raw, _scorecam_by_hand(model, x, targets, top_k, rank))
 
 
 def test_ablationcam_matches_hand_reference() -> None:

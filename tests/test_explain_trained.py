@@ -53,3 +53,21 @@ def test_gradcam_points_at_the_object_and_deletion_prefers_it(trained: nn.Module
     ours = metrics.deletion(trained, x, exp.maps, y, steps=10).auc.mean()
     random = metrics.deletion(trained, x, noise, y, steps=10).auc.mean()
     assert ours < random, (ours, random)
+
+
+def _spearman(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    ra = a.flatten(1).argsort(1).argsort(1).float()
+    rb = b.flatten(1).argsort(1).argsort(1).float()
+    ra, rb = ra - ra.mean(1, keepdim=True), rb - rb.mean(1, keepdim=True)
+    return (ra * rb).sum(1) / (ra.norm(dim=1) * rb.norm(dim=1))
+
+
+@pytest.mark.slow
+def test_scorecam_budget_of_a_tenth_stays_close_to_the_full_map(trained: nn.Module) -> None:
+    x, y, _ = shapes(40, torch.Generator().manual_seed(2))
+    x, y = x[y < 2], y[y < 2]
+    full = hs.ScoreCAM(trained, "6", batch_size=64)
+    budget = hs.ScoreCAM(trained, "6", batch_size=64, top_k=3)  # 3 of 32 channels
+    assert budget.cost(x)["forwards"] * 10 <= full.cost(x)["forwards"]
+    rho = _spearman(full(x, targets=y).raw, budget(x, targets=y).raw)
+    assert rho.mean() >= 0.7, rho  # measured 0.80 (0.61 when ranking by activation alone)

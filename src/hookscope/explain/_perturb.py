@@ -1,7 +1,7 @@
 """Methods that run the model again on perturbed inputs or activations (Score-CAM,
 Ablation-CAM): their cost is known before they run (:meth:`Perturbation.cost`), the extra
-forwards are batched (``batch_size``), and a budget (``top_k`` channels per image, ranked by
-mean activation) bounds them."""
+forwards are batched (``batch_size``), and a budget (``top_k`` channels per image) bounds them.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +25,11 @@ class Perturbation(LayerMethod):
 
     Args:
         batch_size: images per extra forward.
-        top_k: explore only the ``top_k`` channels with the largest mean activation per image
-            (the others get weight 0); None explores every channel.
+        top_k: explore only ``top_k`` channels per image (the others get weight 0); None
+            explores every channel.
+        rank: how ``top_k`` channels are chosen: ``"gradient"`` (default) by their Grad-CAM
+            contribution, mean gradient times mean activation (one extra backward to the
+            layer), or ``"activation"`` by mean activation alone.
     """
 
     needs_grad = False
@@ -38,6 +41,7 @@ class Perturbation(LayerMethod):
         *,
         batch_size: int = 32,
         top_k: int | None = None,
+        rank: str = "gradient",
         **kwargs: Any,
     ) -> None:
         super().__init__(model, layer, **kwargs)
@@ -45,7 +49,10 @@ class Perturbation(LayerMethod):
             raise UsageError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
             raise UsageError(f"top_k must be an int >= 1 or None, got {top_k!r}")
-        self.batch_size, self.top_k = batch_size, top_k
+        if rank not in ("gradient", "activation"):
+            raise UsageError(f"rank must be 'gradient' or 'activation', got {rank!r}")
+        self.batch_size, self.top_k, self.rank = batch_size, top_k, rank
+        self.needs_grad = top_k is not None and rank == "gradient"  # type: ignore[misc]
 
     def cost(self, x: Any) -> dict[str, int]:
         """``{"forwards": images run again, "calls": model calls}`` for this batch, found from
@@ -71,10 +78,13 @@ class Perturbation(LayerMethod):
     def _batch(x: Any) -> int:
         return next(t for _, t in leaves(x)).shape[0]
 
-    def _chosen(self, acts: Tensor) -> Tensor:
+    def _chosen(self, acts: Tensor, grads: Tensor | None) -> Tensor:
         """``(N, K)`` channel indices to explore per image."""
         k = min(self.top_k or acts.shape[1], acts.shape[1])
-        return acts.mean((2, 3)).topk(k, dim=1).indices
+        weight = acts.mean((2, 3))
+        if grads is not None:
+            weight = weight * grads.mean((2, 3))
+        return weight.topk(k, dim=1).indices
 
     def _scores(self, targets: Target, index: Tensor | None, run: Any, pairs: Tensor) -> Tensor:
         """Target scores of the perturbed forwards: ``pairs`` (M, 2) of (image, channel);

@@ -19,7 +19,7 @@ class AblationCAM(Perturbation):
 
     def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
         x, image, spec, base = self.call
-        chosen = self._chosen(acts)
+        chosen = self._chosen(acts, grads)
         pairs = _pairs(chosen)
 
         def run(chunk: Tensor) -> object:

@@ -25,7 +25,7 @@ class ScoreCAM(Perturbation):
     def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
         x, image, spec, _ = self.call
         masks = upsampled_masks(acts, (image.shape[-2], image.shape[-1]))
-        chosen = self._chosen(acts)
+        chosen = self._chosen(acts, grads)
         pairs = _pairs(chosen)
 
         def run(chunk: Tensor) -> object:
