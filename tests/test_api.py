@@ -7,6 +7,7 @@ import importlib
 import inspect
 import pathlib
 import pkgutil
+import sys
 
 import pytest
 
@@ -69,10 +70,12 @@ def test_docstring_examples_run(name: str) -> None:
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
-def test_examples_run(path: pathlib.Path) -> None:
-    """Every example the README points to runs (they are executed, not just imported)."""
+def test_examples_run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every example the README points to runs (they are executed, not just imported), as
+    ``python examples/<name>.py`` with no arguments (not with pytest's)."""
     import runpy
 
+    monkeypatch.setattr(sys, "argv", [str(path)])
     runpy.run_path(str(path), run_name="__main__")
 
 
