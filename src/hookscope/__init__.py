@@ -34,7 +34,7 @@ from .core import (
     scale,
     transform,
 )
-from .diagnose import NonFiniteReport, nonfinite
+from .diagnose import ClipReport, NonFiniteReport, clip_grad_norm, nonfinite
 from .errors import (
     CaptureBudgetError,
     CaptureError,
@@ -74,6 +74,7 @@ __all__ = [
     "Capture",
     "CaptureBudgetError",
     "CaptureError",
+    "ClipReport",
     "CompiledModelError",
     "Edit",
     "EditContext",
@@ -109,6 +110,7 @@ __all__ = [
     "add",
     "capture",
     "clip_grad",
+    "clip_grad_norm",
     "edit",
     "feature_grid",
     "feature_grids",

@@ -1,0 +1,171 @@
+"""``hs.clip_grad_norm``: gradient-norm clipping that says what it did.
+
+Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (norms per gradient, the total norm of
+those norms, one coefficient ``max_norm / (total + 1e-6)`` capped at 1, gradients scaled in
+place), plus a report: the total norm before and after, each layer's norm, which layers were
+scaled and by what factor, and the parameters whose gradients are not finite. Everything is
+computed on the device and read with one host transfer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import NonFiniteError, UsageError
+
+__all__ = ["ClipReport", "clip_grad_norm"]
+
+
+@dataclass(frozen=True)
+class ClipReport:
+    """What :func:`clip_grad_norm` found and did.
+
+    ``layers`` maps each layer (the module owning the parameters, or the parameter's name when
+    parameters were given without a model) to its gradient norm before clipping; ``clipped``
+    maps the layers that were scaled to the factor applied (< 1); ``nonfinite`` lists the
+    parameters whose gradient holds a NaN or an Inf.
+    """
+
+    total_norm: float
+    total_norm_after: float
+    max_norm: float
+    norm_type: float
+    layers: dict[str, float] = field(default_factory=dict)
+    clipped: dict[str, float] = field(default_factory=dict)
+    nonfinite: list[str] = field(default_factory=list)
+
+    @property
+    def was_clipped(self) -> bool:
+        return bool(self.clipped)
+
+
+def _named(target: Any) -> list[tuple[str, str, nn.Parameter | Tensor]]:
+    """(layer, parameter name, parameter) for every parameter with a gradient, each once."""
+    if isinstance(target, nn.Module):
+        items: Iterable[tuple[str, Tensor]] = target.named_parameters()
+    elif isinstance(target, Mapping):
+        items = target.items()
+    elif isinstance(target, Tensor):
+        items = [("0", target)]
+    else:
+        items = [p if isinstance(p, tuple) else (str(i), p) for i, p in enumerate(target)]
+    out, seen = [], set()
+    for name, p in items:
+        if not isinstance(p, Tensor):
+            raise UsageError(f"expected parameters (tensors), got {type(p).__name__} for {name!r}")
+        if id(p) in seen or p.grad is None:
+            continue
+        seen.add(id(p))
+        # a model's layers are the modules owning the parameters ("" for the root's own)
+        layer = (
+            (name.rsplit(".", 1)[0] if "." in name else "")
+            if isinstance(target, nn.Module)
+            else name
+        )
+        out.append((layer, name, p))
+    return out
+
+
+def _norms(grads: list[Tensor], norm_type: float) -> Tensor:
+    if math.isinf(norm_type):
+        return torch.stack([g.detach().abs().max() for g in grads]).float()
+    return torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]).float()
+
+
+def _total(norms: Tensor, norm_type: float) -> Tensor:
+    return norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
+
+
+def clip_grad_norm(
+    parameters: Any,
+    max_norm: float,
+    *,
+    per_layer: bool = False,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+) -> ClipReport:
+    """Clip gradient norms in place, like ``torch.nn.utils.clip_grad_norm_``, and report.
+
+    Args:
+        parameters: a model (layers are named after the modules owning the parameters), a
+            mapping ``{name: parameter}``, an iterable of parameters or ``(name, parameter)``
+            pairs, or one tensor. Parameters without a gradient are skipped; tied parameters
+            count once.
+        max_norm: the largest norm allowed (> 0).
+        per_layer: clip each layer's gradients to ``max_norm`` on its own instead of all of
+            them together.
+        norm_type: the p of the p-norm (``float("inf")`` for the max norm).
+        error_if_nonfinite: raise :class:`~hookscope.NonFiniteError` naming the parameters
+            whose gradients are not finite (the gradients are then left unchanged); by default
+            they are reported and scaled as torch does.
+
+    Returns:
+        A :class:`ClipReport`. With no gradient at all the total norm is 0 and nothing changes.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Linear(3, 1)
+        >>> model(torch.ones(4, 3)).sum().backward()
+        >>> report = hs.clip_grad_norm(model, 1.0)
+        >>> round(report.total_norm, 3), {k: round(v, 3) for k, v in report.clipped.items()}
+        (8.0, {'': 0.125})
+        >>> round(report.total_norm_after, 3)
+        1.0
+    """
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
+        raise UsageError(f"max_norm must be a number > 0, got {max_norm!r}")
+    norm_type = float(norm_type)
+    if not (norm_type > 0 or math.isinf(norm_type)):
+        raise UsageError(f"norm_type must be > 0 or inf, got {norm_type!r}")
+    named = _named(parameters)
+    if not named:
+        return ClipReport(0.0, 0.0, float(max_norm), norm_type)
+    layers = list(dict.fromkeys(layer for layer, _, _ in named))
+    grads = [p.grad for _, _, p in named]
+    assert all(g is not None for g in grads)
+    norms = _norms(grads, norm_type)  # type: ignore[arg-type]
+    member = torch.tensor([layers.index(layer) for layer, _, _ in named], device=norms.device)
+    layer_norms = torch.stack([_total(norms[member == i], norm_type) for i in range(len(layers))])
+    total = _total(norms, norm_type)
+    if per_layer:
+        coef = (max_norm / (layer_norms + 1e-6)).clamp(max=1.0)
+    else:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(len(layers))
+    finite = torch.stack([torch.isfinite(g).all() for g in grads])  # type: ignore[arg-type]
+    after = torch.stack(
+        [_total(norms[member == i] * coef[i], norm_type) for i in range(len(layers))]
+    )
+    values = torch.cat(
+        [total[None], layer_norms, coef, finite.float(), _total(after, norm_type)[None]]
+    )
+    host = values.tolist()  # the one host transfer
+    k = len(layers)
+    total_v, layer_v, coef_v = host[0], host[1 : 1 + k], host[1 + k : 1 + 2 * k]
+    finite_v, after_v = host[1 + 2 * k : 1 + 2 * k + len(named)], host[-1]
+    bad = [name for (_, name, _), ok in zip(named, finite_v, strict=True) if not ok]
+    if bad and error_if_nonfinite:
+        raise NonFiniteError(
+            f"non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:10])}; total norm "
+            f"{total_v}. Nothing was clipped.",
+            phase="backward",
+            module=bad[0],
+            stats={"parameters": bad},
+        )
+    for (_, _, p), c in zip(named, coef[member], strict=True):
+        p.grad.detach().mul_(c.to(p.grad.dtype))  # type: ignore[union-attr]
+    clipped = {layer: c for layer, c in zip(layers, coef_v, strict=True) if c < 1.0}
+    return ClipReport(
+        total_norm=total_v,
+        total_norm_after=after_v,
+        max_norm=float(max_norm),
+        norm_type=norm_type,
+        layers=dict(zip(layers, layer_v, strict=True)),
+        clipped=clipped,
+        nonfinite=bad,
+    )

@@ -1,0 +1,96 @@
+"""hs.clip_grad_norm against torch.nn.utils.clip_grad_norm_ on copies of the same gradients,
+per-layer clipping by hand, and non-finite gradients named."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+
+def _model_with_grads(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))
+    model[2].requires_grad_(False)  # frozen: no gradient, skipped
+    (model(torch.randn(5, 4)) ** 2).sum().backward()
+    return model
+
+
+@pytest.mark.mutates_model  # clipping changes .grad on purpose; values are compared below
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("max_norm", [0.5, 1e6])
+def test_equals_torch(norm_type: float, max_norm: float) -> None:
+    ours, theirs = _model_with_grads(), _model_with_grads()
+    total = torch.nn.utils.clip_grad_norm_(theirs.parameters(), max_norm, norm_type=norm_type)
+    report = hs.clip_grad_norm(ours, max_norm, norm_type=norm_type)
+    assert report.total_norm == pytest.approx(float(total), rel=1e-6)
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        assert (a.grad is None) == (b.grad is None)
+        if a.grad is not None:
+            torch.testing.assert_close(a.grad, b.grad)
+    assert set(report.layers) == {"0", "3"}  # layer "2" is frozen
+    if max_norm < float(total):
+        assert report.clipped == pytest.approx(
+            {"0": max_norm / float(total), "3": max_norm / float(total)}, rel=1e-5
+        )
+        assert report.total_norm_after == pytest.approx(max_norm, rel=1e-4)
+    else:
+        assert report.clipped == {} and not report.was_clipped
+
+
+@pytest.mark.mutates_model
+def test_per_layer_by_hand() -> None:
+    model = _model_with_grads()
+    before = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    norms = {
+        layer: math.sqrt(
+            sum(float(before[f"{layer}.{k}"].pow(2).sum()) for k in ("weight", "bias"))
+        )
+        for layer in ("0", "3")
+    }
+    report = hs.clip_grad_norm(model, 0.1, per_layer=True)
+    assert report.layers == pytest.approx(norms, rel=1e-6)
+    for layer, norm in norms.items():
+        factor = min(1.0, 0.1 / (norm + 1e-6))
+        for k in ("weight", "bias"):
+            torch.testing.assert_close(
+                getattr(model, layer).get_parameter(k).grad, before[f"{layer}.{k}"] * factor
+            )
+        if factor < 1:
+            assert report.clipped[layer] == pytest.approx(factor, rel=1e-5)
+
+
+@pytest.mark.mutates_model
+def test_nonfinite_gradient_named() -> None:
+    model, theirs, reported = _model_with_grads(), _model_with_grads(), _model_with_grads()
+    for m in (model, theirs, reported):
+        m[3].bias.grad[1] = float("nan")
+    total = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 1.0)
+    assert math.isnan(float(total))  # torch only says the total is nan
+    report = hs.clip_grad_norm(reported, 1.0)
+    assert math.isnan(report.total_norm) and report.nonfinite == ["3.bias"]
+    kept = model[0].weight.grad.clone()
+    with pytest.raises(hs.NonFiniteError, match=r"3\.bias") as info:
+        hs.clip_grad_norm(model, 1.0, error_if_nonfinite=True)
+    assert info.value.module == "3.bias" and torch.equal(model[0].weight.grad, kept)
+
+
+@pytest.mark.mutates_model
+def test_parameter_lists_tied_weights_and_errors() -> None:
+    emb = nn.Embedding(5, 3)
+    head = nn.Linear(3, 5, bias=False)
+    head.weight = emb.weight  # tied: one tensor
+    head(emb(torch.tensor([1, 2]))).sum().backward()
+    g = emb.weight.grad.clone()
+    report = hs.clip_grad_norm([("emb", emb.weight), ("head", head.weight)], 1e9)
+    assert list(report.layers) == ["emb"] and report.total_norm == pytest.approx(float(g.norm()))
+    assert hs.clip_grad_norm(nn.Linear(2, 2), 1.0).total_norm == 0.0  # no gradients yet
+    for bad in (0, -1.0, "1", True):
+        with pytest.raises(hs.UsageError, match="max_norm"):
+            hs.clip_grad_norm(emb, bad)  # type: ignore[arg-type]
+    with pytest.raises(hs.UsageError, match="norm_type"):
+        hs.clip_grad_norm(emb, 1.0, norm_type=0)
