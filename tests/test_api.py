@@ -79,6 +79,7 @@ def test_examples_run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> No
     runpy.run_path(str(path), run_name="__main__")
 
 
+@pytest.mark.mutates_model  # the README trains models (Monitor, clipping): values change
 def test_readme_examples_run() -> None:
     """The README's python blocks run, in order, in one namespace."""
     text = (ROOT / "README.md").read_text()

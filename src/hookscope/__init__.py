@@ -34,7 +34,7 @@ from .core import (
     scale,
     transform,
 )
-from .diagnose import ClipReport, NonFiniteReport, clip_grad_norm, nonfinite
+from .diagnose import ClipReport, Monitor, NonFiniteReport, clip_grad_norm, nonfinite
 from .errors import (
     CaptureBudgetError,
     CaptureError,
@@ -94,6 +94,7 @@ __all__ = [
     "LayerCAM",
     "LayerNotFoundError",
     "LayerRecord",
+    "Monitor",
     "NonFiniteError",
     "NonFiniteReport",
     "Saliency",

@@ -1,7 +1,8 @@
-"""Diagnose: the first NaN/Inf in forward and backward, and gradient clipping that reports
-what it did."""
+"""Diagnose: the first NaN/Inf in forward and backward, training-health statistics, and
+gradient clipping that reports what it did."""
 
 from ._clipping import ClipReport, clip_grad_norm
+from ._monitoring import Monitor
 from ._nonfinite import NonFiniteReport, nonfinite
 
-__all__ = ["ClipReport", "NonFiniteReport", "clip_grad_norm", "nonfinite"]
+__all__ = ["ClipReport", "Monitor", "NonFiniteReport", "clip_grad_norm", "nonfinite"]

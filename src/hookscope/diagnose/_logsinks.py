@@ -1,0 +1,125 @@
+"""Where :class:`~hookscope.Monitor` records go: JSONL, CSV and TensorBoard.
+
+Files are flushed after every logging step, so a run that crashes leaves complete lines.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+from .._extras import require
+from ..errors import UsageError
+
+__all__ = ["CSV_FIELDS", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "make_sink"]
+
+#: The CSV header: every key a record can have (empty where a record has none).
+CSV_FIELDS = (
+    "step", "layer", "kind", "norm", "mean", "std", "min", "max", "zeros", "nonfinite", "dead",
+    "grad_norm", "grad_nonfinite", "update_norm", "update_ratio",
+)  # fmt: skip
+
+
+class Sink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def _json_value(v: Any) -> Any:
+    """NaN / Inf as strings: JSON has no such numbers, and they must not vanish."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return v
+
+
+class JSONLSink:
+    """One JSON object per record per line (NaN/Inf written as the strings "NaN",
+    "Infinity", "-Infinity"; pandas: ``pd.read_json(path, lines=True)``)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class CSVSink:
+    """Rows with the fixed header :data:`CSV_FIELDS` (``pd.read_csv(path)``)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        new = not p.exists() or p.stat().st_size == 0
+        self._file = open(p, "a", encoding="utf-8", newline="")  # noqa: SIM115
+        self._writer = csv.DictWriter(self._file, fieldnames=CSV_FIELDS)
+        if new:
+            self._writer.writeheader()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._writer.writerow({k: record.get(k, "") for k in CSV_FIELDS})
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardSink:
+    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step, through a
+    ``SummaryWriter`` (given, or made for a log directory: the ``tensorboard`` extra)."""
+
+    def __init__(self, writer_or_dir: Any) -> None:
+        if isinstance(writer_or_dir, (str, os.PathLike)):
+            tb = require("torch.utils.tensorboard", "tensorboard", purpose="TensorBoard logging")
+            self._writer, self._own = tb.SummaryWriter(log_dir=str(writer_or_dir)), True
+        else:
+            self._writer, self._own = writer_or_dir, False
+
+    def write(self, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if key not in ("step", "layer", "kind") and isinstance(value, (int, float)):
+                tag = f"{record['layer']}/{record['kind']}/{key}"
+                self._writer.add_scalar(tag, value, global_step=record["step"])
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._own:
+            self._writer.close()
+
+
+def make_sink(spec: Any) -> Sink:
+    """A sink from a path (``.jsonl`` / ``.csv``), ``("tensorboard", dir)``, a
+    ``SummaryWriter``, or an object with ``write`` / ``flush`` / ``close``."""
+    if isinstance(spec, (str, os.PathLike)):
+        suffix = Path(spec).suffix
+        if suffix == ".jsonl":
+            return JSONLSink(spec)
+        if suffix == ".csv":
+            return CSVSink(spec)
+        raise UsageError(
+            f"cannot tell the sink from {str(spec)!r}: use a .jsonl or .csv path, "
+            "('tensorboard', log_dir), a SummaryWriter or a sink object"
+        )
+    if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "tensorboard":
+        return TensorBoardSink(spec[1])
+    if hasattr(spec, "add_scalar"):
+        return TensorBoardSink(spec)
+    if all(hasattr(spec, a) for a in ("write", "flush", "close")):
+        sink: Sink = spec
+        return sink
+    raise UsageError(f"not a sink: {spec!r}")
