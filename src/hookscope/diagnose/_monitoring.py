@@ -36,22 +36,31 @@ _FIELDS = ("count", "sum", "sumsq", "min", "max", "zeros", "nonfinite")
 
 
 def _moments(t: Tensor) -> Tensor:
-    """(count, sum, sumsq, min, max, zeros, nonfinite) of ``t`` as one float64 vector."""
+    """(count, sum, sumsq, min, max, zeros, nonfinite) of ``t`` as one float64 vector.
+
+    ``x - x`` is 0 where ``x`` is finite and NaN where it is not, so ``x + (x - x)`` is ``x``
+    with every non-finite value turned into NaN, which the NaN-skipping reductions leave out;
+    the non-finite ones are counted apart. A few passes in the tensor's own dtype (float32
+    accumulation), no float64 copy.
+    """
     x = t.detach()
-    finite = torch.isfinite(x)
-    xf = torch.where(finite, x, 0).double()
-    inf = torch.tensor(math.inf, dtype=torch.float64, device=x.device)
-    return torch.stack(
-        [
-            finite.sum().double(),
-            xf.sum(),
-            (xf * xf).sum(),
-            torch.where(finite, x.double(), inf).min() if x.numel() else inf,
-            torch.where(finite, x.double(), -inf).max() if x.numel() else -inf,
-            (x == 0).sum().double(),
-            (~finite).sum().double(),
-        ]
-    )
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    if x.numel() == 0:
+        return torch.tensor([0, 0, 0, math.inf, -math.inf, 0, 0], dtype=torch.float64)
+    d = x - x
+    xf = x + d
+    nonfinite = torch.count_nonzero(d)
+    values = [
+        x.numel() - nonfinite,
+        xf.nansum(),
+        (xf * xf).nansum(),
+        xf.nan_to_num(nan=math.inf).amin(),
+        xf.nan_to_num(nan=-math.inf).amax(),
+        x.numel() - torch.count_nonzero(x),
+        nonfinite,
+    ]
+    return torch.stack([v.double() for v in values])
 
 
 def _merge(a: Tensor | None, b: Tensor) -> Tensor:
@@ -62,10 +71,11 @@ def _merge(a: Tensor | None, b: Tensor) -> Tensor:
 
 
 def _alive(t: Tensor) -> Tensor:
-    """Per channel: was any value positive?"""
+    """Per channel: was any value positive? (its maximum over the other dims is > 0)"""
     x = t.detach()
     dim = 1 if x.dim() >= 4 else x.dim() - 1
-    return (x > 0).movedim(dim, 0).reshape(x.shape[dim], -1).any(1)
+    others = tuple(d for d in range(x.dim()) if d != dim)
+    return (x.amax(dim=others) > 0) if others else x > 0
 
 
 def _summary(m: list[float]) -> dict[str, float]:
