@@ -1,7 +1,8 @@
 """The benchmark harness runs (``bench/run.py --quick``) and its untimed correctness checks
 pass: hookscope's captures equal the hand-written clone floor on HF ResNet-50 and GPT-2, and
 reference mode flags exactly the outputs overwritten in place; hs.summary counts parameters
-once and FLOPs within 1% of the analytic count (GPT-2, a Llama on meta). With ``--baseline
+once and FLOPs within 1% of the analytic count (GPT-2, a Llama on meta); hs.nonfinite sees
+every forward and backward of a clean training step and finds nothing. With ``--baseline
 HEAD`` the committed library is timed beside the working tree's (its captures are checked the
 same way). No timing is asserted: timings belong to bench/RESULTS.md, not to the test suite."""
 
@@ -53,3 +54,7 @@ def test_quick_benchmark_runs_and_checks_pass(tmp_path: pathlib.Path) -> None:
         assert run["checks"] and all(c["ok"] for c in run["checks"]), run["checks"]
         assert run["flops"]["hookscope"]["flops"], run["flops"]
     assert "## Look: summary" in report
+    for model in ("resnet50", "gpt2"):  # bench/diagnose.py: nonfinite and Monitor in training
+        run = json.loads((tmp_path / f"diagnose_timing_{model}.json").read_text())
+        assert run["checks_ok"], run
+    assert "## Diagnose: training-step overhead" in report

@@ -1,0 +1,171 @@
+"""Diagnose capability: a training step (forward, loss, backward, optimizer step) with
+``hs.nonfinite`` ÷ the same step without, beside ``torch.autograd.detect_anomaly``; and
+``hs.Monitor`` logging every 10 steps ÷ plain training, beside TensorBoard histograms of every
+parameter and gradient written by hand every 10 steps.
+
+Monitor's cost per 10 steps is one logging step plus nine quiet ones: both kinds are timed
+as variants of their own (a quiet step has the hooks on, returning at once) and combined as
+``(logging + 9 quiet) / (10 plain)`` from their medians; likewise the hand-written baseline.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import _common as common
+import capture
+from _common import DASH, SETTINGS, Config, Job, Plan, Ratio, Target, Variant
+
+Result = dict[str, Any]
+TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2"}
+BUDGETS = {"resnet50": 120, "gpt2": 120}  # seconds of rounds per timing process
+LABELS = {
+    "plain": "one training step",
+    "nonfinite": "the step inside `with hs.nonfinite(model)`",
+    "anomaly": "the step inside `torch.autograd.detect_anomaly()`",
+    "monitor_log": "hs.Monitor(every=10, a SummaryWriter as sink): a logging step",
+    "monitor_quiet": "hs.Monitor(every=10): a step between logs (hooks on)",
+    "hand_log": "plain step + add_histogram of every parameter and gradient",
+}
+
+
+def _trainer(case: capture.Case) -> tuple[Any, Any, Callable[[], torch.Tensor]]:
+    """(model in training mode, an SGD optimizer, the loss of one batch)."""
+    model = case.model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-5)
+    x = case.args[0]
+    if case.name == "resnet50":
+        labels = torch.randint(0, 1000, (len(x),), generator=torch.Generator().manual_seed(0))
+        return model, opt, lambda: F.cross_entropy(model(x).logits, labels)
+    return model, opt, lambda: model(x, labels=x, **case.kwargs).loss
+
+
+def _variants(case: capture.Case, logdir: str) -> tuple[list[Variant], list[Result]]:
+    from torch.utils.tensorboard import SummaryWriter
+
+    import hookscope as hs
+
+    model, opt, loss = _trainer(case)
+    checks: list[Result] = []
+    writer, ours = SummaryWriter(log_dir=f"{logdir}/hand"), SummaryWriter(log_dir=f"{logdir}/hs")
+
+    def step(between: Callable[[], None] | None = None) -> None:
+        loss().backward()
+        if between is not None:
+            between()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def nonfinite() -> None:
+        with hs.nonfinite(model) as report:
+            step()
+        checks.append({"ok": report.ok and report.forwards == report.backwards == 1})
+
+    def anomaly() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.autograd.detect_anomaly():
+                step()
+
+    def monitor(logging: bool) -> Callable[[], None]:
+        def run() -> None:
+            with hs.Monitor(model, every=10, sinks=[ours]) as mon:
+                mon.count = 0 if logging else 1  # step 0 logs, step 1 does not
+                step()
+                mon.step()
+            if logging:
+                checks.append({"ok": len(mon.records()) > 0})
+
+        return run
+
+    def histograms() -> None:
+        for name, p in model.named_parameters():
+            writer.add_histogram(f"{name}/value", p, 0)
+            if p.grad is not None:
+                writer.add_histogram(f"{name}/grad", p.grad, 0)
+        writer.flush()
+
+    fns = {
+        "plain": step, "nonfinite": nonfinite, "anomaly": anomaly,
+        "monitor_log": monitor(True), "monitor_quiet": monitor(False),
+        "hand_log": lambda: step(histograms),
+    }  # fmt: skip
+    return [Variant(k, LABELS[k], fn) for k, fn in fns.items()], checks
+
+
+def work(spec: Result) -> Result:
+    common.set_threads()
+    warnings.simplefilter("ignore")  # transformers' warnings are not results
+    case = capture.build_case(spec["model"], spec["quick"])
+    with tempfile.TemporaryDirectory() as logdir:
+        variants, checks = _variants(case, logdir)
+        samples, noise = common.run_rounds(variants, Plan(**spec["plan"]), {})
+    return {**spec, "case": case.description, "samples": samples, "noise": noise,
+            "checks_ok": all(c["ok"] for c in checks) and bool(checks)}  # fmt: skip
+
+
+def jobs(cfg: Config) -> list[Job]:
+    out = []
+    for model in TITLES:
+        plan = {"warmup": 1, "rounds": 2 if cfg.quick else 20, "min_rounds": 5}
+        plan["budget_s"] = 0 if cfg.quick else BUDGETS[model]
+        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
+        out.append(Job("diagnose", f"timing_{model}", spec, "tuned"))
+    return out
+
+
+def _per10(samples: list[Result], log: str, quiet: str | None) -> Ratio | None:
+    """(1 logging + 9 quiet steps) / 10 plain steps, per round."""
+    plain, a = common.per_round(samples, "plain"), common.per_round(samples, log)
+    b = common.per_round(samples, quiet) if quiet else plain
+    both = {r: (a[r] + 9 * b[r]) / 10 for r in set(a) & set(b)}
+    return common.ratio(both, plain)
+
+
+def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]]:
+    runs = {r["model"]: r for r in results}
+    targets, rows = [], []
+    for model, title in TITLES.items():
+        if model not in runs:
+            continue
+        s = runs[model]["samples"]
+        cells = {SETTINGS["tuned"]: common.paired(s, "nonfinite", "plain")}
+        targets.append(Target("training step with hs.nonfinite ÷ without", title, cells, 1.05))
+        cells = {SETTINGS["tuned"]: _per10(s, "monitor_log", "monitor_quiet")}
+        targets.append(
+            Target("training with hs.Monitor every 10 steps ÷ without", title, cells, 1.10)
+        )
+        for key, label in LABELS.items():
+            ms, r = common.median(s, key), common.paired(s, key, "plain")
+            rows.append([f"{title}: `{key}`", label, f"{ms * 1e3:.0f}" if ms else DASH,
+                         r.cell() if r else DASH])  # fmt: skip
+        for key, quiet, label in (("monitor_log", "monitor_quiet", "hs.Monitor"),
+                                  ("hand_log", None, "hand-written histograms")):  # fmt: skip
+            r = _per10(s, key, quiet)
+            rows.append([f"{title}: {label}, per 10 steps", "(1 logging + 9 other) ÷ 10 plain",
+                         DASH, r.cell() if r else DASH])  # fmt: skip
+    lines = [
+        "## Diagnose: training-step overhead",
+        "",
+        "One malloc-tuned process per model runs every variant once per round, shuffled; ÷ plain "
+        f"= median [q1{DASH}q3] of same-round ratios. A step is forward, loss (cross-entropy on "
+        "random labels / the LM loss), backward and an SGD step, in training mode. "
+        "detect_anomaly checks backward only; hs.nonfinite checks forward and backward.",
+        "",
+        *common.table(["variant", "what is timed", "median ms", "÷ plain"], rows),
+    ]
+    for model, run in runs.items():
+        (lo, hi), n = run["noise"]["loadavg"], len(common.per_round(run["samples"], "plain"))
+        ok = "all ok" if run["checks_ok"] else "**FAILED**"
+        lines.append(
+            f"* {TITLES[model]}: {run['case']}; {n} measured rounds in "
+            f"{run['noise']['rounds_s']:.0f} s, load average {lo:.1f}{DASH}{hi:.1f}; checks "
+            f"(nonfinite saw 1 forward and 1 backward and found nothing; Monitor logged): {ok}."
+        )
+    return targets, [*lines, ""]
