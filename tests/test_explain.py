@@ -409,3 +409,20 @@ def test_guided_gradcam_is_the_product() -> None:
     cam = hs.GradCAM(model, "2")(x, targets=[1, 2]).maps
     torch.testing.assert_close(exp.raw, guided * cam[:, None])
     assert exp.raw.shape == (2, 3, 8, 8)
+
+
+def test_metrics_in_small_batches_and_validated_targets() -> None:
+    """Chunks smaller than the batch use each image's own target; bad targets are refused."""
+    from hookscope.explain import metrics
+
+    x = torch.ones(3, 1, 4, 4)
+    maps = torch.rand(3, 4, 4, generator=torch.Generator().manual_seed(0))
+    whole = metrics.deletion(Region(), x, maps, 0, steps=4, prob=False)
+    chunked = metrics.deletion(Region(), x, maps, 0, steps=4, prob=False, batch_size=2)
+    assert torch.equal(whole.curve, chunked.curve) and chunked.forwards == 15
+    per_image = metrics.insertion(Region(), x, maps, [0, 1, 0], steps=4, prob=False, batch_size=2)
+    assert per_image.curve[1].tolist() == [0, 0, 0, 0, 0]  # class 1's logit is always 0
+    with pytest.raises(hs.UsageError, match="got 2 targets for a batch of 3"):
+        metrics.deletion(Region(), x, maps, [0, 1], steps=4)
+    with pytest.raises(hs.UsageError, match=r"0\.\.1"):
+        metrics.average_drop(Region(), x, maps, 5)

@@ -16,7 +16,7 @@ from torch import Tensor
 from ..core import leaves
 from ..errors import UsageError
 
-__all__ = ["Target", "logits_of", "scores"]
+__all__ = ["Target", "class_index", "logits_of", "scores"]
 
 Target: TypeAlias = int | Sequence[int] | Tensor | Callable[[Any], Tensor] | None
 
@@ -53,18 +53,19 @@ def scores(output: Any, targets: Target, n: int) -> tuple[Tensor, Tensor | None]
             f"class targets need (N, classes) logits for N={n} samples, got shape "
             f"{tuple(logits.shape)}: pass targets= as a callable returning one score per sample"
         )
-    index = _indices(targets, logits)
+    if targets is None:
+        index = logits.detach().argmax(1)
+    else:
+        index = class_index(targets, n, logits.shape[1], logits.device)
     return logits.gather(1, index[:, None]).squeeze(1), index
 
 
-def _indices(targets: Target, logits: Tensor) -> Tensor:
-    n, classes = logits.shape
-    if targets is None:
-        index = logits.detach().argmax(1)
-    elif isinstance(targets, int) and not isinstance(targets, bool):
-        index = torch.full((n,), targets, dtype=torch.long, device=logits.device)  # broadcast
+def class_index(targets: Any, n: int, classes: int, device: torch.device) -> Tensor:
+    """Class targets (one class, or one per sample) as ``n`` validated indices."""
+    if isinstance(targets, int) and not isinstance(targets, bool):
+        index = torch.full((n,), targets, dtype=torch.long, device=device)  # broadcast
     else:
-        index = torch.as_tensor(targets, dtype=torch.long).reshape(-1).to(logits.device)
+        index = torch.as_tensor(targets, dtype=torch.long).reshape(-1).to(device)
         if index.numel() == 1:
             index = index.expand(n)  # one target for the batch, broadcast explicitly
         elif index.numel() != n:

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..core import call_model, training_mode
 from ..errors import UsageError
-from ._targets import Target, logits_of
+from ._targets import Target, class_index, logits_of
 
 __all__ = ["Curve", "average_drop", "deletion", "insertion", "pointing_game"]
 
@@ -33,22 +33,20 @@ class Curve:
     forwards: int
 
 
-def _score(model: nn.Module, images: Tensor, targets: Target, rows: Tensor, prob: bool) -> Tensor:
+def _score(
+    model: nn.Module, images: Tensor, targets: Target, rows: Tensor, n: int, prob: bool
+) -> Tensor:
+    """Target scores of ``images``, which stand for images ``rows`` of a batch of ``n``."""
+    if targets is None:
+        raise UsageError("metrics need the classes the maps explain: pass targets=")
     with torch.no_grad(), training_mode(model, False):
         out = call_model(model, images)
     if callable(targets) and not isinstance(targets, Tensor):
         return targets(out).detach().float()
     logits = logits_of(out)
     values = logits.softmax(1) if prob else logits
-    index = _indices(targets, logits, len(rows))
-    return values.gather(1, index[rows][:, None])[:, 0].float()
-
-
-def _indices(targets: Target, logits: Tensor, n: int) -> Tensor:
-    if targets is None:
-        raise UsageError("metrics need the classes the maps explain: pass targets=")
-    index = torch.as_tensor(targets, dtype=torch.long, device=logits.device).reshape(-1)
-    return index.expand(n) if index.numel() == 1 else index
+    index = class_index(targets, n, logits.shape[1], logits.device)[rows.to(logits.device)]
+    return values.gather(1, index[:, None])[:, 0].float()
 
 
 def _check(x: Tensor, maps: Tensor) -> None:
@@ -65,13 +63,17 @@ def _curve(
     maps: Tensor,
     targets: Target,
     *,
-    start: Tensor,
-    end: Tensor,
+    insert: bool,
+    baseline: float | Tensor,
     steps: int,
     batch_size: int,
     prob: bool,
 ) -> Curve:
+    """Pixels switched from ``x`` to ``baseline`` (deletion) or back (insertion), most
+    important first, in ``steps`` equal parts."""
     _check(x, maps)
+    base = torch.as_tensor(baseline, dtype=x.dtype, device=x.device).expand_as(x)
+    start, end = (base, x) if insert else (x, base)
     if not isinstance(steps, int) or steps < 1:
         raise UsageError(f"steps must be an int >= 1, got {steps!r}")
     n, (h, w) = x.shape[0], x.shape[-2:]
@@ -86,7 +88,7 @@ def _curve(
     batch, index = torch.cat(images), torch.cat(rows)
     scores = torch.cat(
         [
-            _score(model, batch[i : i + batch_size], targets, index[i : i + batch_size], prob)
+            _score(model, batch[i : i + batch_size], targets, index[i : i + batch_size], n, prob)
             for i in range(0, len(batch), batch_size)
         ]
     )
@@ -108,9 +110,16 @@ def deletion(
 ) -> Curve:
     """Delete pixels (set them to ``baseline``) in order of importance; a faithful map makes
     the score fall fast (low AUC)."""
-    base = torch.as_tensor(baseline, dtype=x.dtype, device=x.device).expand_as(x)
     return _curve(
-        model, x, maps, targets, start=x, end=base, steps=steps, batch_size=batch_size, prob=prob
+        model,
+        x,
+        maps,
+        targets,
+        insert=False,
+        baseline=baseline,
+        steps=steps,
+        batch_size=batch_size,
+        prob=prob,
     )
 
 
@@ -127,9 +136,16 @@ def insertion(
 ) -> Curve:
     """Insert pixels into ``baseline`` in order of importance; a faithful map makes the score
     rise fast (high AUC)."""
-    base = torch.as_tensor(baseline, dtype=x.dtype, device=x.device).expand_as(x)
     return _curve(
-        model, x, maps, targets, start=base, end=x, steps=steps, batch_size=batch_size, prob=prob
+        model,
+        x,
+        maps,
+        targets,
+        insert=True,
+        baseline=baseline,
+        steps=steps,
+        batch_size=batch_size,
+        prob=prob,
     )
 
 
@@ -142,9 +158,10 @@ def average_drop(
     from ._base import normalize
 
     _check(x, maps)
-    rows = torch.arange(x.shape[0])
-    y = _score(model, x, targets, rows, prob)
-    o = _score(model, x * normalize(maps.detach())[:, None].to(x), targets, rows, prob)
+    n = x.shape[0]
+    rows = torch.arange(n)
+    y = _score(model, x, targets, rows, n, prob)
+    o = _score(model, x * normalize(maps.detach())[:, None].to(x), targets, rows, n, prob)
     drop = (y - o).clamp_min(0) / y.abs().clamp_min(1e-12)
     return {
         "average_drop": float(drop.mean() * 100),
