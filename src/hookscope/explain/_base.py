@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import HookSet, Layers, call_model, leaves, training_mode
+from ..core import HookSet, Layers, call_model, leaves, map_tensors, training_mode
 from ..errors import UsageError
 from ._targets import Target, scores
 
@@ -178,7 +178,7 @@ class LayerMethod:
         try:
             hooks.forward(self.module, grab)
             with training_mode(self.model, False), torch.enable_grad():
-                output = call_model(self.model, _with_grad(x, image))
+                output = call_model(self.model, _with_grad(x, image)[0])
                 if len(seen) != 1:
                     raise UsageError(
                         f"layer {self.layer!r} ran {len(seen)} times in one forward; a CAM needs "
@@ -213,14 +213,9 @@ def _image(x: Any) -> Tensor:
     return image
 
 
-def _with_grad(x: Any, image: Tensor) -> Any:
-    """The inputs, with the image replaced by a copy that requires grad: the layer then has a
-    gradient even when every parameter is frozen."""
+def _with_grad(x: Any, image: Tensor) -> tuple[Any, Tensor]:
+    """``(inputs, copy)``: the inputs with the image, wherever it sits in them, replaced by a
+    copy that requires grad (the layer then has a gradient even when every parameter is
+    frozen), and that copy."""
     copy = (image.clone() if image.is_inference() else image.detach()).requires_grad_(True)
-    if x is image:
-        return copy
-    if isinstance(x, tuple):
-        return tuple(copy if v is image else v for v in x)
-    if isinstance(x, dict):
-        return {k: copy if v is image else v for k, v in x.items()}
-    return x
+    return map_tensors(lambda _, t: copy if t is image else t, x), copy

@@ -14,6 +14,7 @@ plain gradient under another name.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -80,8 +81,7 @@ class InputMethod:
 
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         image = _image(x)
-        inputs = _with_grad(x, image)
-        leaf = next(v for v in _leaves(inputs) if v.requires_grad and v.shape == image.shape)
+        inputs, leaf = _with_grad(x, image)
         with training_mode(self.model, False), torch.enable_grad(), self._mode() as mode:
             s, index = scores(call_model(self.model, inputs), targets, image.shape[0])
             self._check(mode)
@@ -90,27 +90,13 @@ class InputMethod:
         return Explanation(raw, raw, index, s.detach(), self.name, "<input>")
 
     def _mode(self) -> Any:
-        return _NoMode()
+        return contextlib.nullcontext()
 
     def _check(self, mode: Any) -> None:
         return None
 
     def post(self, grad: Tensor) -> Tensor:
         return grad
-
-
-class _NoMode:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _leaves(x: Any) -> list[Tensor]:
-    from ..core import leaves
-
-    return [t for _, t in leaves(x)]
 
 
 class Saliency(InputMethod):

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import HookSet, call_model, leaves, training_mode
+from ..core import HookSet, call_model, leaves, map_tensors, training_mode
 from ..errors import UsageError
-from ._base import LayerMethod
+from ._base import LayerMethod, normalize
 from ._targets import Target, scores
 
 __all__ = ["Perturbation"]
@@ -111,8 +111,6 @@ class Perturbation(LayerMethod):
                 return images
             return t[rows] if t.dim() > 0 and t.shape[0] == n else t
 
-        from ..core import map_tensors
-
         with torch.no_grad(), training_mode(self.model, False):
             return call_model(self.model, map_tensors(pick, x))
 
@@ -131,8 +129,4 @@ def upsampled_masks(acts: Tensor, size: tuple[int, int]) -> Tensor:
     """Activations upsampled to the input's size, each channel min-max scaled to 0..1."""
     # align_corners=True, as the Score-CAM authors' code and pytorch-grad-cam upsample
     up = F.interpolate(acts, size=size, mode="bilinear", align_corners=True)
-    flat = up.flatten(2)
-    lo, hi = flat.amin(2, keepdim=True), flat.amax(2, keepdim=True)
-    span = hi - lo
-    scaled = torch.where(span > 0, (flat - lo) / torch.where(span > 0, span, 1), 0)
-    return scaled.reshape(up.shape)
+    return normalize(up.flatten(0, 1)).reshape(up.shape)  # one scale per (image, channel)
