@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from .._extras import require
+from .._png import save_png
 from ..errors import UsageError
 from ._base import normalize
 
@@ -71,7 +71,5 @@ def overlay(
     colored = torch.from_numpy(colormaps[cmap](scaled)[..., :3]).double()
     out = ((1 - alpha) * rgb + alpha * colored).mul(255).round().clamp(0, 255).to(torch.uint8)
     if save is not None:
-        pil = require("PIL.Image", "images", purpose="saving overlays as PNG")
-        Path(save).parent.mkdir(parents=True, exist_ok=True)
-        pil.fromarray(out.numpy(), mode="RGB").save(Path(save), format="PNG")
+        save_png(out, save, purpose="saving overlays as PNG")
     return out

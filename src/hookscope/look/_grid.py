@@ -20,13 +20,12 @@ import math
 import os
 import re
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .._extras import require
+from .._png import pillow, save_png
 from ..core import Layers, features
 from ..core._types import LayerSelector
 from ..errors import UsageError
@@ -35,6 +34,7 @@ __all__ = ["feature_grid", "feature_grids"]
 
 Scale = Literal["each", "all"]
 Group = Literal["kernel", "layer"]
+_PURPOSE = "saving feature grids as PNG"
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -89,7 +89,7 @@ def feature_grid(
         ncols = maps.shape[1] if maps.ndim == 4 and maps.shape[0] > 1 else _square(len(tiles))
     grid = _tile(list(_normalised([tiles], scale)[0]), ncols, padding, pad_value)
     if path is not None:
-        _save_png(grid, path)
+        save_png(grid, path, purpose=_PURPOSE)
     return grid
 
 
@@ -148,7 +148,7 @@ def feature_grids(
     if group not in ("kernel", "layer"):
         raise UsageError(f'group must be "kernel" or "layer", got {group!r}')
     if out_dir is not None:
-        _pillow()  # fail before the forward
+        pillow(_PURPOSE)  # fail before the forward
     modules = Layers(model).select(layers)
     keys = {name: _key(name, module, group) for name, module in modules.items()}
     outputs = features(model, inputs, list(modules), stop=True)
@@ -160,7 +160,8 @@ def feature_grids(
         tiles = [tile for stack in _normalised(maps, scale) for tile in stack]
         grids[key] = _tile(tiles, ncols or _square(len(tiles)), padding, pad_value)
         if out_dir is not None:
-            _save_png(grids[key], _png_path(Path(out_dir) / f"{_UNSAFE.sub('_', key)}.png"))
+            path = _png_path(Path(out_dir) / f"{_UNSAFE.sub('_', key)}.png")
+            save_png(grids[key], path, purpose=_PURPOSE)
         if writer is not None:
             writer.add_image(f"feature maps/{key}", grids[key], global_step=step, dataformats="HW")
     return grids
@@ -269,20 +270,9 @@ def _sample_maps(name: str, module: nn.Module, out: object, sample: int) -> Tens
     return out[sample].to("cpu", torch.float64)
 
 
-def _pillow() -> ModuleType:
-    return require("PIL.Image", "images", purpose="saving feature grids as PNG")
-
-
 def _png_path(path: str | os.PathLike[str]) -> Path:
     """``path`` checked to end in ``.png``, once Pillow is known to be there."""
     if Path(path).suffix.lower() != ".png":
         raise UsageError(f"feature grids are saved as PNG: give a .png path, got {str(path)!r}")
-    _pillow()
+    pillow(_PURPOSE)
     return Path(path)
-
-
-def _save_png(grid: Tensor, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    height, width = grid.shape
-    data = bytes(grid.flatten().tolist())  # Pillow alone, no numpy needed
-    _pillow().frombytes("L", (width, height), data).save(path, format="PNG")
