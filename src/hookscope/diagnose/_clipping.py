@@ -82,6 +82,14 @@ def _total(norms: Tensor, norm_type: float) -> Tensor:
     return norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
 
 
+def _per_layer(norms: Tensor, member: Tensor, layers: int, norm_type: float) -> Tensor:
+    """Each layer's norm from its parameters' norms (``member``: the layer of each)."""
+    out = torch.zeros(layers, dtype=norms.dtype, device=norms.device)
+    if math.isinf(norm_type):
+        return out.scatter_reduce(0, member, norms, "amax", include_self=False)
+    return out.index_add(0, member, norms**norm_type) ** (1 / norm_type)
+
+
 def clip_grad_norm(
     parameters: Any,
     max_norm: float,
@@ -126,21 +134,20 @@ def clip_grad_norm(
     named = _named(parameters)
     if not named:
         return ClipReport(0.0, 0.0, float(max_norm), norm_type)
-    layers = list(dict.fromkeys(layer for layer, _, _ in named))
+    position = {layer: i for i, layer in enumerate(dict.fromkeys(n[0] for n in named))}
+    layers = list(position)
     grads = [p.grad for _, _, p in named]
     assert all(g is not None for g in grads)
     norms = _norms(grads, norm_type)  # type: ignore[arg-type]
-    member = torch.tensor([layers.index(layer) for layer, _, _ in named], device=norms.device)
-    layer_norms = torch.stack([_total(norms[member == i], norm_type) for i in range(len(layers))])
+    member = torch.tensor([position[layer] for layer, _, _ in named], device=norms.device)
+    layer_norms = _per_layer(norms, member, len(layers), norm_type)
     total = _total(norms, norm_type)
     if per_layer:
         coef = (max_norm / (layer_norms + 1e-6)).clamp(max=1.0)
     else:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(len(layers))
     finite = torch.stack([torch.isfinite(g).all() for g in grads])  # type: ignore[arg-type]
-    after = torch.stack(
-        [_total(norms[member == i] * coef[i], norm_type) for i in range(len(layers))]
-    )
+    after = layer_norms * coef  # a norm scales with its gradients
     values = torch.cat(
         [total[None], layer_norms, coef, finite.float(), _total(after, norm_type)[None]]
     )
