@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .._progress import progress, wanted
 from ..core import HookSet, call_model, leaves, map_tensors, training_mode
 from ..errors import UsageError
 from ._base import LayerMethod, normalize
@@ -30,6 +31,8 @@ class Perturbation(LayerMethod):
         rank: how ``top_k`` channels are chosen: ``"gradient"`` (default) by their Grad-CAM
             contribution, mean gradient times mean activation (one extra backward to the
             layer), or ``"activation"`` by mean activation alone.
+        progress: a bar with forwards done, rate and time left (rich, tqdm or a plain line);
+            None (default) draws one only on a terminal outside CI.
     """
 
     needs_grad = False
@@ -42,6 +45,7 @@ class Perturbation(LayerMethod):
         batch_size: int = 32,
         top_k: int | None = None,
         rank: str = "gradient",
+        progress: bool | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(model, layer, **kwargs)
@@ -51,7 +55,8 @@ class Perturbation(LayerMethod):
             raise UsageError(f"top_k must be an int >= 1 or None, got {top_k!r}")
         if rank not in ("gradient", "activation"):
             raise UsageError(f"rank must be 'gradient' or 'activation', got {rank!r}")
-        self.batch_size, self.top_k, self.rank = batch_size, top_k, rank
+        wanted(progress)  # refuses a bad value now, not after the first forward
+        self.batch_size, self.top_k, self.rank, self.progress = batch_size, top_k, rank, progress
         self.needs_grad = top_k is not None and rank == "gradient"  # type: ignore[misc]
 
     def cost(self, x: Any) -> dict[str, int]:
@@ -90,15 +95,17 @@ class Perturbation(LayerMethod):
         """Target scores of the perturbed forwards: ``pairs`` (M, 2) of (image, channel);
         ``run(rows)`` runs the model for a chunk of those pairs."""
         out = []
-        for chunk in torch.split(pairs, self.batch_size):
-            output = run(chunk)
-            sample = chunk[:, 0]
-            if callable(targets) and not isinstance(targets, Tensor):
-                s, _ = scores(output, targets, len(chunk))
-            else:
-                assert index is not None
-                s, _ = scores(output, index[sample].tolist(), len(chunk))
-            out.append(s.detach())
+        with progress(len(pairs), type(self).__name__, self.progress) as advance:
+            for chunk in torch.split(pairs, self.batch_size):
+                output = run(chunk)
+                sample = chunk[:, 0]
+                if callable(targets) and not isinstance(targets, Tensor):
+                    s, _ = scores(output, targets, len(chunk))
+                else:
+                    assert index is not None
+                    s, _ = scores(output, index[sample].tolist(), len(chunk))
+                out.append(s.detach())
+                advance(len(chunk))
         return torch.cat(out)
 
     def _run(self, x: Any, image: Tensor, rows: Tensor, images: Tensor) -> Any:
