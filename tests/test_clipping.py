@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import hookscope as hs
 
@@ -94,3 +94,71 @@ def test_parameter_lists_tied_weights_and_errors() -> None:
             hs.clip_grad_norm(emb, bad)  # type: ignore[arg-type]
     with pytest.raises(hs.UsageError, match="norm_type"):
         hs.clip_grad_norm(emb, 1.0, norm_type=0)
+
+
+# -- hs.clip_grad: clipping as gradients arrive, with the same kind of report -------------------
+
+
+def _grads(model: nn.Module, x: Tensor) -> dict[str, Tensor]:
+    """Each parameter's gradient of the test loss, by a plain backward (the reference)."""
+    model.zero_grad()
+    (model(x) ** 2).sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.mutates_model  # the edited backward writes .grad on purpose
+@pytest.mark.parametrize("value", [None, 0.05])
+def test_clip_grad_edit_reports_what_it_did(value: float | None) -> None:
+    model, x = _model_with_grads(), torch.randn(6, 4) * 5
+    plain = _grads(model, x)
+    clip = hs.clip_grad(norm=0.5, value=value)
+    model.zero_grad()
+    with hs.edit(model, {"0": clip, "3": clip}):
+        (model(x) ** 2).sum().backward()
+    report = clip.report()
+    names = ["0.weight", "0.bias", "3.weight", "3.bias"]
+    assert sorted(report.layers) == sorted(names) and report.max_norm == 0.5
+    after = {}
+    for n in names:
+        g = plain[n] if value is None else plain[n].clamp(-value, value)
+        after[n] = g * min(1.0, 0.5 / (float(g.norm()) + 1e-6))
+        assert report.layers[n] == pytest.approx(float(plain[n].norm()), rel=1e-5)
+        assert torch.allclose(dict(model.named_parameters())[n].grad, after[n], atol=1e-6)
+    assert report.clipped == pytest.approx(
+        {
+            n: float(after[n].norm() / plain[n].norm())
+            for n in names
+            if after[n].norm() < plain[n].norm()
+        },
+        rel=1e-4,
+    )
+    assert report.clipped  # the bound is below these gradients' norms
+    assert report.total_norm == pytest.approx(
+        float(torch.stack([plain[n].norm() for n in names]).norm()), rel=1e-5
+    )
+    assert report.total_norm_after == pytest.approx(
+        float(torch.stack([after[n].norm() for n in names]).norm()), rel=1e-4
+    )
+    assert report.nonfinite == [] and report.norm_type == 2.0
+
+
+@pytest.mark.mutates_model
+def test_clip_grad_report_describes_the_latest_backward_and_names_nan() -> None:
+    model = _model_with_grads()
+    clip = hs.clip_grad(norm=1e6)  # never scales: the report shows the gradients themselves
+    with hs.edit(model, {"0": clip, "3": clip}):
+        for scale in (1.0, 3.0):  # gradient accumulation: two backwards
+            (model(torch.ones(2, 4) * scale) ** 2).sum().backward()
+        latest = _grads(model, torch.ones(2, 4) * 3.0)  # another backward, same as the last
+        assert clip.report().layers == pytest.approx(
+            {n: float(latest[n].norm()) for n in ["0.weight", "0.bias", "3.weight", "3.bias"]}
+        )
+        assert not clip.report().clipped
+        model.zero_grad()
+        h = model[0](torch.ones(2, 4))
+        h.register_hook(lambda g: torch.full_like(g, math.nan))  # NaN reaches layer 0 only
+        (model[3](model[2](model[1](h))) ** 2).sum().backward()
+    report = clip.report()
+    assert sorted(report.nonfinite) == ["0.bias", "0.weight"]
+    assert math.isnan(report.total_norm)
+    assert hs.clip_grad(value=1.0).report() == hs.ClipReport(0.0, 0.0, math.inf, 2.0)

@@ -6,13 +6,13 @@ each other's private modules. The public API is re-exported flat from ``hookscop
 
 from ._autograd import can_have_grad, recomputing, why_no_grad
 from ._capture import Capture, StopForward, capture
+from ._clip import ClipGrad, ClipReport, clip_grad
 from ._compile import run_eagerly
 from ._edit import (
     Edit,
     EditContext,
     ablate,
     add,
-    clip_grad,
     mean_ablate,
     patch,
     replace,
@@ -30,6 +30,8 @@ from ._tree import describe, leaves, map_tensors
 __all__ = [
     "Call",
     "Capture",
+    "ClipGrad",
+    "ClipReport",
     "Edit",
     "EditContext",
     "Editor",

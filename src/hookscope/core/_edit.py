@@ -2,10 +2,10 @@
 
 An :class:`Edit` is a tensor -> tensor function plus where it applies: the layer's output
 (default), an input, the gradient w.r.t. the output or an input, or the layer's parameter
-gradients (clipping). Edits never modify tensors in place: they return new ones. Values given
-to an edit (``add(v)``, ``scale(t)``, ``mean_ablate(mean=m)``, ``replace(v)``) are cast to the
-dtype and device of the tensor they apply to when both are floating point, so a float32
-steering vector works on a bfloat16 model.
+gradients (clipping, see ``_clip``). Edits never modify tensors in place: they return new
+ones. Values given to an edit (``add(v)``, ``scale(t)``, ``mean_ablate(mean=m)``,
+``replace(v)``) are cast to the dtype and device of the tensor they apply to when both are
+floating point, so a float32 steering vector works on a bfloat16 model.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ __all__ = [
     "ablate",
     "add",
     "call_checked",
-    "clip_grad",
     "mean_ablate",
     "patch",
     "replace",
@@ -168,35 +167,6 @@ def patch(source: Any, *, on: EditTarget = "output", at: PathLike = None) -> Edi
         return value.to(t.device).clone()
 
     return Edit(fn, on, at, name="patch")
-
-
-def clip_grad(*, value: float | None = None, norm: float | None = None) -> Edit:
-    """Clip each of the layer's parameter gradients as it arrives in backward: elementwise
-    to ``[-value, value]`` and/or rescaled to 2-norm at most ``norm``.
-
-    ``norm`` applies to *each parameter tensor on its own* (article 003's ``register_hook``
-    clipping), unlike ``torch.nn.utils.clip_grad_norm_``, which rescales all gradients by
-    their joint norm after backward.
-    """
-    if value is None and norm is None:
-        raise UsageError("clip_grad needs value= or norm= (or both)")
-    for label, bound in (("value", value), ("norm", norm)):
-        if bound is not None and not (_is_number(bound) and bound > 0):
-            raise UsageError(f"clip_grad({label}={bound!r}): use a positive number")
-
-    def fn(g: Tensor, ctx: EditContext) -> Tensor:
-        if value is not None:
-            g = g.clamp(-value, value)
-        if norm is not None:
-            total = torch.linalg.vector_norm(g)
-            g = g * torch.clamp(norm / (total + 1e-6), max=1.0)
-        return g
-
-    return Edit(fn, "param_grad", name="clip_grad")
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def _check_value(value: Any, what: str) -> None:

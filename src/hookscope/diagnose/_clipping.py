@@ -11,38 +11,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ..core import ClipReport
 from ..errors import NonFiniteError, UsageError
 
 __all__ = ["ClipReport", "clip_grad_norm"]
-
-
-@dataclass(frozen=True)
-class ClipReport:
-    """What :func:`clip_grad_norm` found and did.
-
-    ``layers`` maps each layer (the module owning the parameters, or the parameter's name when
-    parameters were given without a model) to its gradient norm before clipping; ``clipped``
-    maps the layers that were scaled to the factor applied (< 1); ``nonfinite`` lists the
-    parameters whose gradient holds a NaN or an Inf.
-    """
-
-    total_norm: float
-    total_norm_after: float
-    max_norm: float
-    norm_type: float
-    layers: dict[str, float] = field(default_factory=dict)
-    clipped: dict[str, float] = field(default_factory=dict)
-    nonfinite: list[str] = field(default_factory=list)
-
-    @property
-    def was_clipped(self) -> bool:
-        return bool(self.clipped)
 
 
 def _named(target: Any) -> list[tuple[str, str, nn.Parameter | Tensor]]:
