@@ -426,3 +426,18 @@ def test_metrics_in_small_batches_and_validated_targets() -> None:
         metrics.deletion(Region(), x, maps, [0, 1], steps=4)
     with pytest.raises(hs.UsageError, match=r"0\.\.1"):
         metrics.average_drop(Region(), x, maps, 5)
+
+
+def test_pointing_game_tolerance_is_a_distance_to_the_object() -> None:
+    from hookscope.explain import metrics
+
+    masks = torch.zeros(4, 9, 9, dtype=torch.bool)
+    masks[:, 4, 4] = True  # a one-pixel object in the middle
+    maps = torch.zeros(4, 9, 9)
+    for i, (y, x) in enumerate([(4, 6), (6, 6), (4, 7), (1, 4)]):  # distances 2, 2.83, 3, 3
+        maps[i, y, x] = 1
+    assert metrics.pointing_game(maps, masks, tolerance=3).tolist() == [True, True, False, False]
+    assert metrics.pointing_game(maps, masks, tolerance=2).tolist() == [False] * 4  # strict <
+    assert metrics.pointing_game(maps, masks, tolerance=2.1).tolist() == [True, False, False, False]
+    with pytest.raises(hs.UsageError, match="tolerance"):
+        metrics.pointing_game(maps, masks, tolerance=-1)

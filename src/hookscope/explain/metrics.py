@@ -8,6 +8,7 @@ insertion ``N * (steps + 1)`` images, batched by ``batch_size``; average drop 2 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,15 +171,27 @@ def average_drop(
     }
 
 
-def pointing_game(maps: Tensor, masks: Tensor) -> Tensor:
-    """Zhang et al. (2016): whether each map's maximum falls inside its object's ``mask``
-    (``(N, H, W)`` bool); ties count as hits if any maximum is inside. ``.float().mean()`` is
-    the accuracy."""
+def pointing_game(maps: Tensor, masks: Tensor, *, tolerance: float = 0.0) -> Tensor:
+    """Zhang et al. (2016): whether each map's maximum falls on its object: inside its
+    ``mask`` (``(N, H, W)`` bool) or, with ``tolerance`` > 0, closer than ``tolerance`` pixels to
+    it (TorchRay's rule, 15 px at 224 px; scale it with the image). Ties count as hits if any
+    maximum is on the object. ``.float().mean()`` is the accuracy; compare it with a center or
+    random point's, which a large object or tolerance makes high.
+    """
     if maps.shape != masks.shape or maps.dim() != 3:
         raise UsageError(
             f"maps and masks must both be (N, H, W): got {tuple(maps.shape)} and "
             f"{tuple(masks.shape)}"
         )
+    if tolerance < 0:
+        raise UsageError(f"tolerance must be >= 0 pixels, got {tolerance!r}")
+    target = masks.bool()
+    if tolerance > 0:  # grow the mask by a disk of radius < tolerance
+        r = math.ceil(tolerance) - 1
+        offsets = torch.arange(-r, r + 1, dtype=torch.float32, device=masks.device)
+        disk = (offsets[:, None] ** 2 + offsets[None, :] ** 2 < tolerance**2).float()
+        grown = nn.functional.conv2d(target[:, None].float(), disk[None, None], padding=r)
+        target = grown[:, 0] > 0
     flat = maps.detach().reshape(maps.shape[0], -1)
     top = flat == flat.amax(1, keepdim=True)
-    return (top & masks.reshape(masks.shape[0], -1).bool()).any(1)
+    return (top & target.reshape(target.shape[0], -1).to(top.device)).any(1)
