@@ -215,7 +215,9 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
     """Set every module's ``training`` flag to ``train``; restore each one's own flag after."""
     flags = [(m, m.training) for m in model.modules()]
     try:
-        model.train(train)
+        # a torch.export module refuses train(): its mode was fixed when it was exported
+        with contextlib.suppress(NotImplementedError):
+            model.train(train)
         yield
     finally:
         for module, flag in flags:

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..errors import LayerNotFoundError, UsageError
@@ -311,4 +312,11 @@ def names(model: nn.Module, select: LayerSelector | None = None) -> dict[str, st
     if select is not None:
         order = list(layers.modules)
         chosen = dict(sorted(chosen.items(), key=lambda kv: order.index(kv[0])))
-    return {name: type(module).__name__ for name, module in chosen.items()}
+    return {name: _type_name(module) for name, module in chosen.items()}
+
+
+def _type_name(module: nn.Module) -> str:
+    """The module's class name; a TorchScript module's is the class it was scripted from."""
+    if isinstance(module, torch.jit.ScriptModule):
+        return str(getattr(module, "original_name", type(module).__name__))
+    return type(module).__name__
