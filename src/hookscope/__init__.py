@@ -66,6 +66,7 @@ from .explain import (
     overlay,
 )
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
+from .show import report
 
 __all__ = [
     "CAM",
@@ -124,6 +125,7 @@ __all__ = [
     "overlay",
     "patch",
     "replace",
+    "report",
     "scale",
     "summary",
     "transform",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from types import ModuleType
@@ -10,7 +11,7 @@ from torch import Tensor
 
 from ._extras import require
 
-__all__ = ["pillow", "save_png"]
+__all__ = ["pillow", "png_bytes", "save_png"]
 
 
 def pillow(purpose: str) -> ModuleType:
@@ -18,11 +19,18 @@ def pillow(purpose: str) -> ModuleType:
     return require("PIL.Image", "images", purpose=purpose)
 
 
-def save_png(image: Tensor, path: str | os.PathLike[str], *, purpose: str) -> None:
-    """Write a ``uint8`` ``(H, W)`` grayscale or ``(H, W, 3)`` RGB tensor as a PNG file,
-    creating missing folders."""
+def png_bytes(image: Tensor, *, purpose: str) -> bytes:
+    """A ``uint8`` ``(H, W)`` grayscale or ``(H, W, 3)`` RGB tensor encoded as PNG."""
     mode = "L" if image.dim() == 2 else "RGB"
     height, width = image.shape[:2]
     data = bytes(image.contiguous().flatten().tolist())
+    buffer = io.BytesIO()
+    pillow(purpose).frombytes(mode, (width, height), data).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def save_png(image: Tensor, path: str | os.PathLike[str], *, purpose: str) -> None:
+    """Write :func:`png_bytes` of ``image`` to ``path``, creating missing folders."""
+    data = png_bytes(image, purpose=purpose)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    pillow(purpose).frombytes(mode, (width, height), data).save(Path(path), format="PNG")
+    Path(path).write_bytes(data)

@@ -9,6 +9,7 @@ from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
 from ._perturb import Perturbation
+from ._targets import scores as target_scores
 from .methods import (
     CAM,
     AblationCAM,
@@ -43,4 +44,5 @@ __all__ = [
     "metrics",
     "normalize",
     "overlay",
+    "target_scores",
 ]

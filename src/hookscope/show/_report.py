@@ -1,0 +1,418 @@
+"""``hs.report``: one self-contained HTML file about a model on some inputs.
+
+Sections: overview; the summary table with FLOPs; activation and gradient statistics per layer
+(plots and a table); feature-map grids; CAM overlays with the predicted classes; findings (dead
+units, non-finite values, exploding or vanishing gradients, the layers that dominate FLOPs).
+Every section is computed with hookscope's own public functions; the model is left as found
+(its parameters' ``.grad`` included: the statistics' backward runs on stashed gradients).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import html
+import math
+import os
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._png import pillow, png_bytes
+from .._version import __version__
+from ..core import call_model, leaves, map_tensors, training_mode
+from ..diagnose import Monitor, nonfinite
+from ..errors import NonFiniteError, UsageError
+from ..explain import GradCAM, overlay, target_scores
+from ..look import Summary, feature_grids, summary
+from . import _html
+from ._plots import layer_plot
+
+__all__ = ["Section", "report"]
+
+Section = tuple[str, str, str]
+"""``(id, heading, body html)`` of an extra section (the demo adds its training results)."""
+
+_PURPOSE = "the HTML report"
+_SPATIAL = re.compile(r"^[\[(](\d+), (\d+), (\d+), (\d+)[\])]$")
+
+
+def report(
+    model: nn.Module,
+    inputs: Any,
+    out: str | os.PathLike[str] = "report.html",
+    *,
+    title: str | None = None,
+    feature_layers: Any = None,
+    cam_layer: str | None = None,
+    targets: Any = None,
+    classes: Sequence[str] | None = None,
+    max_images: int = 8,
+    sections: Sequence[Section] = (),
+) -> Path:
+    """Write a self-contained HTML report about ``model`` on ``inputs`` and return its path.
+
+    Args:
+        model: the model (left exactly as found).
+        inputs: a tensor, a tuple of positional arguments or a mapping of keyword arguments.
+        out: the ``.html`` file to write (folders are created; an existing file is replaced
+            only once the new one is complete).
+        title: the page's title (default: the model's class name).
+        feature_layers: layers whose feature maps are shown (any selector; default: up to four
+            ``nn.Conv2d`` layers, first and last included). ``[]`` shows none.
+        cam_layer: the Grad-CAM layer (default: the last layer with a spatial 4-D output).
+        targets: classes for Grad-CAM and for the gradient statistics (as for
+            :class:`~hookscope.GradCAM`; default the top class per sample).
+        classes: class names for the CAM captions (default: ``model.config.id2label`` if any).
+        max_images: CAM overlays shown at most.
+        sections: extra ``(id, heading, html)`` sections placed after the overview.
+
+    Needs the ``images`` and ``plots`` extras (Pillow, matplotlib).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs, tempfile, os
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 2))
+        >>> out = os.path.join(tempfile.mkdtemp(), "r.html")
+        >>> path = hs.report(net, torch.randn(2, 3, 16, 16), out)
+        >>> path.read_text().count("<section")
+        6
+    """
+    path = Path(out)
+    if path.suffix.lower() not in (".html", ".htm"):
+        raise UsageError(f"out must be an .html file, got {str(out)!r}")
+    if not isinstance(max_images, int) or max_images < 0:
+        raise UsageError(f"max_images must be an int >= 0, got {max_images!r}")
+    pillow(_PURPOSE)  # fail before any work when an extra is missing
+    from .._extras import require
+
+    require("matplotlib", "plots", purpose="plots in the HTML report")
+    names = classes if classes is not None else _id2label(model)
+
+    shape = summary(model, *_as_args(inputs), **_as_kwargs(inputs))
+    records, nonfinite_found = _statistics(model, inputs, targets)
+    found = _findings(shape, records, _activations(model), nonfinite_found)
+    parts: list[Section] = [("overview", "Overview", _overview(model, shape, inputs, found))]
+    parts += list(sections)
+    parts.append(("summary", "Summary", _summary_table(shape)))
+    parts.append(("statistics", "Activations and gradients", _statistics_html(records)))
+    parts.append(("features", "Feature maps", _features(model, inputs, feature_layers)))
+    layer = cam_layer if cam_layer is not None else _last_spatial(shape)
+    parts.append(("cam", "Grad-CAM", _cams(model, inputs, layer, targets, names, max_images)))
+    parts.append(("findings", "Findings", _findings_html(found)))
+    text = _html.page(
+        title or type(model).__name__,
+        f"hookscope {__version__} · torch {torch.__version__} · "
+        f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}",
+        parts,
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    partial.replace(path)  # never a half-written report under the final name
+    return path
+
+
+# -- inputs --------------------------------------------------------------------------------------
+
+
+def _as_args(inputs: Any) -> tuple[Any, ...]:
+    if isinstance(inputs, dict):
+        return ()
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _as_kwargs(inputs: Any) -> dict[str, Any]:
+    return dict(inputs) if isinstance(inputs, dict) else {}
+
+
+def _image_batch(inputs: Any) -> Tensor | None:
+    """The batch of images in ``inputs``: a floating ``(N, 1 or 3, H, W)`` tensor, if any."""
+    for _, t in leaves(inputs):
+        if t.is_floating_point() and t.dim() == 4 and t.shape[1] in (1, 3):
+            return t
+    return None
+
+
+def _id2label(model: nn.Module) -> list[str] | None:
+    labels = getattr(getattr(model, "config", None), "id2label", None)
+    if isinstance(labels, dict) and labels:
+        return [str(labels.get(i, labels.get(str(i), i))) for i in range(len(labels))]
+    return None
+
+
+# -- statistics ------------------------------------------------------------------------------
+
+
+@contextmanager
+def _stashed_grads(model: nn.Module) -> Iterator[None]:
+    """Parameters start with no gradient and get their own back afterwards."""
+    saved = [(p, p.grad) for p in model.parameters()]
+    for p, _ in saved:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, g in saved:
+            p.grad = g
+
+
+def _statistics(
+    model: nn.Module, inputs: Any, targets: Any
+) -> tuple[list[dict[str, Any]], list[NonFiniteError]]:
+    """One Monitor step over a forward and a backward of the targets' scores (eval mode),
+    watched by hs.nonfinite (warn mode: recorded, not raised) to name where a NaN came from."""
+
+    def grad_leaf(_: Any, t: Tensor) -> Tensor:
+        return t.detach().requires_grad_() if t.is_floating_point() else t
+
+    x = map_tensors(grad_leaf, inputs)
+    n = next(t for _, t in leaves(x)).shape[0]
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_stashed_grads(model))
+        stack.enter_context(training_mode(model, False))
+        mon = stack.enter_context(Monitor(model, every=1))
+        stack.enter_context(warnings.catch_warnings())
+        warnings.simplefilter("ignore", RuntimeWarning)  # nonfinite's warn mode: recorded
+        found = stack.enter_context(nonfinite(model, mode="warn"))
+        with torch.enable_grad():
+            output = call_model(model, x)
+            score, _ = target_scores(output, targets, n)  # the CAMs' rule
+            if score.requires_grad:
+                torch.autograd.backward(score.sum())
+        mon.step()
+    return mon.records(), found.findings
+
+
+def _by_kind(records: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {r["layer"]: r for r in records if r["kind"] == kind}
+
+
+def _statistics_html(records: list[dict[str, Any]]) -> str:
+    acts, grads = _by_kind(records, "activation"), _by_kind(records, "gradient")
+    layers = list(dict.fromkeys(r["layer"] for r in records if r["kind"] != "parameter"))
+    if not layers:
+        return "<p>No layer was watched.</p>"
+
+    def col(table: dict[str, dict[str, Any]], key: str) -> list[float]:
+        return [float(table.get(name, {}).get(key, math.nan)) for name in layers]
+
+    plot = layer_plot(
+        layers,
+        [
+            ("activation mean and std", {k: col(acts, k) for k in ("mean", "std")}, False),
+            ("zeros, dead channels", {k: col(acts, k) for k in ("zeros", "dead")}, False),
+            ("gradient norm (log)", {"gradient L2 norm": col(grads, "norm")}, True),
+        ],
+    )  # fmt: skip
+    rows = [
+        [
+            name,
+            *(_num(acts.get(name, {}).get(k)) for k in ("mean", "std", "zeros", "dead")),
+            _num(grads.get(name, {}).get("norm")),
+            sum(int(t.get(name, {}).get("nonfinite", 0)) for t in (acts, grads)),
+        ]
+        for name in layers
+    ]  # fmt: skip
+    caption = (
+        "One forward and one backward of the explained scores, in eval mode. Dead: channels "
+        "never positive for this batch. Gradients are w.r.t. each layer's output."
+    )
+    headers = ["layer", "act. mean", "act. std", "zeros", "dead", "grad norm", "non-finite"]
+    return _html.figure(_html.image(plot, "per-layer statistics"), caption) + _html.table(
+        headers, rows, numeric=range(1, 7)
+    )
+
+
+def _num(value: Any) -> str:
+    if value is None:
+        return "-"
+    v = float(value)
+    if not math.isfinite(v):
+        return str(v)
+    return f"{v:.3g}"
+
+
+# -- summary, features, CAM ------------------------------------------------------------------
+
+
+def _summary_table(shape: Summary) -> str:
+    total = max(shape.total_flops, 1)
+    rows = [
+        [
+            "\u2003" * row.depth + (row.name or "(model)"),
+            row.type,
+            row.output,
+            f"{row.params_total:,}",
+            f"{row.flops_total:,}",
+            f"{100 * row.flops_total / total:.1f}",
+        ]
+        for row in shape.rows
+    ]
+    totals = (
+        f"<p>{shape.total_params:,} parameters ({shape.trainable_params:,} trainable, "
+        f"{shape.param_bytes / 2**20:.2f} MiB); {shape.total_flops:,} FLOPs "
+        f"({shape.total_macs:,} MACs) per forward of these inputs"
+    )
+    if shape.uncounted:
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(shape.uncounted.items()))
+        totals += f"; operators without a FLOP formula: {html.escape(ops)}"
+    headers = ["layer", "type", "output", "params", "FLOPs", "% FLOPs"]
+    return totals + ".</p>" + _html.table(headers, rows, numeric=(3, 4, 5))
+
+
+def _conv_layers(model: nn.Module) -> list[str]:
+    convs = [n for n, m in model.named_modules() if isinstance(m, nn.Conv2d)]
+    if len(convs) <= 4:
+        return convs
+    picks = sorted({round(i * (len(convs) - 1) / 3) for i in range(4)})
+    return [convs[i] for i in picks]
+
+
+def _features(model: nn.Module, inputs: Any, layers: Any) -> str:
+    chosen = _conv_layers(model) if layers is None else layers
+    if isinstance(chosen, list) and not chosen:
+        return "<p>No convolution layer to show.</p>"
+    grids = feature_grids(model, inputs, chosen, group="layer", padding=1, pad_value=255)
+    out = []
+    for name, grid in grids.items():
+        width = min(max(grid.shape[1] * 2, 200), 560)
+        out.append(_html.figure(
+            _html.image(_png(grid), f"feature maps of {name}", width=width, pixel=True),
+            f"{name}: every channel of the first input, each scaled on its own",
+        ))  # fmt: skip
+    return "\n".join(out)
+
+
+def _png(image: Tensor) -> bytes:
+    return png_bytes(image, purpose=_PURPOSE)
+
+
+def _last_spatial(shape: Summary) -> str | None:
+    """The last layer (in execution order) whose output is ``(N, C, H, W)`` with H, W > 1."""
+    for row in reversed(shape.rows[1:]):
+        m = _SPATIAL.match(row.output)
+        if m and int(m[3]) > 1 and int(m[4]) > 1:
+            return row.name
+    return None
+
+
+def _cams(
+    model: nn.Module,
+    inputs: Any,
+    layer: str | None,
+    targets: Any,
+    names: Sequence[str] | None,
+    max_images: int,
+) -> str:
+    images = _image_batch(inputs)
+    if images is None or layer is None:
+        return "<p>No image input or no spatial layer: no Grad-CAM.</p>"
+    exp = GradCAM(model, layer)(inputs, targets=targets)
+    out = []
+    for i in range(min(len(images), max_images)):
+        picture = overlay(images[i].detach().cpu(), exp.maps[i].cpu(), alpha=0.45)
+        k = None if exp.targets is None else int(exp.targets[i])  # None: a target callable
+        label = "target" if k is None else names[k] if names and k < len(names) else f"class {k}"
+        width = max(160, min(256, picture.shape[1] * 4))
+        out.append(_html.figure(
+            _html.image(_png(picture), f"Grad-CAM {i}: {label}", width=width),
+            f"#{i}: {label} (score {float(exp.scores[i]):.3g})",
+        ))  # fmt: skip
+    return (
+        f"<p>Grad-CAM at <code>{html.escape(layer)}</code>, for the predicted class unless "
+        "targets were given.</p>" + "\n".join(out)
+    )
+
+
+# -- findings --------------------------------------------------------------------------------
+
+
+def _activations(model: nn.Module) -> set[str]:
+    """Names of the activation modules (``torch.nn`` ReLU, GELU, ...): where dead units mean
+    something (a convolution's output is often negative on purpose)."""
+    return {n for n, m in model.named_modules() if type(m).__module__ == nn.ReLU.__module__}
+
+
+def _findings(
+    shape: Summary,
+    records: list[dict[str, Any]],
+    activations: set[str],
+    nonfinite_found: list[NonFiniteError],
+) -> list[tuple[bool, str]]:
+    """``(is a warning, text)`` for what a reader should look at first."""
+    found: list[tuple[bool, str]] = []
+    for error in nonfinite_found[:3]:
+        op = f" ({error.op})" if error.op else ""
+        found.append(
+            (True, f"First non-finite value in the {error.phase}: {error.module or '(model)'}{op}.")
+        )
+    acts, grads = _by_kind(records, "activation"), _by_kind(records, "gradient")
+    bad = [(n, int(r["nonfinite"])) for t in (acts, grads) for n, r in t.items() if r["nonfinite"]]
+    if bad:
+        where = ", ".join(f"{n} ({c})" for n, c in bad[:5])
+        found.append(
+            (
+                True,
+                f"Non-finite values (NaN/Inf) in the watched layers' outputs or gradients: "
+                f"{where}.",
+            )
+        )
+    dead = sorted(
+        ((r["dead"], n) for n, r in acts.items() if n in activations and r.get("dead", 0) > 0),
+        reverse=True,
+    )
+    if dead:
+        where = ", ".join(f"{n} ({100 * d:.0f} %)" for d, n in dead[:5])
+        found.append((True, f"Dead units (channels never positive in this batch): {where}."))
+    norms = {n: r["norm"] for n, r in grads.items() if math.isfinite(r["norm"])}
+    if norms:
+        hi, lo = max(norms, key=norms.__getitem__), min(norms, key=norms.__getitem__)
+        span = math.log10(norms[hi] / norms[lo]) if norms[lo] > 0 else math.inf
+        if span >= 3 or norms[lo] < 1e-8 or norms[hi] > 1e3:
+            found.append(
+                (
+                    True,
+                    f"Gradient norms span {span:.1f} orders of magnitude: {norms[hi]:.3g} at "
+                    f"{hi} (exploding?) to {norms[lo]:.3g} at {lo} (vanishing?).",
+                )
+            )
+        else:
+            found.append(
+                (
+                    False,
+                    f"Gradient norms stay within {span:.1f} orders of magnitude "
+                    f"({norms[lo]:.3g} at {lo} to {norms[hi]:.3g} at {hi}).",
+                )
+            )
+    leaves_ = [r for i, r in enumerate(shape.rows) if not any(c.parent == i for c in shape.rows)]
+    top = sorted(leaves_, key=lambda r: r.flops, reverse=True)[:3]
+    if shape.total_flops and top:
+        share = ", ".join(f"{r.name} {100 * r.flops / shape.total_flops:.0f} %" for r in top)
+        found.append((False, f"Layers that dominate the FLOPs: {share}."))
+    if not any(warn for warn, _ in found):
+        found.insert(
+            0, (False, "No dead units, no non-finite values, no exploding or vanishing gradients.")
+        )
+    return found
+
+
+def _findings_html(found: list[tuple[bool, str]]) -> str:
+    items = "".join(f'<li class="{"warn" if w else "ok"}">{html.escape(t)}</li>' for w, t in found)
+    return f"<ul>{items}</ul>"
+
+
+def _overview(model: nn.Module, shape: Summary, inputs: Any, found: list[tuple[bool, str]]) -> str:
+    described = ", ".join(f"{k} {v}" for k, v in shape.inputs.items()) or "-"
+    warnings = sum(w for w, _ in found)
+    return (
+        f"<p><b>{html.escape(type(model).__name__)}</b> · {shape.total_params:,} parameters · "
+        f"{shape.total_flops:,} FLOPs per forward · inputs: {html.escape(described)} · "
+        f'<a href="#findings">{warnings} finding(s) to look at</a></p>'
+    )

@@ -1,0 +1,165 @@
+"""hs.report: a self-contained HTML file whose sections hold what they say, whose findings are
+the ones built into the test models, and which leaves the model (its .grad included) as found.
+The same report in a real browser: tests/test_demo.py."""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+
+pytest.importorskip("matplotlib")
+Image = pytest.importorskip("PIL.Image")
+
+
+class _Page(HTMLParser):
+    """Sections (id -> tags inside), images, links and the CSP of a page."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.sections: dict[str, list[tuple[str, dict[str, str]]]] = {}
+        self.current: str | None = None
+        self.csp = ""
+        self.sources: list[str] = []
+        self.links: list[str] = []
+        self.feed(text)
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "section":
+            self.current = a["id"]
+            self.sections[self.current] = []
+        elif self.current is not None:
+            self.sections[self.current].append((tag, a))
+        if tag == "meta" and a.get("http-equiv") == "Content-Security-Policy":
+            self.csp = a["content"]
+        if tag in ("img", "script", "link", "iframe", "source"):
+            self.sources.append(a.get("src", a.get("href", "")))
+        if tag == "a":
+            self.links.append(a["href"])
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            self.current = None
+
+    def count(self, section: str, tag: str) -> int:
+        return sum(t == tag for t, _ in self.sections[section])
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def _decode(uri: str) -> Any:
+    assert uri.startswith("data:image/png;base64,")
+    image = Image.open(io.BytesIO(base64.b64decode(uri.split(",", 1)[1])))
+    image.load()
+    return image
+
+
+def test_sections_images_and_no_network(tmp_path: Path) -> None:
+    model, x = _cnn(), torch.randn(5, 3, 16, 16)
+    path = hs.report(model, x, tmp_path / "sub" / "r.html", max_images=4, classes=["a", "b", "c"])
+    text = path.read_text()
+    page = _Page(text)
+    assert list(page.sections) == [
+        "overview",
+        "summary",
+        "statistics",
+        "features",
+        "cam",
+        "findings",
+    ]
+    assert [f"#{s}" for s in page.sections] == [
+        link for link in page.links if link.startswith("#")
+    ][:6]
+    assert page.csp.startswith("default-src 'none'") and "img-src data:" in page.csp
+    assert page.sources and all(s.startswith("data:image/png;base64,") for s in page.sources)
+    assert not re.search(r"https?://", text)  # nothing to fetch, no CDN
+    for src in page.sources:
+        assert min(_decode(src).size) > 0
+    # what the sections hold: one figure per CAM image (max_images), one grid per conv layer
+    assert page.count("cam", "figure") == 4 and page.count("features", "figure") == 2
+    with torch.no_grad():
+        top = model(x).argmax(1)
+    captions = re.findall(r"<figcaption>#(\d): (\w) \(score", text)
+    assert [(int(i), c) for i, c in captions] == [(i, "abc"[int(k)]) for i, k in enumerate(top[:4])]
+    # the summary table: one row per call, the hand-counted conv FLOPs in the totals
+    conv_flops = 2 * 5 * 16 * 16 * (4 * 3 * 9 + 8 * 4 * 9)  # 2 * N * H * W * Cout * Cin * k*k
+    assert page.count("summary", "tr") == 1 + 8  # header + model + 7 layers
+    assert f"{conv_flops + 2 * 5 * 8 * 3:,} FLOPs" in text  # + the linear layer
+    assert not list(tmp_path.glob("sub/*.partial"))
+
+
+def test_gradients_and_modes_are_left_as_found(tmp_path: Path) -> None:
+    model = _cnn().train()
+    model(torch.randn(2, 3, 8, 8)).sum().backward()
+    before = {n: p.grad.clone() for n, p in model.named_parameters()}
+    hs.report(model, torch.randn(2, 3, 8, 8), tmp_path / "r.html")
+    assert model.training
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, before[n]), n
+
+
+class _Scale(nn.Module):
+    def __init__(self, k: float) -> None:
+        super().__init__()
+        self.k = k
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.k
+
+
+def _findings(text: str) -> list[str]:
+    return re.findall(r'<li class="(?:warn|ok)">(.*?)</li>', text)
+
+
+def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    dead = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    with torch.no_grad():
+        dead[0].bias[:3] = -100.0  # three of six units can never be positive: 50 % dead
+    text = hs.report(dead, torch.randn(8, 4), tmp_path / "dead.html").read_text()
+    assert any("Dead units" in f and "1 (50 %)" in f for f in _findings(text)), _findings(text)
+
+    torch.manual_seed(0)
+    steep = nn.Sequential(
+        nn.Linear(4, 4), _Scale(1e5), nn.Linear(4, 4), _Scale(1e5), nn.Linear(4, 2)
+    )
+    text = hs.report(steep, torch.randn(8, 4), tmp_path / "steep.html").read_text()
+    # gradients w.r.t. each output: 1e10 times larger before the two scalings than after
+    span = re.search(r"Gradient norms span ([\d.]+) orders of magnitude: \S+ at 0 .* at 4 ", text)
+    assert span and 9 <= float(span[1]) <= 11, _findings(text)
+
+    from cli_models import nan_model
+
+    text = hs.report(nan_model(), torch.randn(8, 4), tmp_path / "nan.html").read_text()
+    # the log layer (1) produces it, the next watched layer (2) shows 16 of them
+    assert "First non-finite value in the forward: 1 (aten.log)." in _findings(text)
+    assert any(
+        f.startswith("Non-finite values") and f.endswith(": 2 (16).") for f in _findings(text)
+    )
+
+    text = hs.report(_cnn(), torch.randn(2, 3, 8, 8), tmp_path / "ok.html").read_text()
+    assert "Non-finite" not in text and "Layers that dominate the FLOPs: 2 " in text
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(hs.UsageError, match=r"\.html"):
+        hs.report(_cnn(), torch.randn(1, 3, 8, 8), tmp_path / "r.txt")
+    with pytest.raises(hs.UsageError, match="max_images"):
+        hs.report(_cnn(), torch.randn(1, 3, 8, 8), tmp_path / "r.html", max_images=-1)
+    assert not list(tmp_path.iterdir())
