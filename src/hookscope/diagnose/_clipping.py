@@ -50,21 +50,25 @@ def _named(target: Any) -> list[tuple[str, str, nn.Parameter | Tensor]]:
 
 
 def _norms(grads: list[Tensor], norm_type: float) -> Tensor:
+    """Each gradient's norm, as float32 on the first gradient's device."""
+    device = grads[0].device
     if math.isinf(norm_type):
-        return torch.stack([g.detach().abs().max() for g in grads]).float()
-    return torch.stack([torch.linalg.vector_norm(g.detach(), norm_type) for g in grads]).float()
+        return torch.stack([g.detach().abs().max().float().to(device) for g in grads])
+    return torch.stack(
+        [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
+    )
 
 
 def _total(norms: Tensor, norm_type: float) -> Tensor:
     return norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
 
 
-def _per_layer(norms: Tensor, member: Tensor, layers: int, norm_type: float) -> Tensor:
-    """Each layer's norm from its parameters' norms (``member``: the layer of each)."""
-    out = torch.zeros(layers, dtype=norms.dtype, device=norms.device)
-    if math.isinf(norm_type):
-        return out.scatter_reduce(0, member, norms, "amax", include_self=False)
-    return out.index_add(0, member, norms**norm_type) ** (1 / norm_type)
+def _rows(norms: Tensor, idx: list[int]) -> Tensor:
+    """``norms[idx]`` without an index tensor: a slice when contiguous (always, for a model's
+    parameters), else a stack of single views."""
+    if idx[-1] - idx[0] + 1 == len(idx):
+        return norms[idx[0] : idx[-1] + 1]
+    return torch.stack([norms[j] for j in idx])
 
 
 def clip_grad_norm(
@@ -111,19 +115,20 @@ def clip_grad_norm(
     named = _named(parameters)
     if not named:
         return ClipReport(0.0, 0.0, float(max_norm), norm_type)
-    position = {layer: i for i, layer in enumerate(dict.fromkeys(n[0] for n in named))}
-    layers = list(position)
-    grads = [p.grad for _, _, p in named]
-    assert all(g is not None for g in grads)
-    norms = _norms(grads, norm_type)  # type: ignore[arg-type]
-    member = torch.tensor([position[layer] for layer, _, _ in named], device=norms.device)
-    layer_norms = _per_layer(norms, member, len(layers), norm_type)
+    groups: dict[str, list[int]] = {}  # layer -> its parameters' positions in `named`
+    for j, (layer, _, _) in enumerate(named):
+        groups.setdefault(layer, []).append(j)
+    layers = list(groups)
+    grads: list[Tensor] = [p.grad for _, _, p in named]  # type: ignore[misc]
+    norms = _norms(grads, norm_type)
+    # per layer: views of `norms` only, no index tensor (a host-to-device copy would sync)
+    layer_norms = torch.stack([_total(_rows(norms, idx), norm_type) for idx in groups.values()])
     total = _total(norms, norm_type)
     if per_layer:
         coef = (max_norm / (layer_norms + 1e-6)).clamp(max=1.0)
     else:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(len(layers))
-    finite = torch.stack([torch.isfinite(g).all() for g in grads])  # type: ignore[arg-type]
+    finite = torch.stack([torch.isfinite(g).all().to(norms.device) for g in grads])
     after = layer_norms * coef  # a norm scales with its gradients
     values = torch.cat(
         [total[None], layer_norms, coef, finite.float(), _total(after, norm_type)[None]]
@@ -141,8 +146,9 @@ def clip_grad_norm(
             module=bad[0],
             stats={"parameters": bad},
         )
-    for (_, _, p), c in zip(named, coef[member], strict=True):
-        p.grad.detach().mul_(c.to(p.grad.dtype))  # type: ignore[union-attr]
+    for i, idx in enumerate(groups.values()):
+        for j in idx:
+            grads[j].detach().mul_(coef[i].to(grads[j].device, grads[j].dtype))
     clipped = {layer: c for layer, c in zip(layers, coef_v, strict=True) if c < 1.0}
     return ClipReport(
         total_norm=total_v,

@@ -229,7 +229,10 @@ class Monitor:
             params = [p for p in self.layers[name].parameters(recurse=False)]
             if params:
                 parts.append((name, "parameter", self._param_stats(name, params)))
-        host = torch.cat([v.double().cpu() for _, _, v in parts]).tolist() if parts else []
+        host: list[float] = []
+        if parts:  # one transfer: gathered on the first part's device, then read
+            device = parts[0][2].device
+            host = torch.cat([v.double().to(device) for _, _, v in parts]).tolist()
         i = 0
         for name, kind, v in parts:
             values, i = host[i : i + v.numel()], i + v.numel()

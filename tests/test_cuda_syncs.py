@@ -1,0 +1,104 @@
+"""On CUDA, the diagnose tools read from the device as seldom as they promise: hs.nonfinite at
+most once per forward and once per backward, hs.Monitor only on logging steps (once), and
+hs.clip_grad_norm once. Counted with torch.cuda.set_sync_debug_mode, which warns at every
+synchronising call (the oracle is CUDA's own accounting, not ours). Needs a CUDA device: CI has
+none, so these run on the GPU machine when one is lent (``pytest tests/test_cuda_syncs.py``)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@contextmanager
+def syncs() -> Iterator[list[str]]:
+    """The synchronising calls made inside the block, one message each."""
+    seen: list[str] = []
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield seen
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    seen += [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 10),
+    ).cuda()  # fmt: skip
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[], None]:
+    x = torch.randn(8, 3, 32, 32, device="cuda")
+    y = torch.randint(0, 10, (8,), device="cuda")
+
+    def step() -> None:
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+@pytest.mark.mutates_model  # training steps change the weights on purpose
+def test_plain_step_has_no_sync() -> None:
+    model = _model()
+    step = _step(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    step()
+    with syncs() as seen:
+        step()
+    assert seen == []  # the baseline the counts below are measured against
+
+
+@pytest.mark.mutates_model
+def test_nonfinite_reads_once_per_forward_and_once_per_backward() -> None:
+    model = _model()
+    step = _step(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    step()
+    with hs.nonfinite(model):
+        with syncs() as seen:
+            for _ in range(3):
+                step()
+    assert len(seen) <= 2 * 3, seen
+
+
+@pytest.mark.mutates_model
+def test_monitor_reads_once_per_logging_step_only() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    step = _step(model, opt)
+    step()
+    with hs.Monitor(model, every=5, optimizer=opt):
+        step()  # step 0 is logged
+        with syncs() as quiet:
+            for _ in range(4):  # steps 1..4: not logged
+                step()
+        with syncs() as logged:
+            step()  # step 5: logged
+    assert quiet == [] and 1 <= len(logged) <= 1, (quiet, logged)
+
+
+@pytest.mark.mutates_model
+def test_clip_grad_norm_reads_once() -> None:
+    model = _model()
+    step = _step(model, torch.optim.SGD(model.parameters(), lr=0.01))
+    step()
+    with syncs() as seen:
+        report = hs.clip_grad_norm(model, 0.1)
+    assert len(seen) == 1 and report.total_norm > 0, seen
