@@ -106,6 +106,41 @@ def test_report_command(tmp_path: Path) -> None:
     assert str(out.resolve()) in result.output and '<section id="cam">' in out.read_text()
 
 
+def test_extract_command(tmp_path: Path) -> None:
+    pytest.importorskip("zarr")
+    import numpy as np
+
+    x = np.random.default_rng(0).standard_normal((20, 3, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    args = ["extract", CNN, str(tmp_path / "x.npy"), "--layer", "3", "--out", str(tmp_path / "s")]
+    result = run(*args, "--reduce", "spatial_mean", "--batch-size", "8", "--json")
+    assert result.exit_code == 0, result.output
+    meta = json.loads(result.stdout)
+    assert meta["samples"] == 20 and meta["layers"] == ["3"] and meta["reduce"] == "spatial_mean"
+    want = hs.features(small_cnn(), torch.from_numpy(x), ["3"], reduce="spatial_mean")["3"]
+    np.testing.assert_allclose(
+        hs.open_features(tmp_path / "s").to_numpy("3"), want.numpy(), rtol=1e-6, atol=1e-6
+    )
+    again = run(*args)
+    assert again.exit_code == 2 and "resume=True" in again.output
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    for i in range(3):
+        Image.new("RGB", (30, 20), (40 * i, 0, 0)).save(tmp_path / "imgs" / f"{i}.png")
+    (tmp_path / "imgs" / "broken.png").write_bytes(b"nope")
+    images = ["extract", CNN, str(tmp_path / "imgs"), "--layer", "3", "--image-size", "16"]
+    result = run(*images, "--out", str(tmp_path / "i"), "--on-error", "skip")
+    assert result.exit_code == 0, result.output
+    assert (
+        "4 samples" in result.output and "1 unreadable (rows are NaN): broken.png" in result.output
+    )
+    text = run(
+        "extract", CNN, str(tmp_path / "x.npy.txt"), "--layer", "3", "--out", str(tmp_path / "t")
+    )
+    assert text.exit_code == 2 and "needs a Hugging Face model directory" in text.output
+
+
 @pytest.mark.parametrize(
     ("args", "hint"),
     [
@@ -124,6 +159,7 @@ def test_report_command(tmp_path: Path) -> None:
         (("summary", CNN, "--text", "hi"), "--text needs a Hugging Face model directory"),
         (("summary", CNN, "--input-size", "1,3,8,8", "--depth", "-1"), "depth must be"),
         (("frobnicate",), "No such command"),
+        (("extract", CNN, "data.npy", "--out", "s"), "Missing option '--layer'"),
     ],
 )
 def test_usage_errors_exit_2_with_a_hint(args: tuple[str, ...], hint: str) -> None:

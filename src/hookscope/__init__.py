@@ -65,6 +65,7 @@ from .explain import (
     XGradCAM,
     overlay,
 )
+from .extract import FeatureStore, extract, open_features
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
 from .show import report
 
@@ -84,6 +85,7 @@ __all__ = [
     "EigenCAM",
     "Explanation",
     "FeatureExtractor",
+    "FeatureStore",
     "GradCAM",
     "GradCAMPlusPlus",
     "GradHook",
@@ -114,6 +116,7 @@ __all__ = [
     "clip_grad",
     "clip_grad_norm",
     "edit",
+    "extract",
     "feature_grid",
     "feature_grids",
     "features",
@@ -122,6 +125,7 @@ __all__ = [
     "names",
     "nonfinite",
     "on_grad",
+    "open_features",
     "overlay",
     "patch",
     "replace",

@@ -252,6 +252,54 @@ def _requiring_grad(x: Any) -> Any:
     return map_tensors(lambda _, t: t.detach().requires_grad_() if t.is_floating_point() else t, x)
 
 
+@cli.command("extract")
+@_model_options
+@click.argument("data")
+@click.option("--layer", "layers", multiple=True, required=True, help="A layer (repeatable).")
+@click.option("--out", required=True, help="The store's folder (Zarr).")
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--reduce", type=click.Choice(["spatial_mean", "token_mean", "batch_mean"]))
+@click.option("--store-dtype", help="Storage dtype, e.g. float16.")
+@click.option("--image-size", type=int, default=224, show_default=True, help="Images: resize to.")
+@click.option(
+    "--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True
+)
+@click.option("--resume", is_flag=True, help="Finish an interrupted store.")
+@click.option("--overwrite", is_flag=True, help="Replace an existing store.")
+@click.option("--engine", type=click.Choice(["local", "ray"]), default="local", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print the store's metadata as JSON.")
+@_with_options
+def extract_(o: dict[str, Any]) -> None:
+    """Write LAYERs' outputs for DATA (an image folder, a .npy file, or a .txt file of one text
+    per line for a HF model directory) to a Zarr store."""
+    from ..extract import extract
+    from ._load import image_transform, texts
+
+    model, _ = _load(o, inputs=False)
+    data: Any = o["data"]
+    tokenizer, transform = None, None
+    if data.endswith(".npy"):
+        import numpy as np
+
+        data = np.load(data, mmap_mode="r")  # never pickled objects: allow_pickle stays False
+    elif data.endswith(".txt"):
+        data, tokenizer = texts(o["model"], data)
+    else:
+        transform = image_transform(o["model"], o["image_size"])
+    store = extract(
+        model, data, list(o["layers"]), out=o["out"], batch_size=o["batch_size"],
+        reduce=o["reduce"], dtype=o["store_dtype"], tokenizer=tokenizer, transform=transform,
+        on_error=o["on_error"], resume=o["resume"], overwrite=o["overwrite"], engine=o["engine"],
+    )  # fmt: skip
+    if o["as_json"]:
+        _echo_json(store.meta)
+        return
+    shapes = ", ".join(f"{n} {tuple(store[n].shape)} {store[n].dtype}" for n in store.layers)
+    click.echo(f"{len(store)} samples -> {store.path}: {shapes}")
+    if store.errors:
+        click.echo(f"{len(store.errors)} unreadable (rows are NaN): {', '.join(store.errors)}")
+
+
 @cli.command("report")
 @_model_options
 @_input_options

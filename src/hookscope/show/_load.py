@@ -19,7 +19,7 @@ from torch import nn
 from .._extras import require
 from ..errors import UsageError
 
-__all__ = ["load_inputs", "load_model", "parse_kwargs", "parse_size"]
+__all__ = ["image_transform", "load_inputs", "load_model", "parse_kwargs", "parse_size", "texts"]
 
 _SPEC_HINT = (
     "give the model as package.module:factory (or path/to/file.py:factory), a Hugging Face "
@@ -194,3 +194,33 @@ def _images(
         data = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
         tensors.append(data.view(side, side, channels).permute(2, 0, 1).float() / 255)
     return torch.stack(tensors)
+
+
+def texts(spec: str, file: str) -> tuple[list[str], Any]:
+    """The lines of ``file`` (empty ones dropped) and the tokenizer of HF directory ``spec``."""
+    if not Path(spec).is_dir():
+        raise UsageError(
+            "a .txt file of texts needs a Hugging Face model directory (its tokenizer)"
+        )
+    lines = [line for line in Path(file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UsageError(f"{file!r} has no text lines")
+    transformers = require("transformers", "hf", purpose="tokenizing texts")
+    return lines, transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
+
+
+def image_transform(spec: str, size: int) -> Any:
+    """PIL image -> tensor: the HF directory's image processor, else a resize to ``size`` and
+    0..1 scaling."""
+    directory = Path(spec)
+    if directory.is_dir() and (directory / "preprocessor_config.json").is_file():
+        transformers = require("transformers", "hf", purpose="preparing images")
+        processor = transformers.AutoImageProcessor.from_pretrained(spec, local_files_only=True)
+        return lambda image: processor(image, return_tensors="pt")["pixel_values"][0]
+
+    def transform(image: Any) -> Any:
+        picture = image.convert("RGB").resize((size, size))
+        data = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
+        return data.view(size, size, 3).permute(2, 0, 1).float() / 255
+
+    return transform

