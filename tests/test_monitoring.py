@@ -145,3 +145,135 @@ def test_usage_errors() -> None:
             single(torch.ones(1, 2))
         mon.step()
     assert [r["layer"] for r in mon.records()] == ["", ""]  # activation, parameter
+
+
+# -- TensorBoard histograms ----------------------------------------------------------------------
+
+
+def _tensorboard_edges() -> list[float]:
+    """TensorBoard's bucket convention, written out here: ±1e-12 growing by 10 % past 1e20."""
+    pos = [1e-12]
+    while pos[-1] < 1e20:
+        pos.append(pos[-1] * 1.1)
+    return [-v for v in reversed(pos)] + [0.0] + pos
+
+
+def test_tensorboard_histograms_read_back_equal_counts_made_here(tmp_path: Path) -> None:
+    np = pytest.importorskip("numpy")
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    net, x = _net(), torch.randn(16, 3, generator=torch.Generator().manual_seed(1))
+    x[0, 0] = float("nan")  # NaNs are counted by the statistics, never put in a bucket
+    with hs.Monitor(net, every=1, sinks=[("tensorboard", tmp_path)]) as mon:
+        net(x).pow(2).mean().backward()
+        mon.step()
+    with torch.no_grad():
+        seen = {"act": net[0](x)}  # the oracle's own forward, no hooks
+    events = accumulator.EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    events.Reload()
+    tags = set(events.Tags()["histograms"])
+    assert {"0/activation", "0/gradient", "0/parameter"} <= tags
+    assert "0/parameter_gradient" not in tags  # the NaN made every gradient NaN: no bucket
+    assert "1/activation" in tags and "1/parameter" not in tags  # ReLU: no parameters
+    edges = np.array(_tensorboard_edges())
+    params = torch.cat([p.detach().reshape(-1) for p in net[0].parameters()])
+    for tag, values in (("0/activation", seen["act"]), ("0/parameter", params)):
+        h = events.Histograms(tag)[0].histogram_value
+        t = values.reshape(-1).double()
+        finite = t[torch.isfinite(t)].numpy()
+        index = np.searchsorted(edges, finite, side="left")  # bucket i: (edges[i-1], edges[i]]
+        want = {int(i): int(c) for i, c in zip(*np.unique(index, return_counts=True))}
+        got = dict(
+            zip([int(np.searchsorted(edges, b)) for b in h.bucket_limit], map(int, h.bucket))
+        )
+        last = len(edges)  # the open top bucket's limit is the maximum
+        got = {(k if k < last else last): v for k, v in got.items()}
+        assert got == want, tag
+        assert h.num == len(finite) and h.min == pytest.approx(finite.min())
+        assert h.max == pytest.approx(finite.max()) and h.sum == pytest.approx(finite.sum())
+        assert h.sum_squares == pytest.approx((finite**2).sum())
+    assert events.Histograms("0/activation")[0].step == 0
+
+
+# -- DDP: two gloo processes ---------------------------------------------------------------------
+
+
+def _ddp_rank(rank: int, init: str, out: str, ranks: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        model = nn.parallel.DistributedDataParallel(_net())
+        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(10 + rank))  # its own data
+        sink = f"{out}/rank{rank}.jsonl"
+        with hs.Monitor(model, every=1, sinks=[sink], ranks=ranks) as mon:
+            model(x).pow(2).sum().backward()
+            mon.step()
+        modules = [model, *model.modules()]
+        assert not any(m._forward_hooks for m in modules), "hooks left after close"
+    finally:
+        dist.destroy_process_group()
+
+
+def _read(path: Path) -> dict[tuple[str, str], dict[str, float]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {(r["layer"], r["kind"]): r for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.mutates_model
+def test_ddp_two_gloo_processes_reduced_and_per_rank(tmp_path: Path) -> None:
+    mp = pytest.importorskip("torch.multiprocessing")
+    xs = [torch.randn(8, 3, generator=torch.Generator().manual_seed(10 + r)) for r in (0, 1)]
+    # the oracle: one process, one model, both ranks' batches (DDP averages the gradients)
+    net = _net()
+    acts: dict[str, Tensor] = {}
+    handles = [
+        net[i].register_forward_hook(lambda m, a, o, i=i: acts.__setitem__(str(i), o))
+        for i in (0, 1)
+    ]
+    try:
+        (net(torch.cat(xs)).pow(2).sum() / 2).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    for ranks in ("reduce", "each"):
+        out = tmp_path / ranks
+        out.mkdir()
+        init = f"file://{tmp_path / (ranks + '.init')}"
+        mp.spawn(_ddp_rank, args=(init, str(out), ranks), nprocs=2, join=True)
+        if ranks == "reduce":
+            assert not (out / "rank1.jsonl").read_text()  # rank 0 writes the reduced records
+            got = _read(out / "rank0.jsonl")
+            for name in ("0", "1"):
+                want = _expected(acts[name].detach())
+                row = got[(name, "activation")]
+                assert {k: row[k] for k in want} == pytest.approx(want, rel=1e-5), name
+            assert got[("1", "activation")]["dead"] == pytest.approx(2 / 6)  # dead on both ranks
+            assert got[("0", "parameter")]["grad_norm"] == pytest.approx(
+                float(torch.cat([p.grad.reshape(-1) for p in net[0].parameters()]).norm()), rel=1e-5
+            )
+        else:
+            for rank in (0, 1):
+                got = _read(out / f"rank{rank}.jsonl")
+                with torch.no_grad():
+                    local = _net()[0](xs[rank])
+                assert got[("0", "activation")]["rank"] == rank
+                assert got[("0", "activation")]["mean"] == pytest.approx(
+                    float(local.mean()), rel=1e-5
+                )
+
+
+def test_tensorboard_histograms_can_be_turned_off(tmp_path: Path) -> None:
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    from hookscope.diagnose import TensorBoardSink
+
+    net = _net()
+    sink = TensorBoardSink(tmp_path, histograms=False)
+    with hs.Monitor(net, every=1, sinks=[sink]) as mon:
+        assert not mon.histograms  # nothing is counted when no sink draws them
+        net(torch.randn(4, 3)).sum().backward()
+        mon.step()
+    events = accumulator.EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
+    events.Reload()
+    assert events.Tags()["histograms"] == [] and "0/activation/mean" in events.Tags()["scalars"]

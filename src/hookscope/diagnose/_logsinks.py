@@ -78,10 +78,14 @@ class CSVSink:
 
 
 class TensorBoardSink:
-    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step, through a
-    ``SummaryWriter`` (given, or made for a log directory: the ``tensorboard`` extra)."""
+    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step, and (``histograms=True``,
+    the default) histograms ``{layer}/{activation|gradient|parameter|parameter_gradient}``,
+    through a ``SummaryWriter`` (given, or made for a log directory: the ``tensorboard``
+    extra). Histogram buckets are TensorBoard's own (±1e-12 growing by 10 % to ±1e20), counted
+    on the device; min, max, count, sum and sum of squares are exact, over finite values."""
 
-    def __init__(self, writer_or_dir: Any) -> None:
+    def __init__(self, writer_or_dir: Any, *, histograms: bool = True) -> None:
+        self.histograms = histograms
         if isinstance(writer_or_dir, (str, os.PathLike)):
             tb = require("torch.utils.tensorboard", "tensorboard", purpose="TensorBoard logging")
             self._writer, self._own = tb.SummaryWriter(log_dir=str(writer_or_dir)), True
@@ -93,6 +97,22 @@ class TensorBoardSink:
             if key not in ("step", "layer", "kind") and isinstance(value, (int, float)):
                 tag = f"{record['layer']}/{record['kind']}/{key}"
                 self._writer.add_scalar(tag, value, global_step=record["step"])
+
+    def histogram(
+        self, tag: str, step: int, stats: dict[str, float], counts: list[float], edges: Any
+    ) -> None:
+        """One histogram: ``counts[i]`` values in ``(edges[i-1], edges[i]]`` (the last bucket
+        open above, closed by the maximum). Empty buckets are left out."""
+        limits, kept = [], []
+        for i, c in enumerate(counts):
+            if c:
+                limits.append(float(edges[i]) if i < len(edges) else stats["max"])
+                kept.append(c)
+        self._writer.add_histogram_raw(
+            tag, min=stats["min"], max=stats["max"], num=int(stats["num"]), sum=stats["sum"],
+            sum_squares=stats["sum_squares"], bucket_limits=limits, bucket_counts=kept,
+            global_step=step,
+        )  # fmt: skip
 
     def flush(self) -> None:
         self._writer.flush()

@@ -106,6 +106,11 @@ class Monitor:
             directory given as ``("tensorboard", dir)``, a ``SummaryWriter``, or sink objects.
         optimizer: follow this optimizer's steps (no ``step()`` calls needed) and record
             update norms (``||w_after - w_before||``) and the update / weight ratio.
+        ranks: under ``torch.distributed``: ``"reduce"`` (default) combines every rank's
+            statistics (counts and sums added, extremes taken, a channel dead only if it is
+            dead on every rank, parameter statistics averaged) with three all-reduces per
+            logging step, and only rank 0 writes to the sinks; ``"each"``: every rank logs its
+            own, with a ``rank`` key (give each rank its own files).
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -126,12 +131,23 @@ class Monitor:
         every: int = 10,
         sinks: Iterable[Any] = (),
         optimizer: torch.optim.Optimizer | None = None,
+        ranks: str = "reduce",
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise UsageError(f"every must be an int >= 1, got {every!r}")
+        if ranks not in ("reduce", "each"):
+            raise UsageError(f'ranks must be "reduce" or "each", got {ranks!r}')
+        self.ranks = ranks
         self.model, self.every, self.optimizer = model, every, optimizer
         self.layers = Layers(model).select(layers) if layers is not None else _default(model)
         self.sinks: list[Sink] = [make_sink(s) for s in sinks]
+        if self.ranks == "reduce" and _rank() > 0:
+            for sink in self.sinks:  # rank 0 writes the reduced records
+                sink.close()
+            self.sinks = []
+        #: histograms are computed only when a sink draws them (TensorBoard)
+        self.histograms = any(getattr(sink, "histograms", False) for sink in self.sinks)
+        self._hist: dict[tuple[str, str], Tensor] = {}
         self.count = 0  # optimizer steps so far
         self._records: list[dict[str, Any]] = []
         self._acts: dict[str, Tensor] = {}
@@ -186,6 +202,8 @@ class Monitor:
                 if not (t.is_floating_point() or t.is_complex()):
                     continue
                 self._acts[name] = _merge(self._acts.get(name), _moments(t))
+                if self.histograms:
+                    self._add_hist(name, "activation", t)
                 alive = _alive(t)
                 seen = self._alive.get(name)
                 self._alive[name] = (
@@ -200,6 +218,8 @@ class Monitor:
     def _on_grad(self, name: str) -> Any:
         def hook(grad: Tensor) -> None:
             self._grads[name] = _merge(self._grads.get(name), _moments(grad))
+            if self.histograms:
+                self._add_hist(name, "gradient", grad)
 
         return hook
 
@@ -217,30 +237,75 @@ class Monitor:
             self._flush()
         self.count += 1
 
+    def _add_hist(self, name: str, kind: str, t: Tensor) -> None:
+        counts = _histogram(t)
+        old = self._hist.get((name, kind))
+        self._hist[(name, kind)] = counts if old is None else old + counts
+
     def _flush(self) -> None:
-        parts: list[tuple[str, str, Tensor]] = []
+        # (layer, kind, values, reduction op per value); see _reduce
+        parts: list[tuple[str, str, Tensor, Tensor]] = []
         for name in self.layers:
             if name in self._acts:
-                alive = self._alive[name]
-                dead = 1 - alive.double().mean()
-                parts.append((name, "activation", torch.cat([self._acts[name], dead[None]])))
+                alive = self._alive[name].double()
+                parts.append((name, "activation", torch.cat([self._acts[name], alive]),
+                              torch.cat([_MOMENT_OPS, torch.full_like(alive, _MAX)])))  # fmt: skip
             if name in self._grads:
-                parts.append((name, "gradient", self._grads[name]))
+                parts.append((name, "gradient", self._grads[name], _MOMENT_OPS))
             params = [p for p in self.layers[name].parameters(recurse=False)]
             if params:
-                parts.append((name, "parameter", self._param_stats(name, params)))
+                stats = self._param_stats(name, params)
+                parts.append((name, "parameter", stats, torch.full((len(stats),), _MEAN)))
+            if self.histograms:
+                parts += self._histogram_parts(name, params)
         host: list[float] = []
         if parts:  # one transfer: gathered on the first part's device, then read
             device = parts[0][2].device
-            host = torch.cat([v.double().to(device) for _, _, v in parts]).tolist()
+            values = torch.cat([v.double().to(device) for _, _, v, _ in parts])
+            if self.ranks == "reduce" and _world() > 1:
+                values = _reduce(values, torch.cat([o for _, _, _, o in parts]).to(device))
+            host = values.tolist()
         i = 0
-        for name, kind, v in parts:
-            values, i = host[i : i + v.numel()], i + v.numel()
-            self._emit(name, kind, values)
-        for state in (self._acts, self._alive, self._grads, self._before):
+        for name, kind, v, _ in parts:
+            values_, i = host[i : i + v.numel()], i + v.numel()
+            if kind.startswith("histogram "):
+                self._emit_histogram(name, kind.removeprefix("histogram "), values_)
+            else:
+                self._emit(name, kind, values_)
+        for state in (self._acts, self._alive, self._grads, self._before, self._hist):
             state.clear()
         for sink in self.sinks:
             sink.flush()
+
+    def _histogram_parts(
+        self, name: str, params: list[nn.Parameter]
+    ) -> list[tuple[str, str, Tensor, Tensor]]:
+        """``(7 moments, bucket counts)`` of the step's activations and gradients, and of the
+        layer's parameters and their gradients."""
+        tensors: dict[str, list[Tensor]] = {
+            "parameter": [p.detach().reshape(-1) for p in params],
+            "parameter_gradient": [p.grad.reshape(-1) for p in params if p.grad is not None],
+        }
+        moments = {"activation": self._acts.get(name), "gradient": self._grads.get(name)}
+        counts = {k: self._hist.get((name, k)) for k in moments}
+        for kind, ts in tensors.items():
+            if ts:
+                flat = torch.cat(ts)
+                moments[kind], counts[kind] = _moments(flat), _histogram(flat)
+        out = []
+        for kind, m in moments.items():
+            c = counts.get(kind)
+            if m is not None and c is not None:
+                ops = torch.cat([_MOMENT_OPS, torch.full((len(c),), _SUM, dtype=torch.float64)])
+                out.append((name, f"histogram {kind}", torch.cat([m.to(c.device), c]), ops))
+        return out
+
+    def _emit_histogram(self, name: str, kind: str, values: list[float]) -> None:
+        count, total, sumsq, lo, hi = values[:5]
+        stats = {"num": count, "sum": total, "sum_squares": sumsq, "min": lo, "max": hi}
+        for sink in self.sinks:
+            if getattr(sink, "histograms", False) and count:
+                sink.histogram(f"{name}/{kind}", self.count, stats, values[7:], EDGES)  # type: ignore[attr-defined]
 
     def _param_stats(self, name: str, params: list[nn.Parameter]) -> Tensor:
         norm = torch.linalg.vector_norm(torch.stack([p.detach().norm() for p in params]))
@@ -265,10 +330,78 @@ class Monitor:
         else:
             record.update(_summary(v[:7]))
             if kind == "activation":
-                record["dead"] = v[7]
+                alive = v[7:]
+                record["dead"] = 1 - sum(alive) / len(alive) if alive else math.nan
+        if self.ranks == "each" and _world() > 1:
+            record["rank"] = _rank()
         self._records.append(record)
         for sink in self.sinks:
             sink.write(record)
+
+
+# -- distributed -------------------------------------------------------------------------------
+
+_SUM, _MIN, _MAX, _MEAN = 0.0, 1.0, 2.0, 3.0
+#: how each of (count, sum, sumsq, min, max, zeros, nonfinite) combines across ranks
+_MOMENT_OPS = torch.tensor([_SUM, _SUM, _SUM, _MIN, _MAX, _SUM, _SUM], dtype=torch.float64)
+
+
+def _world() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _reduce(values: Tensor, ops: Tensor) -> Tensor:
+    """Every rank's ``values`` combined element by element as ``ops`` says (sum, min, max or
+    mean): three all-reduces of the whole buffer."""
+    dist = torch.distributed
+    summed = torch.where((ops == _SUM) | (ops == _MEAN), values, 0.0)
+    low = torch.where(ops == _MIN, values, math.inf)
+    high = torch.where(ops == _MAX, values, -math.inf)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    out = torch.where(ops == _MEAN, summed / _world(), summed)
+    return torch.where(ops == _MIN, low, torch.where(ops == _MAX, high, out))
+
+
+# -- histograms --------------------------------------------------------------------------------
+
+
+def _edges() -> Tensor:
+    """TensorBoard's bucket edges: ±1e-12 growing by 10 % to ±1e20, and 0."""
+    positive = [1e-12]
+    while positive[-1] < 1e20:
+        positive.append(positive[-1] * 1.1)
+    return torch.tensor([-v for v in reversed(positive)] + [0.0] + positive, dtype=torch.float64)
+
+
+EDGES = _edges()
+
+
+def _histogram(t: Tensor) -> Tensor:
+    """Counts of ``t``'s finite values in the buckets ``(EDGES[i-1], EDGES[i]]`` (the last one
+    open above), on ``t``'s device with no synchronisation; NaN and Inf are not counted (the
+    statistics count them)."""
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    x = x.contiguous()  # an expanded gradient (of a mean) reshapes to a stride-0 view
+    edges = EDGES.to(x.device, torch.float32 if x.dtype != torch.float64 else torch.float64)
+    index = torch.bucketize(x.to(edges.dtype), edges)
+    counts = torch.zeros(len(EDGES) + 1, dtype=torch.float64, device=x.device)
+    return counts.scatter_add_(0, index, torch.isfinite(x).double())
+
+
+def _param_histogram(params: list[nn.Parameter], grad: bool) -> Tensor | None:
+    tensors = [p.grad if grad else p for p in params]
+    present = [t.detach().reshape(-1) for t in tensors if t is not None]
+    return _histogram(torch.cat(present)) if present else None
 
 
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish)
