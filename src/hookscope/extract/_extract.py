@@ -253,24 +253,20 @@ class Job:
 
 def fingerprint(model: nn.Module) -> str:
     """A hash of the parameters' and buffers' names, shapes, dtypes and values (through their
-    sums and sums of squares, reduced on the device and read once)."""
+    sums and sums of squares, reduced on the device without copies and read once)."""
     tensors = [(n, t) for n, t in model.state_dict(keep_vars=True).items() if isinstance(t, Tensor)]
     h = hashlib.sha256()
     for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    floats = [
-        t.detach() for _, t in tensors if t.numel() and (t.is_floating_point() or t.is_complex())
-    ]
+    floats = [t.detach().reshape(-1) for _, t in tensors if t.numel() and t.is_floating_point()]
     if floats:
         device = floats[0].device
         with torch.no_grad():
-            sums = torch.stack(
-                [
-                    torch.stack([t.double().sum(), t.double().pow(2).sum()]).to(device)
-                    for t in floats
-                ]
-            )
-        h.update(repr([round(v, 6) for v in sums.flatten().tolist()]).encode())
+            sums = [
+                torch.stack([t.sum(dtype=torch.float64), torch.dot(t, t).double()]) for t in floats
+            ]
+            values = torch.stack([v.to(device) for v in sums]).flatten().tolist()
+        h.update(repr([float(f"{v:.6g}") for v in values]).encode())
     return h.hexdigest()[:16]
 
 
