@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -79,12 +80,15 @@ def test_nonfinite_reads_once_per_forward_and_once_per_backward() -> None:
 
 
 @pytest.mark.mutates_model
-def test_monitor_reads_once_per_logging_step_only() -> None:
+@pytest.mark.parametrize("histograms", [False, True])
+def test_monitor_reads_once_per_logging_step_only(histograms: bool, tmp_path: Path) -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     step = _step(model, opt)
     step()
-    with hs.Monitor(model, every=5, optimizer=opt):
+    sinks = [("tensorboard", tmp_path)] if histograms else []  # TensorBoard draws histograms
+    with hs.Monitor(model, every=5, optimizer=opt, sinks=sinks) as mon:
+        assert mon.histograms == histograms
         step()  # step 0 is logged
         with syncs() as quiet:
             for _ in range(4):  # steps 1..4: not logged

@@ -249,13 +249,13 @@ class Monitor:
             if name in self._acts:
                 alive = self._alive[name].double()
                 parts.append((name, "activation", torch.cat([self._acts[name], alive]),
-                              torch.cat([_MOMENT_OPS, torch.full_like(alive, _MAX)])))  # fmt: skip
+                              torch.cat([_MOMENT_OPS, _ops(len(alive), _MAX)])))  # fmt: skip
             if name in self._grads:
                 parts.append((name, "gradient", self._grads[name], _MOMENT_OPS))
             params = [p for p in self.layers[name].parameters(recurse=False)]
             if params:
                 stats = self._param_stats(name, params)
-                parts.append((name, "parameter", stats, torch.full((len(stats),), _MEAN)))
+                parts.append((name, "parameter", stats, _ops(len(stats), _MEAN)))
             if self.histograms:
                 parts += self._histogram_parts(name, params)
         host: list[float] = []
@@ -296,7 +296,7 @@ class Monitor:
         for kind, m in moments.items():
             c = counts.get(kind)
             if m is not None and c is not None:
-                ops = torch.cat([_MOMENT_OPS, torch.full((len(c),), _SUM, dtype=torch.float64)])
+                ops = torch.cat([_MOMENT_OPS, _ops(len(c), _SUM)])
                 out.append((name, f"histogram {kind}", torch.cat([m.to(c.device), c]), ops))
         return out
 
@@ -346,6 +346,11 @@ _SUM, _MIN, _MAX, _MEAN = 0.0, 1.0, 2.0, 3.0
 _MOMENT_OPS = torch.tensor([_SUM, _SUM, _SUM, _MIN, _MAX, _SUM, _SUM], dtype=torch.float64)
 
 
+def _ops(n: int, op: float) -> Tensor:
+    """``n`` reduction codes, on the CPU (moved with the values only when ranks reduce)."""
+    return torch.full((n,), op, dtype=torch.float64)
+
+
 def _world() -> int:
     dist = torch.distributed
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -382,6 +387,15 @@ def _edges() -> Tensor:
 
 
 EDGES = _edges()
+_EDGES_ON: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _edges_on(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """:data:`EDGES` on ``device``, copied there once (a copy from host memory synchronises)."""
+    key = (device, dtype)
+    if key not in _EDGES_ON:
+        _EDGES_ON[key] = EDGES.to(device, dtype)
+    return _EDGES_ON[key]
 
 
 def _histogram(t: Tensor) -> Tensor:
@@ -392,7 +406,7 @@ def _histogram(t: Tensor) -> Tensor:
     if x.is_complex():
         x = torch.view_as_real(x).reshape(-1)
     x = x.contiguous()  # an expanded gradient (of a mean) reshapes to a stride-0 view
-    edges = EDGES.to(x.device, torch.float32 if x.dtype != torch.float64 else torch.float64)
+    edges = _edges_on(x.device, torch.float64 if x.dtype == torch.float64 else torch.float32)
     index = torch.bucketize(x.to(edges.dtype), edges)
     counts = torch.zeros(len(EDGES) + 1, dtype=torch.float64, device=x.device)
     return counts.scatter_add_(0, index, torch.isfinite(x).double())
