@@ -163,7 +163,7 @@ def test_tensorboard_histograms_read_back_equal_counts_made_here(tmp_path: Path)
     accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
     net, x = _net(), torch.randn(16, 3, generator=torch.Generator().manual_seed(1))
     x[0, 0] = float("nan")  # NaNs are counted by the statistics, never put in a bucket
-    with hs.Monitor(net, every=1, sinks=[("tensorboard", tmp_path)]) as mon:
+    with hs.Monitor(net, every=1, sinks=[("tensorboard", tmp_path, "all")]) as mon:
         net(x).pow(2).mean().backward()
         mon.step()
     with torch.no_grad():
@@ -277,3 +277,15 @@ def test_tensorboard_histograms_can_be_turned_off(tmp_path: Path) -> None:
     events = accumulator.EventAccumulator(str(tmp_path), size_guidance={"histograms": 0})
     events.Reload()
     assert events.Tags()["histograms"] == [] and "0/activation/mean" in events.Tags()["scalars"]
+    default = tmp_path / "default"
+    with hs.Monitor(net, every=1, sinks=[("tensorboard", default)]) as mon:
+        assert mon.histograms is True  # parameters and their gradients only
+        net(torch.randn(4, 3)).sum().backward()
+        mon.step()
+    events = accumulator.EventAccumulator(str(default), size_guidance={"histograms": 0})
+    events.Reload()
+    assert set(events.Tags()["histograms"]) == {
+        "0/parameter", "0/parameter_gradient", "2/parameter", "2/parameter_gradient"
+    }  # fmt: skip
+    with pytest.raises(hs.UsageError, match="histograms must be"):
+        TensorBoardSink(tmp_path, histograms="some")

@@ -78,13 +78,20 @@ class CSVSink:
 
 
 class TensorBoardSink:
-    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step, and (``histograms=True``,
-    the default) histograms ``{layer}/{activation|gradient|parameter|parameter_gradient}``,
-    through a ``SummaryWriter`` (given, or made for a log directory: the ``tensorboard``
-    extra). Histogram buckets are TensorBoard's own (±1e-12 growing by 10 % to ±1e20), counted
-    on the device; min, max, count, sum and sum of squares are exact, over finite values."""
+    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step, and histograms: of each
+    layer's parameters and their gradients (``{layer}/parameter``,
+    ``{layer}/parameter_gradient``; ``histograms=True``, the default), also of its activations
+    and output gradients (``{layer}/activation``, ``{layer}/gradient``; ``histograms="all"``,
+    which costs a pass over every watched activation), or none (``False``); through a
+    ``SummaryWriter`` (given, or made for a log directory: the ``tensorboard`` extra).
+    Histogram buckets are TensorBoard's own (±1e-12 growing by 10 % to ±1e20), counted on the
+    device; min, max, count, sum and sum of squares are exact, over finite values.
+    ``("tensorboard", dir, "all")`` as a Monitor sink is ``TensorBoardSink(dir, histograms="all")``.
+    """
 
-    def __init__(self, writer_or_dir: Any, *, histograms: bool = True) -> None:
+    def __init__(self, writer_or_dir: Any, *, histograms: bool | str = True) -> None:
+        if histograms not in (True, False, "all"):
+            raise UsageError(f'histograms must be True, False or "all", got {histograms!r}')
         self.histograms = histograms
         if isinstance(writer_or_dir, (str, os.PathLike)):
             tb = require("torch.utils.tensorboard", "tensorboard", purpose="TensorBoard logging")
@@ -137,6 +144,8 @@ def make_sink(spec: Any) -> Sink:
         )
     if isinstance(spec, tuple) and len(spec) == 2 and spec[0] == "tensorboard":
         return TensorBoardSink(spec[1])
+    if isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "tensorboard":
+        return TensorBoardSink(spec[1], histograms=spec[2])
     if hasattr(spec, "add_scalar"):
         return TensorBoardSink(spec)
     if all(hasattr(spec, a) for a in ("write", "flush", "close")):

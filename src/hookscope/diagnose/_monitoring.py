@@ -145,8 +145,10 @@ class Monitor:
             for sink in self.sinks:  # rank 0 writes the reduced records
                 sink.close()
             self.sinks = []
-        #: histograms are computed only when a sink draws them (TensorBoard)
-        self.histograms = any(getattr(sink, "histograms", False) for sink in self.sinks)
+        #: histograms are computed only when a sink draws them (TensorBoard): of parameters
+        #: and their gradients, and with ``"all"`` of activations and output gradients too
+        wants = [getattr(sink, "histograms", False) for sink in self.sinks]
+        self.histograms: bool | str = "all" if "all" in wants else any(wants)
         self._hist: dict[tuple[str, str], Tensor] = {}
         self.count = 0  # optimizer steps so far
         self._records: list[dict[str, Any]] = []
@@ -202,7 +204,7 @@ class Monitor:
                 if not (t.is_floating_point() or t.is_complex()):
                     continue
                 self._acts[name] = _merge(self._acts.get(name), _moments(t))
-                if self.histograms:
+                if self.histograms == "all":
                     self._add_hist(name, "activation", t)
                 alive = _alive(t)
                 seen = self._alive.get(name)
@@ -218,7 +220,7 @@ class Monitor:
     def _on_grad(self, name: str) -> Any:
         def hook(grad: Tensor) -> None:
             self._grads[name] = _merge(self._grads.get(name), _moments(grad))
-            if self.histograms:
+            if self.histograms == "all":
                 self._add_hist(name, "gradient", grad)
 
         return hook
