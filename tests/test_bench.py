@@ -2,9 +2,11 @@
 pass: hookscope's captures equal the hand-written clone floor on HF ResNet-50 and GPT-2, and
 reference mode flags exactly the outputs overwritten in place; hs.summary counts parameters
 once and FLOPs within 1% of the analytic count (GPT-2, a Llama on meta); hs.nonfinite sees
-every forward and backward of a clean training step and finds nothing. With ``--baseline
-HEAD`` the committed library is timed beside the working tree's (its captures are checked the
-same way). No timing is asserted: timings belong to bench/RESULTS.md, not to the test suite."""
+every forward and backward of a clean training step and finds nothing; hs.GradCAM's map
+equals the hand-written autograd floor's and hs.ScoreCAM's equals pytorch-grad-cam's; the
+feature store equals a hand-written loop's .npy files. With ``--baseline HEAD`` the committed
+library is timed beside the working tree's (its captures are checked the same way). No
+timing is asserted: timings belong to bench/RESULTS.md, not to the test suite."""
 
 from __future__ import annotations
 
@@ -58,3 +60,11 @@ def test_quick_benchmark_runs_and_checks_pass(tmp_path: pathlib.Path) -> None:
         run = json.loads((tmp_path / f"diagnose_timing_{model}.json").read_text())
         assert run["checks_ok"], run
     assert "## Diagnose: training-step overhead" in report
+    for case in ("resnet50", "shapes"):  # bench/explain.py: Grad-CAM and Score-CAM with peers
+        run = json.loads((tmp_path / f"explain_timing_{case}.json").read_text())
+        assert run["checks"] and all(c["ok"] for c in run["checks"]), run["checks"]
+    assert "## Explain: CAM cost" in report
+    for model in ("resnet50", "minilm"):  # bench/extract.py: the store against a hand loop
+        run = json.loads((tmp_path / f"extract_timing_{model}.json").read_text())
+        assert run["checks"] and all(c["ok"] for c in run["checks"]), run["checks"]
+    assert "## Extract: throughput and memory" in report

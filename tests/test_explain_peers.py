@@ -1,14 +1,12 @@
 """The CAM family against pytorch-grad-cam and Captum on a Hugging Face ResNet built from a
 config, after the same post-processing.
 
-pytorch-grad-cam 1.5 imports torchvision at package import (for image utilities the CAM
-classes never call), and torchvision cannot be installed here (ENVIRONMENT.md); the package
-is imported with placeholder torchvision modules that are removed again right after."""
+pytorch-grad-cam is imported with torchvision stubbed out (see bench/_peers.py)."""
 
 from __future__ import annotations
 
-import sys
-import types
+import importlib.util
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -25,24 +23,14 @@ pytestmark = pytest.mark.hf
 
 
 def _pytorch_grad_cam() -> Any:
-    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.functional")
-    stubs = {n: types.ModuleType(n) for n in names}
-    stubs["torchvision.transforms"].Compose = object  # type: ignore[attr-defined]
-    stubs["torchvision.transforms"].Normalize = object  # type: ignore[attr-defined]
-    stubs["torchvision.transforms"].ToTensor = object  # type: ignore[attr-defined]
-    stubs["torchvision.transforms.functional"].resize = None  # type: ignore[attr-defined]
-    saved = {n: sys.modules.get(n) for n in names}
-    sys.modules.update(stubs)
-    try:
-        import pytorch_grad_cam
-        from pytorch_grad_cam.utils import model_targets
-    finally:
-        for n, module in saved.items():
-            if module is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = module
-    return pytorch_grad_cam, model_targets
+    """pytorch-grad-cam imported as bench/_peers.py does (torchvision stubbed out meanwhile)."""
+    path = Path(__file__).resolve().parents[1] / "bench" / "_peers.py"
+    spec = importlib.util.spec_from_file_location("bench_peers", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.pytorch_grad_cam()
 
 
 class Logits(nn.Module):

