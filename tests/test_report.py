@@ -163,3 +163,21 @@ def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(hs.UsageError, match="max_images"):
         hs.report(_cnn(), torch.randn(1, 3, 8, 8), tmp_path / "r.html", max_images=-1)
     assert not list(tmp_path.iterdir())
+
+
+def test_models_without_class_logits_get_statistics_and_say_why_no_cam(tmp_path: Path) -> None:
+    """A backbone (image features, no classifier) and a token encoder: the statistics come from
+    each sample's output norm, hand-checked here on the last layer's gradient."""
+    torch.manual_seed(0)
+    backbone = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 5, 3))
+    x = torch.randn(2, 3, 10, 10)
+    text = hs.report(backbone, x, tmp_path / "b.html").read_text()
+    assert "No Grad-CAM: class targets need (N, classes) logits" in text
+    out = backbone(x)
+    want = torch.autograd.grad(out.flatten(1).norm(dim=1).sum(), out)[0].norm()
+    grads = re.findall(r"<tr><td>2</td>(?:<td class=n>[^<]*</td>){4}<td class=n>([^<]*)</td>", text)
+    assert grads and float(grads[0]) == pytest.approx(float(want), rel=1e-2)  # 3 digits shown
+    encoder = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8))
+    ids = torch.randint(0, 20, (3, 5))
+    text = hs.report(encoder, ids, tmp_path / "e.html").read_text()
+    assert "No image input" in text and '<section id="statistics">' in text

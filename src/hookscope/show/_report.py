@@ -66,9 +66,13 @@ def report(
         title: the page's title (default: the model's class name).
         feature_layers: layers whose feature maps are shown (any selector; default: up to four
             ``nn.Conv2d`` layers, first and last included). ``[]`` shows none.
-        cam_layer: the Grad-CAM layer (default: the last layer with a spatial 4-D output).
+        cam_layer: the Grad-CAM layer (default: the last layer with a spatial 4-D output; for a
+            vision transformer, whose last such layer is its patch embedding, name its last
+            block: token outputs are put on their grid).
         targets: classes for Grad-CAM and for the gradient statistics (as for
-            :class:`~hookscope.GradCAM`; default the top class per sample).
+            :class:`~hookscope.GradCAM`; default the top class per sample). A model without
+            class logits gets its statistics from each sample's output norm, and no Grad-CAM
+            unless ``targets`` is a callable.
         classes: class names for the CAM captions (default: ``model.config.id2label`` if any).
         max_images: CAM overlays shown at most.
         sections: extra ``(id, heading, html)`` sections placed after the overview.
@@ -183,11 +187,25 @@ def _statistics(
         found = stack.enter_context(nonfinite(model, mode="warn"))
         with torch.enable_grad():
             output = call_model(model, x)
-            score, _ = target_scores(output, targets, n)  # the CAMs' rule
+            score = _score(output, targets, n)
             if score.requires_grad:
                 torch.autograd.backward(score.sum())
         mon.step()
     return mon.records(), found.findings
+
+
+def _score(output: Any, targets: Any, n: int) -> Tensor:
+    """Per-sample scores whose gradients the statistics show: the CAMs' target rule, or, for a
+    model without class logits (a backbone, an encoder) and no targets, the norm of each
+    sample's first output."""
+    try:
+        score, _ = target_scores(output, targets, n)
+    except UsageError:
+        if targets is not None:
+            raise
+        first = next(t for _, t in leaves(output) if t.is_floating_point())
+        score = first.float().flatten(1).norm(dim=1) if first.dim() > 1 else first.float()
+    return score
 
 
 def _by_kind(records: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
@@ -314,7 +332,10 @@ def _cams(
     images = _image_batch(inputs)
     if images is None or layer is None:
         return "<p>No image input or no spatial layer: no Grad-CAM.</p>"
-    exp = GradCAM(model, layer)(inputs, targets=targets)
+    try:
+        exp = GradCAM(model, layer)(inputs, targets=targets)
+    except UsageError as e:  # e.g. no class logits to explain and no targets given
+        return f"<p>No Grad-CAM: {html.escape(str(e))}.</p>"
     out = []
     for i in range(min(len(images), max_images)):
         picture = overlay(images[i].detach().cpu(), exp.maps[i].cpu(), alpha=0.45)
