@@ -5,6 +5,7 @@ the library's own functions called directly on the same model and inputs, files 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,12 @@ def test_report_command(tmp_path: Path) -> None:
     result = run("report", CNN, "--input-size", "2,3,16,16", "--out", str(out))
     assert result.exit_code == 0, result.output
     assert str(out.resolve()) in result.output and '<section id="cam">' in out.read_text()
+    args = ("report", CNN, "--input-size", "2,3,16,16", "--out", str(out), "--features", "2")
+    result = run(*args, "--target", "1", "--cam-layer", "1")
+    text = out.read_text()
+    assert result.exit_code == 0 and text.count("every channel of the first input") == 1
+    assert text.count("(score ") == 2 and "Grad-CAM at <code>1</code>" in text
+    assert len(re.findall(r"<figcaption>#\d: class 1 ", text)) == 2  # the target asked for
 
 
 def test_extract_command(tmp_path: Path) -> None:

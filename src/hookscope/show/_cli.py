@@ -305,11 +305,23 @@ def extract_(o: dict[str, Any]) -> None:
 @_input_options
 @click.option("--out", default="report.html", show_default=True, help="The HTML file to write.")
 @click.option("--cam-layer", help="Grad-CAM layer (default: the last spatial one).")
+@click.option(
+    "--features", "feature_layers", multiple=True,
+    help="A layer whose feature maps are shown (repeatable; default: up to four convolutions).",
+)  # fmt: skip
+@click.option(
+    "--target", "targets", type=int, multiple=True, help="Class per input (default: top)."
+)
 @_with_options
 def report_(o: dict[str, Any]) -> None:
     """Write a self-contained HTML report (summary, statistics, feature maps, CAM, findings)."""
     from ._report import report
 
     model, x = _load(o)
-    path = report(model, x, o["out"], cam_layer=o["cam_layer"])
+    targets = list(o["targets"]) or None
+    path = report(
+        model, x, o["out"], cam_layer=o["cam_layer"],
+        feature_layers=list(o["feature_layers"]) or None,
+        targets=targets[0] if targets and len(targets) == 1 else targets,
+    )  # fmt: skip
     click.echo(f"report: {path.resolve()}")
