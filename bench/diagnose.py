@@ -168,4 +168,12 @@ def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]
             f"{run['noise']['rounds_s']:.0f} s, load average {lo:.1f}{DASH}{hi:.1f}; checks "
             f"(nonfinite saw 1 forward and 1 backward and found nothing; Monitor logged): {ok}."
         )
+    lines.append(
+        "* Why the misses: hs.nonfinite reduces every module call's inputs and outputs to one "
+        "number on the device and hooks each output's gradient (ResNet-50 makes about 300 module "
+        "calls a step): a few percent, against detect_anomaly's 14 to 34 % here. hs.Monitor's "
+        "logging step now also draws TensorBoard histograms of every parameter and gradient "
+        "(2.4x a step, cheaper than add_histogram by hand); one such step in ten costs ResNet-50 "
+        "about 12 %."
+    )
     return targets, [*lines, ""]
