@@ -255,11 +255,14 @@ class Monitor:
             if name in self._grads:
                 parts.append((name, "gradient", self._grads[name], _MOMENT_OPS))
             params = [p for p in self.layers[name].parameters(recurse=False)]
+            grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+            flat_grads = torch.cat(grads) if grads else None
+            grad_moments = _moments(flat_grads) if flat_grads is not None else None
             if params:
-                stats = self._param_stats(name, params)
+                stats = self._param_stats(name, params, grad_moments)
                 parts.append((name, "parameter", stats, _ops(len(stats), _MEAN)))
             if self.histograms:
-                parts += self._histogram_parts(name, params)
+                parts += self._histogram_parts(name, params, flat_grads, grad_moments)
         host: list[float] = []
         if parts:  # one transfer: gathered on the first part's device, then read
             device = parts[0][2].device
@@ -280,20 +283,22 @@ class Monitor:
             sink.flush()
 
     def _histogram_parts(
-        self, name: str, params: list[nn.Parameter]
+        self,
+        name: str,
+        params: list[nn.Parameter],
+        flat_grads: Tensor | None,
+        grad_moments: Tensor | None,
     ) -> list[tuple[str, str, Tensor, Tensor]]:
         """``(7 moments, bucket counts)`` of the step's activations and gradients, and of the
-        layer's parameters and their gradients."""
-        tensors: dict[str, list[Tensor]] = {
-            "parameter": [p.detach().reshape(-1) for p in params],
-            "parameter_gradient": [p.grad.reshape(-1) for p in params if p.grad is not None],
-        }
+        layer's parameters and their gradients (their moments already computed by the caller)."""
         moments = {"activation": self._acts.get(name), "gradient": self._grads.get(name)}
         counts = {k: self._hist.get((name, k)) for k in moments}
-        for kind, ts in tensors.items():
-            if ts:
-                flat = torch.cat(ts)
-                moments[kind], counts[kind] = _moments(flat), _histogram(flat)
+        if params:
+            values = torch.cat([p.detach().reshape(-1) for p in params])
+            moments["parameter"], counts["parameter"] = _moments(values), _histogram(values)
+        if flat_grads is not None:
+            moments["parameter_gradient"] = grad_moments
+            counts["parameter_gradient"] = _histogram(flat_grads)
         out = []
         for kind, m in moments.items():
             c = counts.get(kind)
@@ -309,10 +314,10 @@ class Monitor:
             if getattr(sink, "histograms", False) and count:
                 sink.histogram(f"{name}/{kind}", self.count, stats, values[7:], EDGES)  # type: ignore[attr-defined]
 
-    def _param_stats(self, name: str, params: list[nn.Parameter]) -> Tensor:
+    def _param_stats(self, name: str, params: list[nn.Parameter], gm: Tensor | None) -> Tensor:
+        """(weight norm, gradient norm, non-finite gradient values, update norm); ``gm``: the
+        moments of the layer's parameter gradients, if any."""
         norm = torch.linalg.vector_norm(torch.stack([p.detach().norm() for p in params]))
-        grads = [p.grad for p in params if p.grad is not None]
-        gm = _moments(torch.cat([g.reshape(-1) for g in grads])) if grads else None
         gnorm = gm[2].sqrt() if gm is not None else norm.new_tensor(math.nan)
         gbad = gm[6] if gm is not None else norm.new_tensor(math.nan)
         before = self._before.get(name)
