@@ -1,4 +1,5 @@
-"""PNG files from ``uint8`` image tensors, with Pillow (the ``images`` extra) and no numpy."""
+"""Pillow images and tensors: PNG files from ``uint8`` image tensors, and PIL images as float
+tensors, with Pillow (the ``images`` extra) and no numpy."""
 
 from __future__ import annotations
 
@@ -6,12 +7,14 @@ import io
 import os
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
+import torch
 from torch import Tensor
 
 from ._extras import require
 
-__all__ = ["pillow", "png_bytes", "save_png"]
+__all__ = ["image_to_tensor", "pillow", "png_bytes", "save_png"]
 
 
 def pillow(purpose: str) -> ModuleType:
@@ -34,3 +37,11 @@ def save_png(image: Tensor, path: str | os.PathLike[str], *, purpose: str) -> No
     data = png_bytes(image, purpose=purpose)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_bytes(data)
+
+
+def image_to_tensor(image: Any) -> Tensor:
+    """A PIL image (mode ``L`` or ``RGB``) as a float ``(C, H, W)`` tensor in 0..1."""
+    width, height = image.size
+    channels = len(image.getbands())
+    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+    return data.view(height, width, channels).permute(2, 0, 1).float() / 255

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from .._extras import require
+from .._png import image_to_tensor
 from ..errors import UsageError
 
 __all__ = ["IMAGE_SUFFIXES", "Source", "source"]
@@ -154,7 +155,7 @@ class Images(Source):
         )
         if not self.files:
             raise UsageError(f"no image files ({', '.join(IMAGE_SUFFIXES)}) under {str(folder)!r}")
-        self.transform = transform or _to_tensor
+        self.transform = transform or image_to_tensor
         self.on_error = on_error
         self._errors: dict[str, str] = {}
         self.description = f"image folder {folder} ({len(self.files)} files)"
@@ -292,10 +293,3 @@ def _tensor(x: Any) -> Tensor:
     if type(x).__module__ == "numpy":
         return torch.from_numpy(x)
     return torch.as_tensor(x)
-
-
-def _to_tensor(image: Any) -> Tensor:
-    """A PIL RGB image as a float ``(3, H, W)`` tensor in 0..1."""
-    width, height = image.size
-    data = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-    return data.view(height, width, 3).permute(2, 0, 1).float() / 255

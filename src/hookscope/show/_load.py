@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from .._extras import require
+from .._png import image_to_tensor
 from ..errors import UsageError
 
 __all__ = ["image_transform", "load_inputs", "load_model", "parse_kwargs", "parse_size", "texts"]
@@ -154,18 +155,15 @@ def load_inputs(
     if text:
         if directory is None:
             raise UsageError("--text needs a Hugging Face model directory (its tokenizer)")
-        transformers = require("transformers", "hf", purpose="tokenizing --text")
-        tokenizer = transformers.AutoTokenizer.from_pretrained(
-            str(directory), local_files_only=True
-        )
+        tokenizer = _pretrained(directory, "AutoTokenizer", "tokenizing --text")
         return dict(tokenizer(list(text), padding=True, truncation=True, return_tensors="pt"))
     assert images is not None
-    return _images(Path(images), directory, image_size, channels, model)
+    side = image_size or int(getattr(getattr(model, "config", None), "image_size", 224))
+    return _images(Path(images), image_transform(spec, side, channels))
 
 
-def _images(
-    path: Path, directory: Path | None, size: int | None, channels: int, model: nn.Module
-) -> Any:
+def _images(path: Path, transform: Any) -> Tensor:
+    """The image ``path`` (or every image in folder ``path``) through ``transform``, stacked."""
     files = (
         sorted(p for p in path.iterdir() if p.suffix.lower() in _IMAGES)
         if path.is_dir()
@@ -174,25 +172,13 @@ def _images(
     if not path.exists() or not files:
         raise UsageError(f"--input {str(path)!r}: no such image file or folder of images")
     image_module = require("PIL.Image", "images", purpose="reading images")
-    pictures = []
+    tensors = []
     for file in files:
         try:
             with image_module.open(file) as im:
-                pictures.append(im.convert("L" if channels == 1 else "RGB"))
+                tensors.append(transform(im))
         except OSError as e:
             raise UsageError(f"cannot read image {str(file)!r}: {e}") from None
-    if directory is not None and (directory / "preprocessor_config.json").is_file():
-        transformers = require("transformers", "hf", purpose="preparing images")
-        processor = transformers.AutoImageProcessor.from_pretrained(
-            str(directory), local_files_only=True
-        )
-        return processor(pictures, return_tensors="pt")["pixel_values"]
-    side = size or int(getattr(getattr(model, "config", None), "image_size", 224))
-    tensors = []
-    for picture in pictures:
-        picture = picture.resize((side, side))
-        data = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
-        tensors.append(data.view(side, side, channels).permute(2, 0, 1).float() / 255)
     return torch.stack(tensors)
 
 
@@ -205,22 +191,21 @@ def texts(spec: str, file: str) -> tuple[list[str], Any]:
     lines = [line for line in Path(file).read_text(encoding="utf-8").splitlines() if line.strip()]
     if not lines:
         raise UsageError(f"{file!r} has no text lines")
-    transformers = require("transformers", "hf", purpose="tokenizing texts")
-    return lines, transformers.AutoTokenizer.from_pretrained(spec, local_files_only=True)
+    return lines, _pretrained(Path(spec), "AutoTokenizer", "tokenizing texts")
 
 
-def image_transform(spec: str, size: int) -> Any:
-    """PIL image -> tensor: the HF directory's image processor, else a resize to ``size`` and
-    0..1 scaling."""
+def image_transform(spec: str, size: int, channels: int = 3) -> Any:
+    """PIL image -> tensor: the HF directory's image processor, else ``channels`` (1 or 3)
+    resized to ``size`` and scaled to 0..1."""
     directory = Path(spec)
     if directory.is_dir() and (directory / "preprocessor_config.json").is_file():
-        transformers = require("transformers", "hf", purpose="preparing images")
-        processor = transformers.AutoImageProcessor.from_pretrained(spec, local_files_only=True)
-        return lambda image: processor(image, return_tensors="pt")["pixel_values"][0]
+        processor = _pretrained(directory, "AutoImageProcessor", "preparing images")
+        return lambda image: processor(image.convert("RGB"), return_tensors="pt")["pixel_values"][0]
+    mode = "L" if channels == 1 else "RGB"
+    return lambda image: image_to_tensor(image.convert(mode).resize((size, size)))
 
-    def transform(image: Any) -> Any:
-        picture = image.convert("RGB").resize((size, size))
-        data = torch.frombuffer(bytearray(picture.tobytes()), dtype=torch.uint8)
-        return data.view(size, size, 3).permute(2, 0, 1).float() / 255
 
-    return transform
+def _pretrained(directory: Path, auto_class: str, purpose: str) -> Any:
+    """``transformers.<auto_class>.from_pretrained(directory)``, offline."""
+    transformers = require("transformers", "hf", purpose=purpose)
+    return getattr(transformers, auto_class).from_pretrained(str(directory), local_files_only=True)
