@@ -22,6 +22,7 @@ from ..errors import LayerNotFoundError, NonFiniteError, UsageError
 from ..explain import METHODS, overlay
 from ..look import summary
 from ._load import load_inputs, load_model, parse_kwargs
+from ._report import image_batch, report, requiring_grad
 
 __all__ = ["cli"]
 
@@ -110,8 +111,11 @@ def _load(o: dict[str, Any], inputs: bool = True) -> tuple[torch.nn.Module, Any]
     return model, x
 
 
-def _call(model: torch.nn.Module, x: Any) -> Any:
-    return call_model(model, x)
+def _targets(o: dict[str, Any]) -> Any:
+    """``--target`` given once: one class for every input; several: one per input; none:
+    the top class."""
+    targets = list(o["targets"])
+    return targets[0] if len(targets) == 1 else targets or None
 
 
 def _echo_json(data: Any) -> None:
@@ -163,7 +167,7 @@ def names_(o: dict[str, Any]) -> None:
 def summary_(o: dict[str, Any]) -> None:
     """Per-call table: output shapes, parameters, FLOPs."""
     model, x = _load(o)
-    result = summary(model, **x) if isinstance(x, dict) else summary(model, x)
+    result = summary(model, x)  # a mapping of inputs becomes keyword arguments
     if o["depth"] is not None:
         result = result.fold(o["depth"])
     click.echo(result.to_json(indent=2) if o["as_json"] else result.to_text())
@@ -183,15 +187,12 @@ def summary_(o: dict[str, Any]) -> None:
 def cam(o: dict[str, Any]) -> None:
     """Attribution maps (Grad-CAM and family) drawn over the input images."""
     model, x = _load(o)
-    targets = list(o["targets"]) or None
-    exp = METHODS[o["method"]](model, o["layer"])(
-        x, targets=targets[0] if targets and len(targets) == 1 else targets
-    )
-    images = next(t for _, t in leaves(x))
+    exp = METHODS[o["method"]](model, o["layer"])(x, targets=_targets(o))
+    images = image_batch(x)
     rows = []
     for i in range(len(exp.maps)):
         path = Path(o["out"]) / f"{o['method']}_{i}.png"
-        image = images[i] if images.dim() == 4 and images.shape[1] in (1, 3) else None
+        image = images[i] if images is not None else None
         if image is not None:
             overlay(image.detach(), exp.maps[i].detach(), alpha=0.45, save=path)
         rows.append(
@@ -221,11 +222,11 @@ def nan(o: dict[str, Any]) -> None:
 
     Exits 0 when everything is finite, 1 when a non-finite value was found."""
     model, x = _load(o)
-    x = _requiring_grad(x)
+    x = requiring_grad(x)
     found: NonFiniteError | None = None
     try:
         with nonfinite(model):
-            out = _call(model, x)
+            out = call_model(model, x)
             total = sum(t.float().sum() for _, t in leaves(out) if t.is_floating_point())
             if isinstance(total, torch.Tensor) and total.requires_grad:
                 torch.autograd.backward(total)
@@ -244,12 +245,6 @@ def nan(o: dict[str, Any]) -> None:
         click.echo(str(found) if found else "no NaN or Inf in the forward or the backward")
     if found:
         sys.exit(1)
-
-
-def _requiring_grad(x: Any) -> Any:
-    from ..core import map_tensors
-
-    return map_tensors(lambda _, t: t.detach().requires_grad_() if t.is_floating_point() else t, x)
 
 
 @cli.command("extract")
@@ -315,13 +310,9 @@ def extract_(o: dict[str, Any]) -> None:
 @_with_options
 def report_(o: dict[str, Any]) -> None:
     """Write a self-contained HTML report (summary, statistics, feature maps, CAM, findings)."""
-    from ._report import report
-
     model, x = _load(o)
-    targets = list(o["targets"]) or None
     path = report(
         model, x, o["out"], cam_layer=o["cam_layer"],
-        feature_layers=list(o["feature_layers"]) or None,
-        targets=targets[0] if targets and len(targets) == 1 else targets,
+        feature_layers=list(o["feature_layers"]) or None, targets=_targets(o),
     )  # fmt: skip
     click.echo(f"report: {path.resolve()}")

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .._extras import require
 from .._png import pillow, png_bytes
 from .._version import __version__
 from ..core import call_model, leaves, map_tensors, training_mode
@@ -34,7 +35,7 @@ from ..look import Summary, feature_grids, summary
 from . import _html
 from ._plots import layer_plot
 
-__all__ = ["Section", "report"]
+__all__ = ["Section", "image_batch", "report", "requiring_grad"]
 
 Section = tuple[str, str, str]
 """``(id, heading, body html)`` of an extra section (the demo adds its training results)."""
@@ -94,15 +95,13 @@ def report(
     if not isinstance(max_images, int) or max_images < 0:
         raise UsageError(f"max_images must be an int >= 0, got {max_images!r}")
     pillow(_PURPOSE)  # fail before any work when an extra is missing
-    from .._extras import require
-
     require("matplotlib", "plots", purpose="plots in the HTML report")
     names = classes if classes is not None else _id2label(model)
 
-    shape = summary(model, *_as_args(inputs), **_as_kwargs(inputs))
+    shape = summary(model, *(inputs if isinstance(inputs, tuple) else (inputs,)))
     records, nonfinite_found = _statistics(model, inputs, targets)
     found = _findings(shape, records, _activations(model), nonfinite_found)
-    parts: list[Section] = [("overview", "Overview", _overview(model, shape, inputs, found))]
+    parts: list[Section] = [("overview", "Overview", _overview(model, shape, found))]
     parts += list(sections)
     parts.append(("summary", "Summary", _summary_table(shape)))
     parts.append(("statistics", "Activations and gradients", _statistics_html(records)))
@@ -126,17 +125,15 @@ def report(
 # -- inputs --------------------------------------------------------------------------------------
 
 
-def _as_args(inputs: Any) -> tuple[Any, ...]:
-    if isinstance(inputs, dict):
-        return ()
-    return inputs if isinstance(inputs, tuple) else (inputs,)
+def requiring_grad(inputs: Any) -> Any:
+    """``inputs`` with every floating tensor detached and requiring grad (the caller's tensors
+    are left alone), so a backward reaches every layer even in a frozen model."""
+    return map_tensors(
+        lambda _, t: t.detach().requires_grad_() if t.is_floating_point() else t, inputs
+    )
 
 
-def _as_kwargs(inputs: Any) -> dict[str, Any]:
-    return dict(inputs) if isinstance(inputs, dict) else {}
-
-
-def _image_batch(inputs: Any) -> Tensor | None:
+def image_batch(inputs: Any) -> Tensor | None:
     """The batch of images in ``inputs``: a floating ``(N, 1 or 3, H, W)`` tensor, if any."""
     for _, t in leaves(inputs):
         if t.is_floating_point() and t.dim() == 4 and t.shape[1] in (1, 3):
@@ -173,10 +170,7 @@ def _statistics(
     """One Monitor step over a forward and a backward of the targets' scores (eval mode),
     watched by hs.nonfinite (warn mode: recorded, not raised) to name where a NaN came from."""
 
-    def grad_leaf(_: Any, t: Tensor) -> Tensor:
-        return t.detach().requires_grad_() if t.is_floating_point() else t
-
-    x = map_tensors(grad_leaf, inputs)
+    x = requiring_grad(inputs)
     n = next(t for _, t in leaves(x)).shape[0]
     with contextlib.ExitStack() as stack:
         stack.enter_context(_stashed_grads(model))
@@ -329,7 +323,7 @@ def _cams(
     names: Sequence[str] | None,
     max_images: int,
 ) -> str:
-    images = _image_batch(inputs)
+    images = image_batch(inputs)
     if images is None or layer is None:
         return "<p>No image input or no spatial layer: no Grad-CAM.</p>"
     try:
@@ -429,11 +423,11 @@ def _findings_html(found: list[tuple[bool, str]]) -> str:
     return f"<ul>{items}</ul>"
 
 
-def _overview(model: nn.Module, shape: Summary, inputs: Any, found: list[tuple[bool, str]]) -> str:
+def _overview(model: nn.Module, shape: Summary, found: list[tuple[bool, str]]) -> str:
     described = ", ".join(f"{k} {v}" for k, v in shape.inputs.items()) or "-"
-    warnings = sum(w for w, _ in found)
+    to_look_at = sum(w for w, _ in found)
     return (
         f"<p><b>{html.escape(type(model).__name__)}</b> · {shape.total_params:,} parameters · "
         f"{shape.total_flops:,} FLOPs per forward · inputs: {html.escape(described)} · "
-        f'<a href="#findings">{warnings} finding(s) to look at</a></p>'
+        f'<a href="#findings">{to_look_at} finding(s) to look at</a></p>'
     )
