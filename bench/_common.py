@@ -52,6 +52,20 @@ class Job:
     alone: bool = True  # timing jobs run alone; memory jobs (per-process RSS) may share
 
 
+def timing_jobs(
+    module: str, cfg: Config, budgets: dict[str, float], *, rounds: int = 20, min_rounds: int = 5
+) -> list[Job]:
+    """One malloc-tuned timing process per case (``{case: seconds of rounds}``): one warm-up
+    round, then ``rounds`` (two with ``--quick``, no budget), never fewer than ``min_rounds``."""
+    out = []
+    for model, budget in budgets.items():
+        plan = {"warmup": 1, "rounds": 2 if cfg.quick else rounds, "min_rounds": min_rounds,
+                "budget_s": 0 if cfg.quick else budget}  # fmt: skip
+        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
+        out.append(Job(module, f"timing_{model}", spec, "tuned"))
+    return out
+
+
 def set_threads() -> None:
     """Pin torch's thread pools to 2 (the machine's cores), or $HOOKSCOPE_BENCH_THREADS."""
     threads = int(os.environ.get(THREADS_ENV, "2"))

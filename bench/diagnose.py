@@ -111,13 +111,7 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out = []
-    for model in TITLES:
-        plan = {"warmup": 1, "rounds": 2 if cfg.quick else 20, "min_rounds": 5}
-        plan["budget_s"] = 0 if cfg.quick else BUDGETS[model]
-        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
-        out.append(Job("diagnose", f"timing_{model}", spec, "tuned"))
-    return out
+    return common.timing_jobs("diagnose", cfg, {m: BUDGETS[m] for m in TITLES})
 
 
 def _per10(samples: list[Result], log: str, quiet: str | None) -> Ratio | None:

@@ -168,13 +168,7 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out = []
-    for model, budget in (("resnet50", 150), ("shapes", 60)):
-        plan = {"warmup": 1, "rounds": 2 if cfg.quick else 15, "min_rounds": 5,
-                "budget_s": 0 if cfg.quick else budget}  # fmt: skip
-        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
-        out.append(Job("explain", f"timing_{model}", spec, "tuned"))
-    return out
+    return common.timing_jobs("explain", cfg, {"resnet50": 150, "shapes": 60}, rounds=15)
 
 
 def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]]:

@@ -158,12 +158,7 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out = []
-    for model in TITLES:
-        plan = {"warmup": 1, "rounds": 2 if cfg.quick else 5, "min_rounds": 3,
-                "budget_s": 0 if cfg.quick else 240}  # fmt: skip
-        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
-        out.append(Job("extract", f"timing_{model}", spec, "tuned"))
+    out = common.timing_jobs("extract", cfg, dict.fromkeys(TITLES, 240), rounds=5, min_rounds=3)
     for n in (1_000, 10_000):
         spec = {"kind": "memory", "n": n if not cfg.quick else n // 10}
         out.append(Job("extract", f"memory_{n}", spec, "defaults", alone=False))

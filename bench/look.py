@@ -213,12 +213,7 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out = []
-    for model in TITLES:
-        plan = {"warmup": 1, "rounds": 2 if cfg.quick else 20, "min_rounds": 5}
-        plan["budget_s"] = 0 if cfg.quick else BUDGETS[model]
-        spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
-        out.append(Job("look", f"timing_{model}", spec, "tuned"))
+    out = common.timing_jobs("look", cfg, {m: BUDGETS[m] for m in TITLES})
     spec = {"kind": "rss", "quick": cfg.quick, "repeats": 2 if cfg.quick else 5}
     return [*out, Job("look", "rss_llama", spec, "defaults")]
 
