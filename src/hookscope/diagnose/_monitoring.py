@@ -419,12 +419,6 @@ def _histogram(t: Tensor) -> Tensor:
     return counts.scatter_add_(0, index, torch.isfinite(x).double())
 
 
-def _param_histogram(params: list[nn.Parameter], grad: bool) -> Tensor | None:
-    tensors = [p.grad if grad else p for p in params]
-    present = [t.detach().reshape(-1) for t in tensors if t is not None]
-    return _histogram(torch.cat(present)) if present else None
-
-
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish)
 
 
