@@ -863,10 +863,11 @@ def feature_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def other_inputs(
     args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Different inputs of the same shapes (float: affine change; ids: reversed)."""
+    """Different inputs of the same shapes (float: affine change; ids: reversed along every
+    dim, so that a model pooling over the sequence still sees other ids per sample)."""
 
     def change(t: Tensor) -> Tensor:
-        return t * -0.5 + 0.3 if t.is_floating_point() else t.flip(-1)
+        return t * -0.5 + 0.3 if t.is_floating_point() else t.flip(list(range(t.dim())))
 
     return tree_map(change, args), tree_map(change, kwargs)
 

@@ -13,6 +13,7 @@ for the same kind of problem, so ``except LookupError`` keeps working::
     ├── EditError (ValueError)                an edit would change shape/dtype, or is ambiguous
     ├── CompiledModelError (RuntimeError)     hooks would be silently ignored by torch.compile
     ├── UnsupportedModelError (RuntimeError)  the model runs in a way hookscope cannot follow
+    ├── TorchCompatError (RuntimeError)       this torch lacks an internal hookscope relies on
     └── NonFiniteError (FloatingPointError)   a NaN/Inf appeared (hs.nonfinite names its source)
 
 Failures raised by the user's model or callbacks are never wrapped: they propagate unchanged,
@@ -31,6 +32,7 @@ __all__ = [
     "LayerNotFoundError",
     "NonFiniteError",
     "StaleCaptureError",
+    "TorchCompatError",
     "UnsupportedModelError",
     "UsageError",
 ]
@@ -77,6 +79,10 @@ class CompiledModelError(HookscopeError, RuntimeError):
 
 class UnsupportedModelError(HookscopeError, RuntimeError):
     """The model runs in a way hookscope cannot follow correctly (e.g. several replicas)."""
+
+
+class TorchCompatError(HookscopeError, RuntimeError):
+    """This PyTorch lacks a private internal hookscope relies on (see ``core/_torch.py``)."""
 
 
 class NonFiniteError(HookscopeError, FloatingPointError):

@@ -27,9 +27,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch._C._autograd import _get_sequence_nr
 
-from . import _tree
+from . import _torch, _tree
 from ._types import Path
 
 __all__ = [
@@ -48,7 +47,7 @@ __all__ = [
 _NEVER = 2**64 - 1
 Edge = tuple[Any, int]  # (autograd Node, output_nr)
 
-backward_id: Callable[[], int] = torch._C._current_graph_task_id
+backward_id: Callable[[], int] = _torch.backward_id
 """The id of the backward pass running on this thread, -1 outside backward."""
 
 
@@ -60,7 +59,7 @@ def recomputing() -> bool:
 
 def queue_after_backward(fn: Callable[[], None]) -> None:
     """Run ``fn`` when the current backward pass finishes (only valid inside backward)."""
-    torch.autograd.Variable._execution_engine.queue_callback(fn)
+    _torch.queue_callback(fn)
 
 
 def why_no_grad() -> str:
@@ -119,7 +118,7 @@ class Boundary:
                 self.inputs = _tree.replace_at(self.inputs, path, s)
                 e = edge_of(s)
             self._inputs[e] = path
-        self.start = _get_sequence_nr()  # nodes made from here on belong to the call
+        self.start = _torch.sequence_nr()  # nodes made from here on belong to the call
 
     def finish(
         self, output: Any, *, inputs: bool = True

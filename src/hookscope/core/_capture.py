@@ -11,11 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LayerNotFoundError, UnsupportedModelError
+from . import _torch
 from ._autograd import Boundary, backward_id
 from ._bind import Binder
 from ._lifetime import HookSet
 from ._records import _OUTPUT, Call, LayerRecord
-from ._session import _CALL_CODES, Session, replica_error
+from ._session import _PRIVATE, Session, replica_error
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
 from ._watch import GradWatch
@@ -128,7 +129,6 @@ class Capture(Session):
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
         self._per_pass = keep == "pass"
         self._stop = stop
-        self._pass = -1
         self._remaining = len(self._sites)  # layers still to run in this pass (stop=True)
         self._used: list[_Site] = []  # layers that ran in this pass
         self._stale: list[_Site] = []  # layers that ran in the pass before, maybe not since
@@ -151,6 +151,7 @@ class Capture(Session):
 
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
+        self._check_hookable(self._sites)
         self._store.closed = False
         for site in self._sites.values():
             if self._inputs or self._grads:
@@ -226,15 +227,15 @@ class Capture(Session):
     def _new_pass(self) -> None:
         if _functorch_level() is not None:  # once per forward; see also _enter_pass
             raise _transformed(type(self._layers.root).__name__)
-        self._sweep()
-        self._pass += 1
+        self._sweep(self._pass - 1)  # the pass that just ended is the latest one
         self._remaining = len(self._sites)
         self._stale, self._used = self._used, []
 
-    def _sweep(self) -> None:
+    def _sweep(self, latest: int | None = None) -> None:
         """Drop what layers that did not run in the latest pass still hold from before."""
+        latest = self._pass if latest is None else latest
         for site in self._stale:
-            if site.used_in != self._pass:
+            if site.used_in != latest:
                 self._reset(site)
         self._stale.clear()
 
@@ -295,8 +296,8 @@ class Capture(Session):
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
             if mod is not module:
                 raise replica_error(mod)
-            if _backward_id() != -1:  # a checkpoint's replay: the call is already recorded
-                return
+            if _backward_id() != -1 or (_PRIVATE and self not in _PRIVATE):
+                return  # a checkpoint's replay (the call is already recorded), or a private forward
             if site.used_in != self._pass:
                 self._enter_pass(site)
             if ring is not None:
@@ -322,6 +323,8 @@ class Capture(Session):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module is not site.module:
             raise replica_error(module)
+        if _PRIVATE and self not in _PRIVATE:
+            return None
         if _backward_id() != -1:
             return self._replayed_input(site, args, kwargs)
         call = self._new_call(site)
@@ -342,6 +345,8 @@ class Capture(Session):
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not site.module:
             raise replica_error(module)
+        if _PRIVATE and self not in _PRIVATE:
+            return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
         if site.open:
@@ -388,7 +393,7 @@ class Capture(Session):
 
 
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest
-_functorch_level = torch._C._functorch.maybe_current_level
+_functorch_level = _torch.functorch_level
 
 
 def _transformed(layer: str) -> UnsupportedModelError:
@@ -402,7 +407,7 @@ def _transformed(layer: str) -> UnsupportedModelError:
 def _raised_in_a_module(tb: TracebackType | None) -> bool:
     """Whether the exception passed through a module call on its way out."""
     while tb is not None:
-        if tb.tb_frame.f_code in _CALL_CODES:
+        if tb.tb_frame.f_code in _torch.CALL_CODES:
             return True
         tb = tb.tb_next
     return False

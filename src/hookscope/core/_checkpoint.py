@@ -17,7 +17,6 @@ calls of each layer in order. Unknown checkpoint implementations degrade to "not
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 from collections.abc import Callable, Hashable
@@ -25,6 +24,9 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
+
+from ..errors import TorchCompatError
+from . import _torch
 
 __all__ = ["REENTRANT", "Replay", "find_segments", "maybe_in_segment"]
 
@@ -36,23 +38,19 @@ _CODES: dict[CodeType, tuple[str, bool, Callable[[FrameType], Any]]] = {}
 
 def _register() -> None:
     try:
-        from torch.utils import checkpoint as cp
+        codes = _torch.checkpoint_codes()
+    except TorchCompatError:  # replays are then not recognised (see need() for why)
+        return
+    ctx: Callable[[FrameType], Any] = lambda f: f.f_locals.get("ctx")  # noqa: E731
 
-        fn = cp.CheckpointFunction
-        ctx: Callable[[FrameType], Any] = lambda f: f.f_locals.get("ctx")  # noqa: E731
-        _CODES[fn.forward.__code__] = (REENTRANT, False, ctx)
-        _CODES[fn.backward.__code__] = (REENTRANT, True, ctx)
+    def generator_frame(f: FrameType) -> Any:
+        gen = f.f_locals.get("gen")
+        return gen.gi_frame.f_locals.get("new_frame") if gen and gen.gi_frame else None
 
-        def generator_frame(f: FrameType) -> Any:
-            gen = f.f_locals.get("gen")
-            return gen.gi_frame.f_locals.get("new_frame") if gen and gen.gi_frame else None
-
-        _CODES[inspect.unwrap(cp.checkpoint).__code__] = (NON_REENTRANT, False, generator_frame)
-        for code in cp._checkpoint_hook.__init__.__code__.co_consts:
-            if isinstance(code, CodeType) and code.co_name == "unpack_hook":
-                _CODES[code] = (NON_REENTRANT, True, lambda f: f.f_locals.get("frame"))
-    except (ImportError, AttributeError):  # pragma: no cover - another torch layout
-        pass
+    _CODES[codes["reentrant_forward"]] = (REENTRANT, False, ctx)
+    _CODES[codes["reentrant_backward"]] = (REENTRANT, True, ctx)
+    _CODES[codes["non_reentrant"]] = (NON_REENTRANT, False, generator_frame)
+    _CODES[codes["non_reentrant_unpack"]] = (NON_REENTRANT, True, lambda f: f.f_locals.get("frame"))
 
 
 _register()
@@ -61,10 +59,7 @@ _register()
 def maybe_in_segment() -> bool:
     """Cheap test: could a checkpoint segment's forward be running? (Reentrant segments run
     under no_grad; non-reentrant ones under saved-tensor hooks.)"""
-    return (
-        not torch.is_grad_enabled()
-        or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
-    )
+    return not torch.is_grad_enabled() or _torch.saved_tensor_hooks_active()
 
 
 def find_segments() -> tuple[Any, str | None, list[tuple[Any, str]]]:

@@ -9,10 +9,6 @@ code and then either raises :class:`CompiledModelError` (default) or, with
 (``torch.compiler.set_stance("force_eager")``, process-wide and reference-counted), so the
 hooks see every call. No compiled code is dropped: after the last such session closes, the
 model (and every other compiled model) runs its cached compiled code again.
-
-On torch releases without ``set_stance`` (before 2.6), ``recompile=True`` drops the cache
-entries of the model's forward code and turns dynamo's hook guards on while open, so the
-next call recompiles with the hooks.
 """
 
 from __future__ import annotations
@@ -22,10 +18,10 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import CompiledModelError
+from . import _torch
 from ._lifetime import Shared
 
 __all__ = ["compile_guard", "is_compiled", "run_eagerly"]
@@ -45,53 +41,20 @@ def _candidate_codes(model: nn.Module) -> list[types.CodeType]:
         for m in model.modules()
         if isinstance(fwd := getattr(type(m), "forward", None), types.FunctionType)
     }
-    try:  # torch.nn.* roots are compiled through an extra frame, wrap_inline's `inner`
-        from torch._dynamo import external_utils
-
-        codes.update(
-            c
-            for c in external_utils.wrap_inline.__code__.co_consts
-            if isinstance(c, types.CodeType)
-        )
-    except (ImportError, AttributeError):  # pragma: no cover - older torch
-        pass
+    codes.update(_torch.wrap_inline_codes())  # torch.nn.* roots compile through this frame
     return list(codes)
 
 
 def _compiled_codes(model: nn.Module) -> list[types.CodeType]:
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    return [c for c in _candidate_codes(model) if _debug_get_cache_entry_list(c)]
+    return [c for c in _candidate_codes(model) if _torch.dynamo_cache_entries(c)]
 
 
 def _force_eager() -> Any:
-    from torch._dynamo import eval_frame
-
-    return eval_frame._set_stance(eval_frame.DynamoStance("force_eager"))  # the prior stance
+    return _torch.set_stance("force_eager")  # the prior stance
 
 
-def _restore_stance(prior: Any) -> None:
-    from torch._dynamo import eval_frame
-
-    eval_frame._set_stance(prior)
-
-
-def _hook_guards_on() -> Any:
-    import torch._dynamo
-
-    saved = torch._dynamo.config.skip_nnmodule_hook_guards
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
-    return saved
-
-
-def _hook_guards_restore(saved: Any) -> None:
-    torch._dynamo.config.skip_nnmodule_hook_guards = saved
-
-
-_HAS_STANCE = hasattr(torch.compiler, "set_stance")
 #: Compiled code runs eagerly while a recompile=True session is open (see the docstring).
-EAGER = Shared(_force_eager, _restore_stance)
-_GUARDS = Shared(_hook_guards_on, _hook_guards_restore)  # torch < 2.6 only
+EAGER = Shared(_force_eager, _torch.set_stance)
 
 
 @contextlib.contextmanager
@@ -103,15 +66,12 @@ def run_eagerly(model: nn.Module) -> Iterator[None]:
     """
     if not is_compiled(model):
         yield
-    elif _HAS_STANCE:
-        EAGER.acquire()
-        try:
-            yield
-        finally:
-            EAGER.release()
-    else:  # pragma: no cover - torch < 2.6
-        with compile_guard(model, recompile=True):
-            yield
+        return
+    EAGER.acquire()
+    try:
+        yield
+    finally:
+        EAGER.release()
 
 
 @contextlib.contextmanager
@@ -133,12 +93,8 @@ def compile_guard(model: nn.Module, *, recompile: bool) -> Iterator[None]:
             "compiled code eagerly while it is open), or add hooks before the first compiled "
             "call, or call torch._dynamo.reset()."
         )
-    shared = EAGER if _HAS_STANCE else _GUARDS
-    shared.acquire()
+    EAGER.acquire()
     try:
-        if shared is _GUARDS:  # pragma: no cover - torch < 2.6
-            for code in ran:
-                torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
         yield
     finally:
-        shared.release()
+        EAGER.release()

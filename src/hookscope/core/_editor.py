@@ -34,7 +34,7 @@ from ._bind import Binder
 from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
-from ._session import Session, replica_error
+from ._session import Session, hidden, replica_error
 
 __all__ = ["Editor", "edit"]
 
@@ -106,6 +106,7 @@ class Editor(Session):
             layer.open.clear()
 
     def _install(self, hooks: HookSet) -> None:
+        self._check_hookable(self._plan)
         for layer in self._plan.values():
             if layer.pre:
                 pre = functools.partial(self._pre, layer)
@@ -152,6 +153,8 @@ class Editor(Session):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module is not layer.module:
             raise replica_error(module)
+        if hidden(self):
+            return None
         index, grads = self._index(layer)
         assert layer.binder is not None
         bound = layer.binder.bind(args, kwargs)
@@ -169,6 +172,8 @@ class Editor(Session):
     def _post(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not layer.module:
             raise replica_error(module)
+        if hidden(self):
+            return None
         if layer.open:
             index, grads, boundary, mirror = layer.open.pop()
         else:

@@ -67,12 +67,17 @@ class Layers:
         self.modules: dict[str, nn.Module] = {}
         self.aliases: dict[str, str] = {}
         self._seen: dict[int, str] = {}  # id(module) -> first canonical name
-        self._walk(model, "", "")
+        self._scripted: set[str] = set()  # TorchScript modules and everything inside them
+        self._walk(model, "", "", False)
 
-    def _walk(self, module: nn.Module, raw: str, canon: str) -> None:
+    def in_script(self, name: str) -> bool:
+        """Whether the layer is a TorchScript module or inside one (no Python hooks run)."""
+        return self.canonical(name) in self._scripted
+
+    def _walk(self, module: nn.Module, raw: str, canon: str, scripted: bool) -> None:
         inner = _wrapped(module)
         if inner is not None:
-            self._walk(inner, f"{raw}.{_link(module)}" if raw else _link(module), canon)
+            self._walk(inner, f"{raw}.{_link(module)}" if raw else _link(module), canon, scripted)
             return
         first = self._seen.get(id(module))
         if first is not None:  # registered twice: its first name is canonical, like
@@ -83,14 +88,20 @@ class Layers:
                         self.aliases.setdefault(sub, first + sub[len(canon) :])
             return
         self._seen[id(module)] = canon
+        scripted = scripted or isinstance(module, torch.jit.ScriptModule)
         if canon:
             self.modules[canon] = module
+            if scripted:
+                self._scripted.add(canon)
         if canon and raw != canon:
             self.aliases[raw] = canon
         for key, child in module._modules.items():
             if child is not None:
                 self._walk(
-                    child, f"{raw}.{key}" if raw else key, f"{canon}.{key}" if canon else key
+                    child,
+                    f"{raw}.{key}" if raw else key,
+                    f"{canon}.{key}" if canon else key,
+                    scripted,
                 )
 
     def canonical(self, name: str) -> str:

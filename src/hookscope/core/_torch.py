@@ -1,0 +1,232 @@
+"""Every private PyTorch internal hookscope relies on, in one place.
+
+PyTorch does not promise these names. Each is looked up once, here, when hookscope is
+imported; a missing one does not break the import but makes the feature that needs it raise
+:class:`~hookscope.errors.TorchCompatError` naming the internal, the torch version and what
+to do, instead of failing somewhere deep or, worse, silently doing nothing.
+``tests/test_torch_compat.py`` checks that every internal resolves on the torch CI tests.
+
+CI tests torch 2.13; the CUDA tests ran on torch 2.11.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import TorchCompatError
+
+__all__ = [
+    "CALL_CODES",
+    "INTERNALS",
+    "backward_id",
+    "call_raised",
+    "checkpoint_codes",
+    "dispatch_has_composite",
+    "dynamo_cache_entries",
+    "functorch_level",
+    "missing",
+    "need",
+    "queue_callback",
+    "saved_tensor_hooks_active",
+    "sequence_nr",
+    "set_stance",
+    "wrap_inline_codes",
+]
+
+#: name -> the object, or None when this torch lacks it
+INTERNALS: dict[str, Any] = {}
+
+
+def _find(name: str, get: Callable[[], Any]) -> Any:
+    try:
+        value = get()
+    except (AttributeError, ImportError, IndexError, KeyError, StopIteration):
+        value = None
+    INTERNALS[name] = value
+    return value
+
+
+def need(name: str) -> Any:
+    """The internal ``name``; raises TorchCompatError if this torch does not have it."""
+    value = INTERNALS.get(name)
+    if value is None:
+        raise TorchCompatError(
+            f"hookscope needs the PyTorch internal {name!r}, which torch {torch.__version__} "
+            "does not have. hookscope is tested on torch 2.11-2.13: install one of those, or "
+            "report this at hookscope's issue tracker with your torch version."
+        )
+    return value
+
+
+def missing() -> list[str]:
+    """The internals this torch lacks (empty on a supported torch)."""
+    return sorted(name for name, value in INTERNALS.items() if value is None)
+
+
+# -- module calls ---------------------------------------------------------------------------------
+_call_impl = nn.Module._call_impl
+#: the frames of a module call (``__call__`` -> ``_wrapped_call_impl`` -> ``_call_impl``)
+CALL_CODES: tuple[types.CodeType, ...] = (
+    _call_impl.__code__,
+    nn.Module._wrapped_call_impl.__code__,
+)
+#: the nested function of ``_call_impl`` that runs the hooks when forward returned; hooks
+#: with ``always_call=True`` run from ``_call_impl`` itself after forward raised
+_INNER = _find(
+    "nn.Module._call_impl.<locals>.inner",
+    lambda: next(
+        c for c in _call_impl.__code__.co_consts if isinstance(c, types.CodeType)
+        and c.co_name == "inner"
+    ),
+)  # fmt: skip
+
+
+def call_raised() -> bool:
+    """Inside a forward hook registered with ``always_call=True``: whether the module's
+    forward (or a hook before this one) raised, rather than returned."""
+    inner = need("nn.Module._call_impl.<locals>.inner")
+    frame = sys._getframe(2)  # our caller is the hook, its caller the module call
+    for _ in range(8):  # hooks run outside compiled graphs are wrapped a few frames deep
+        if frame is None:
+            break
+        code = frame.f_code
+        if code is inner:
+            return False
+        if code is CALL_CODES[0]:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
+# -- autograd -------------------------------------------------------------------------------------
+backward_id: Callable[[], int] = _find(
+    "torch._C._current_graph_task_id", lambda: torch._C._current_graph_task_id
+)
+"""The id of the backward pass running on this thread, -1 outside backward."""
+
+sequence_nr: Callable[[], int] = _find(
+    "torch._C._autograd._get_sequence_nr", lambda: torch._C._autograd._get_sequence_nr
+)
+"""The sequence number the next autograd node created on this thread will get."""
+
+_engine = _find(
+    "torch.autograd.Variable._execution_engine.queue_callback",
+    lambda: torch.autograd.Variable._execution_engine.queue_callback,
+)
+
+
+def queue_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the current backward pass finishes (only valid inside backward)."""
+    need("torch.autograd.Variable._execution_engine.queue_callback")(fn)
+
+
+_top_hooks = _find(
+    "torch._C._autograd._top_saved_tensors_default_hooks",
+    lambda: torch._C._autograd._top_saved_tensors_default_hooks,
+)
+
+
+def saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are set (a non-reentrant checkpoint segment sets them)."""
+    return need("torch._C._autograd._top_saved_tensors_default_hooks")(False) is not None
+
+
+functorch_level: Callable[[], int | None] = _find(
+    "torch._C._functorch.maybe_current_level", lambda: torch._C._functorch.maybe_current_level
+)
+"""The torch.func transform level of the code running now, None outside transforms."""
+
+
+# -- activation checkpointing -------------------------------------------------------------------
+def _checkpoint_codes() -> dict[str, Any] | None:
+    from torch.utils import checkpoint as cp
+
+    unpack = next(
+        c for c in cp._checkpoint_hook.__init__.__code__.co_consts
+        if isinstance(c, types.CodeType) and c.co_name == "unpack_hook"
+    )  # fmt: skip
+    return {
+        "reentrant_forward": cp.CheckpointFunction.forward.__code__,
+        "reentrant_backward": cp.CheckpointFunction.backward.__code__,
+        "non_reentrant": inspect.unwrap(cp.checkpoint).__code__,
+        "non_reentrant_unpack": unpack,
+    }
+
+
+_CHECKPOINT = _find("torch.utils.checkpoint internals", _checkpoint_codes)
+
+
+def checkpoint_codes() -> dict[str, Any]:
+    """Code objects of torch.utils.checkpoint's forward and recomputation frames."""
+    found: dict[str, Any] = need("torch.utils.checkpoint internals")
+    return found
+
+
+# -- dispatch -------------------------------------------------------------------------------------
+_has_kernel = _find(
+    "torch._C._dispatch_has_kernel_for_dispatch_key",
+    lambda: torch._C._dispatch_has_kernel_for_dispatch_key,
+)
+
+
+def dispatch_has_composite(func: Any) -> bool:
+    """Whether an aten operator has a CompositeImplicitAutograd kernel (a decomposition)."""
+    has: Callable[[str, str], bool] = need("torch._C._dispatch_has_kernel_for_dispatch_key")
+    return has(func.name(), "CompositeImplicitAutograd")
+
+
+# -- torch.compile ------------------------------------------------------------------------------
+def _cache_lister() -> Any:
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return _debug_get_cache_entry_list
+
+
+_CACHE = _find("torch._dynamo.eval_frame._debug_get_cache_entry_list", _cache_lister)
+
+
+def dynamo_cache_entries(code: types.CodeType) -> list[Any]:
+    """The compiled-code cache entries dynamo holds for ``code``."""
+    entries: list[Any] = need("torch._dynamo.eval_frame._debug_get_cache_entry_list")(code)
+    return entries
+
+
+def _wrap_inline() -> Any:
+    from torch._dynamo import external_utils
+
+    consts = external_utils.wrap_inline.__code__.co_consts
+    return [c for c in consts if isinstance(c, types.CodeType)]
+
+
+_WRAP_INLINE = _find("torch._dynamo.external_utils.wrap_inline", _wrap_inline)
+
+
+def wrap_inline_codes() -> list[types.CodeType]:
+    """Code objects of the frame through which dynamo compiles a ``torch.nn`` module's call."""
+    codes: list[types.CodeType] = need("torch._dynamo.external_utils.wrap_inline")
+    return codes
+
+
+def _stance_api() -> Any:
+    from torch._dynamo import eval_frame
+
+    eval_frame.DynamoStance  # noqa: B018 - resolve it now
+    return eval_frame
+
+
+_STANCE = _find("torch._dynamo.eval_frame._set_stance", _stance_api)
+
+
+def set_stance(stance: Any) -> Any:
+    """Set dynamo's stance (``"force_eager"`` or a saved one); returns the one before."""
+    eval_frame = need("torch._dynamo.eval_frame._set_stance")
+    if isinstance(stance, str):
+        stance = eval_frame.DynamoStance(stance)
+    return eval_frame._set_stance(stance)
