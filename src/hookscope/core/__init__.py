@@ -1,7 +1,10 @@
-"""The engine every capability builds on: naming, hook lifetime, capture, edit, gradients.
+"""The engine every capability builds on: naming, hook lifetime, sessions, capture, edit,
+gradients.
 
-Capabilities (``look``, ``diagnose``, ``explain``, ``extract``) import from here, never from
-each other's private modules. The public API is re-exported flat from ``hookscope``.
+Capabilities (``look``, ``diagnose``, ``explain``, ``extract``) import from here (never from
+``core``'s private modules, nor from each other's) and hook a model only as a
+:class:`Session` subclass, so every entry point shares one set of policies. The public API
+is re-exported flat from ``hookscope``.
 """
 
 from ._autograd import can_have_grad, recomputing, why_no_grad
@@ -25,6 +28,7 @@ from ._grad import GradHook, grad_of, on_grad
 from ._lifetime import HookSet, training_mode
 from ._naming import Layers, names, resolve, unwrap
 from ._records import Call, LayerRecord
+from ._session import ModuleCall, Session, private_forward
 from ._tree import describe, leaves, map_tensors
 
 __all__ = [
@@ -40,6 +44,8 @@ __all__ = [
     "HookSet",
     "LayerRecord",
     "Layers",
+    "ModuleCall",
+    "Session",
     "StopForward",
     "ablate",
     "add",
@@ -57,6 +63,7 @@ __all__ = [
     "names",
     "on_grad",
     "patch",
+    "private_forward",
     "recomputing",
     "replace",
     "resolve",

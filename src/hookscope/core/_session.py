@@ -107,8 +107,28 @@ class ModuleCall:
 class Session:
     """Base of every hookscope entry point that hooks a model (see the module docstring).
 
-    Subclasses register their hooks in :meth:`_install`, usually through :meth:`_track`, and
-    react to calls in :meth:`_started`, :meth:`_returned` and :meth:`_raised`.
+    A client subclasses it, registers its hooks in :meth:`_install` (usually
+    ``self._track(hooks, modules)``, with ``modules`` from ``self.layers.select(...)`` or
+    :meth:`every_module`) and reacts to calls in :meth:`_started`, :meth:`_returned` and
+    :meth:`_raised`; :meth:`_new_pass` marks each top-level forward. Gradient hooks taken
+    during a call go through ``self.hooks.tensor(t, fn)`` / ``self.hooks.node(node, fn)``, so
+    that closing removes them too. Entry points that run the model themselves pass
+    ``recompile=True`` and call it inside :func:`run_eagerly`.
+
+    Example:
+        >>> import torch, torch.nn as nn
+        >>> from hookscope.core import Session
+        >>> class Names(Session):
+        ...     def _install(self, hooks):
+        ...         self.seen = []
+        ...         self._track(hooks, self.every_module())
+        ...     def _returned(self, call, args, output):
+        ...         self.seen.append((call.name, call.depth))
+        >>> net = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> with Names(net) as s:
+        ...     _ = net(torch.ones(1, 2))
+        >>> s.seen
+        [('0', 1), ('1', 1), ('', 0)]
     """
 
     def __init__(self, model: nn.Module, *, recompile: bool = False) -> None:
@@ -134,6 +154,13 @@ class Session:
     @property
     def is_open(self) -> bool:
         return self._hooks is not None
+
+    @property
+    def hooks(self) -> HookSet:
+        """The hooks of the open session (tensor and node hooks are added here)."""
+        if self._hooks is None:
+            raise RuntimeError("the session is not open")
+        return self._hooks
 
     # -- subclass API ---------------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
