@@ -65,7 +65,7 @@ def _by_hand(name: str, a: Tensor, g: Tensor) -> Tensor:
 def test_gradient_methods_match_hand_references(name: str) -> None:
     model, x, targets = _net(), torch.randn(3, 3, 8, 8), [0, 3, 1]
     a, g = _reference(model, x, targets)
-    exp = METHODS[name](model, "2")(x, targets=targets)
+    exp = METHODS[name].cls(model, "2")(x, targets=targets)
     expected = torch.stack([_by_hand(name, a[i], g[i]) for i in range(3)])
     assert exp.raw.shape == (3, 8, 8) and exp.maps.shape == (3, 8, 8)
     torch.testing.assert_close(exp.raw, expected, rtol=1e-4, atol=1e-6)

@@ -4,11 +4,12 @@ Faithfulness metrics live in ``hookscope.explain.metrics``.
 """
 
 from . import metrics
-from ._base import METHODS, Explanation, LayerMethod, normalize
+from ._base import Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
 from ._perturb import Perturbation
+from ._registry import METHODS, MethodInfo
 from ._targets import scores as target_scores
 from .methods import (
     CAM,
@@ -36,6 +37,7 @@ __all__ = [
     "InputMethod",
     "LayerCAM",
     "LayerMethod",
+    "MethodInfo",
     "Perturbation",
     "Saliency",
     "ScoreCAM",

@@ -26,10 +26,7 @@ from ..core import HookSet, Layers, call_model, leaves, map_tensors, training_mo
 from ..errors import UsageError
 from ._targets import Target, scores
 
-__all__ = ["METHODS", "Explanation", "LayerMethod", "normalize", "to_grid"]
-
-#: name -> method class, filled as method modules are imported (drives docs and tests)
-METHODS: dict[str, type[LayerMethod]] = {}
+__all__ = ["Explanation", "LayerMethod", "normalize", "to_grid"]
 
 
 @dataclass(frozen=True)
@@ -119,11 +116,7 @@ class LayerMethod:
     name: ClassVar[str] = ""
     relu: ClassVar[bool] = True  # the paper's ReLU on the weighted sum
     needs_grad: ClassVar[bool] = True
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.name:
-            METHODS[cls.name] = cls
+    reference: ClassVar[str] = ""
 
     def __init__(
         self,

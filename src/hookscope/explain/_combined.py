@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from ..errors import UsageError
 from ._base import Explanation
 from ._input import GuidedBackprop
+from ._registry import MethodInfo, register
 from ._targets import Target
 from .methods import GradCAM
 
@@ -89,3 +90,24 @@ class GuidedGradCAM:
         guided = self.guided(x, targets=fixed)
         raw = guided.raw * cam.maps[:, None].to(guided.raw)
         return Explanation(raw, raw, cam.targets, cam.scores, "guided_gradcam", cam.layer)
+
+
+register(
+    MethodInfo(
+        "smoothgrad",
+        SmoothGrad,
+        "wrapper",
+        gradients=True,
+        requires=("method",),
+        reference="Smilkov et al., SmoothGrad, 2017",
+    )
+)
+register(
+    MethodInfo(
+        "guided_gradcam",
+        GuidedGradCAM,
+        "layer",
+        gradients=True,
+        reference="Selvaraju et al., Grad-CAM, ICCV 2017 (Guided Grad-CAM)",
+    )
+)

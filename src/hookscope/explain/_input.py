@@ -25,6 +25,7 @@ from torch.overrides import TorchFunctionMode
 from ..core import call_model, training_mode
 from ..errors import UsageError
 from ._base import Explanation, _image, _with_grad
+from ._registry import MethodInfo, register
 from ._targets import Target, scores
 
 __all__ = ["GuidedBackprop", "InputMethod", "Saliency"]
@@ -134,3 +135,23 @@ class GuidedBackprop(InputMethod):
                 "backpropagation would be the plain gradient (GELU, SiLU and other smooth "
                 "activations are not guided): use hs.Saliency"
             )
+
+
+register(
+    MethodInfo(
+        "saliency",
+        Saliency,
+        "input",
+        gradients=True,
+        reference="Simonyan et al., Deep Inside Convolutional Networks, ICLR 2014",
+    )
+)
+register(
+    MethodInfo(
+        "guided_backprop",
+        GuidedBackprop,
+        "input",
+        gradients=True,
+        reference="Springenberg et al., Striving for Simplicity, ICLR 2015",
+    )
+)

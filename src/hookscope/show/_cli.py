@@ -177,7 +177,12 @@ def summary_(o: dict[str, Any]) -> None:
 @_model_options
 @_input_options
 @click.option("--layer", required=True, help="The layer to explain at (see `hookscope names`).")
-@click.option("--method", default="gradcam", show_default=True, type=click.Choice(sorted(METHODS)))
+@click.option(
+    "--method",
+    default="gradcam",
+    show_default=True,
+    type=click.Choice(sorted(n for n, m in METHODS.items() if m.kind == "layer" and not m.requires)),
+)
 @click.option(
     "--target", "targets", type=int, multiple=True, help="Class per image (default: top)."
 )
@@ -187,7 +192,7 @@ def summary_(o: dict[str, Any]) -> None:
 def cam(o: dict[str, Any]) -> None:
     """Attribution maps (Grad-CAM and family) drawn over the input images."""
     model, x = _load(o)
-    exp = METHODS[o["method"]](model, o["layer"])(x, targets=_targets(o))
+    exp = METHODS[o["method"]].cls(model, o["layer"])(x, targets=_targets(o))
     images = image_batch(x)
     rows = []
     for i in range(len(exp.maps)):

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from ...core import HookSet
 from .._perturb import Perturbation, _first, _pairs
+from .._registry import MethodInfo, register
 
 
 class AblationCAM(Perturbation):
@@ -44,3 +45,16 @@ class AblationCAM(Perturbation):
         weights = torch.zeros(acts.shape[:2], dtype=acts.dtype, device=acts.device)
         weights.scatter_(1, chosen, drop.to(acts.dtype))
         return (weights[:, :, None, None] * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "ablationcam",
+        AblationCAM,
+        "layer",
+        gradients=False,
+        perturbation=True,
+        requires=(),
+        reference="Desai & Ramaswamy, Ablation-CAM, WACV 2020",
+    )
+)

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ...core import Layers
 from ...errors import UsageError
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class CAM(LayerMethod):
@@ -38,3 +39,16 @@ class CAM(LayerMethod):
                 f"fc has {weight.shape[1]} inputs but the layer has {acts.shape[1]} channels"
             )
         return (weight[targets][:, :, None, None] * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "cam",
+        CAM,
+        "layer",
+        gradients=False,
+        perturbation=False,
+        requires=("fc",),
+        reference="Zhou et al., Learning Deep Features for Discriminative Localization, CVPR 2016",
+    )
+)

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class EigenCAM(LayerMethod):
@@ -31,3 +32,16 @@ class EigenCAM(LayerMethod):
         sign = torch.where(sign == 0, torch.ones_like(sign), sign)
         out: Tensor = (proj[..., 0] * sign[:, None]).reshape(n, h, w).to(acts.dtype)
         return out
+
+
+register(
+    MethodInfo(
+        "eigencam",
+        EigenCAM,
+        "layer",
+        gradients=False,
+        perturbation=False,
+        requires=(),
+        reference="Muhammad & Yeasin, Eigen-CAM, IJCNN 2020",
+    )
+)

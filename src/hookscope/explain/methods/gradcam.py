@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class GradCAM(LayerMethod):
@@ -23,3 +24,16 @@ class GradCAM(LayerMethod):
     def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
         assert grads is not None
         return (grads.mean((2, 3), keepdim=True) * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "gradcam",
+        GradCAM,
+        "layer",
+        gradients=True,
+        perturbation=False,
+        requires=(),
+        reference="Selvaraju et al., Grad-CAM, ICCV 2017",
+    )
+)

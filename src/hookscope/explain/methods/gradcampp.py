@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class GradCAMPlusPlus(LayerMethod):
@@ -23,3 +24,16 @@ class GradCAMPlusPlus(LayerMethod):
         alpha = torch.where(grads != 0, alpha, torch.zeros_like(alpha))
         weights = (alpha * grads.clamp_min(0)).sum((2, 3), keepdim=True)
         return (weights * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "gradcam++",
+        GradCAMPlusPlus,
+        "layer",
+        gradients=True,
+        perturbation=False,
+        requires=(),
+        reference="Chattopadhyay et al., Grad-CAM++, WACV 2018",
+    )
+)

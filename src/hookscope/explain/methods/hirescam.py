@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class HiResCAM(LayerMethod):
@@ -15,3 +16,16 @@ class HiResCAM(LayerMethod):
     def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
         assert grads is not None
         return (grads * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "hirescam",
+        HiResCAM,
+        "layer",
+        gradients=True,
+        perturbation=False,
+        requires=(),
+        reference="Draelos & Carin, HiResCAM, 2020",
+    )
+)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class LayerCAM(LayerMethod):
@@ -15,3 +16,16 @@ class LayerCAM(LayerMethod):
     def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
         assert grads is not None
         return (grads.clamp_min(0) * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "layercam",
+        LayerCAM,
+        "layer",
+        gradients=True,
+        perturbation=False,
+        requires=(),
+        reference="Jiang et al., LayerCAM, IEEE TIP 2021",
+    )
+)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor
 
 from .._perturb import Perturbation, _pairs, upsampled_masks
+from .._registry import MethodInfo, register
 
 
 class ScoreCAM(Perturbation):
@@ -36,3 +37,16 @@ class ScoreCAM(Perturbation):
         weights = torch.zeros(acts.shape[:2], dtype=acts.dtype, device=acts.device)
         weights.scatter_(1, chosen, s.softmax(1).to(acts.dtype))
         return (weights[:, :, None, None] * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "scorecam",
+        ScoreCAM,
+        "layer",
+        gradients=False,
+        perturbation=True,
+        requires=(),
+        reference="Wang et al., Score-CAM, CVPR Workshops 2020",
+    )
+)

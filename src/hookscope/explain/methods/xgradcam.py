@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .._base import LayerMethod
+from .._registry import MethodInfo, register
 
 
 class XGradCAM(LayerMethod):
@@ -16,3 +17,16 @@ class XGradCAM(LayerMethod):
         assert grads is not None
         share = acts / (acts.sum((2, 3), keepdim=True) + 1e-7)
         return ((share * grads).sum((2, 3), keepdim=True) * acts).sum(1)
+
+
+register(
+    MethodInfo(
+        "xgradcam",
+        XGradCAM,
+        "layer",
+        gradients=True,
+        perturbation=False,
+        requires=(),
+        reference="Fu et al., Axiom-based Grad-CAM, BMVC 2020",
+    )
+)

@@ -1,0 +1,49 @@
+"""The registry of attribution methods: what each is and what it needs.
+
+It drives the contract tests (``tests/test_explain_contract.py``), the command line's
+``--method`` and the documentation. Every method registers itself where it is defined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["METHODS", "MethodInfo", "register"]
+
+
+@dataclass(frozen=True)
+class MethodInfo:
+    """One attribution method.
+
+    Attributes:
+        name: its registry key and ``Explanation.method`` (e.g. ``"gradcam"``).
+        cls: the class: ``cls(model, layer, **requires)`` for ``kind="layer"``,
+            ``cls(model, **requires)`` for ``"input"``, ``cls(**requires)`` for ``"wrapper"``.
+        kind: ``"layer"`` (maps at a layer's resolution, upsampled), ``"input"`` (maps of the
+            input's shape), or ``"wrapper"`` (built from other methods).
+        gradients: it runs a backward pass.
+        perturbation: it runs extra forwards (``cost()``, ``batch_size=``, ``top_k=``).
+        requires: constructor keywords that have no default (CAM's ``fc``).
+        reference: the paper it implements.
+    """
+
+    name: str
+    cls: type
+    kind: Literal["layer", "input", "wrapper"]
+    gradients: bool
+    perturbation: bool = False
+    requires: tuple[str, ...] = ()
+    reference: str = ""
+
+
+#: name -> :class:`MethodInfo`, filled as the method modules are imported
+METHODS: dict[str, MethodInfo] = {}
+
+
+def register(info: MethodInfo) -> MethodInfo:
+    """Add a method to :data:`METHODS` (its name must be new)."""
+    if info.name in METHODS and METHODS[info.name].cls is not info.cls:
+        raise ValueError(f"two attribution methods are called {info.name!r}")
+    METHODS[info.name] = info
+    return info
