@@ -181,7 +181,9 @@ def summary_(o: dict[str, Any]) -> None:
     "--method",
     default="gradcam",
     show_default=True,
-    type=click.Choice(sorted(n for n, m in METHODS.items() if m.kind == "layer" and not m.requires)),
+    type=click.Choice(
+        sorted(n for n, m in METHODS.items() if m.kind == "layer" and not m.requires)
+    ),
 )
 @click.option(
     "--target", "targets", type=int, multiple=True, help="Class per image (default: top)."
