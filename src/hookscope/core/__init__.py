@@ -7,7 +7,8 @@ Capabilities (``look``, ``diagnose``, ``explain``, ``extract``) import from here
 is re-exported flat from ``hookscope``.
 """
 
-from ._autograd import can_have_grad, recomputing, why_no_grad
+from ._autograd import can_have_grad, queue_after_backward, recomputing, why_no_grad
+from ._bind import Binder
 from ._capture import Capture, StopForward, capture
 from ._clip import ClipGrad, ClipReport, clip_grad
 from ._compile import run_eagerly
@@ -26,12 +27,13 @@ from ._editor import Editor, edit
 from ._features import FeatureExtractor, call_model, features
 from ._grad import GradHook, grad_of, on_grad
 from ._lifetime import HookSet, training_mode
-from ._naming import Layers, names, resolve, unwrap
+from ._naming import Layers, is_called, names, resolve, unwrap
 from ._records import Call, LayerRecord
 from ._session import ModuleCall, Session, private_forward
 from ._tree import describe, leaves, map_tensors
 
 __all__ = [
+    "Binder",
     "Call",
     "Capture",
     "ClipGrad",
@@ -57,6 +59,7 @@ __all__ = [
     "edit",
     "features",
     "grad_of",
+    "is_called",
     "leaves",
     "map_tensors",
     "mean_ablate",
@@ -64,6 +67,7 @@ __all__ = [
     "on_grad",
     "patch",
     "private_forward",
+    "queue_after_backward",
     "recomputing",
     "replace",
     "resolve",
