@@ -289,3 +289,181 @@ def test_tensorboard_histograms_can_be_turned_off(tmp_path: Path) -> None:
     }  # fmt: skip
     with pytest.raises(hs.UsageError, match="histograms must be"):
         TensorBoardSink(tmp_path, histograms="some")
+
+
+# -- the engine's policies, layouts, parametrizations, optimizers, scalars -----------------------
+
+
+def _activation(records: list[dict], layer: str, step: int = 0) -> dict:
+    return next(
+        r
+        for r in records
+        if r["layer"] == layer and r["kind"] == "activation" and r["step"] == step
+    )
+
+
+def test_compiled_model_that_already_ran() -> None:
+    net = _net()
+    compiled = torch.compile(net, backend="eager")
+    x = torch.randn(4, 3)
+    compiled(x)
+    with pytest.raises(hs.CompiledModelError):
+        hs.Monitor(compiled, every=1).__enter__()
+    with hs.Monitor(compiled, every=1, recompile=True) as mon:
+        compiled(x)
+        mon.step()
+    with torch.no_grad():
+        want = net[1](net[0](x))
+    assert _activation(mon.records(), "1")["norm"] == pytest.approx(float(want.norm()), rel=1e-6)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_checkpoint_recomputations_and_nonfinite_replays_are_not_forwards(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    net = _net()
+    x = torch.randn(4, 3, requires_grad=True)
+    with torch.no_grad():
+        want = float(net[1](net[0](x)).norm())
+    with hs.Monitor(net, every=1) as mon:
+        checkpoint(net, x, use_reentrant=reentrant).sum().backward()
+        mon.step()
+    assert _activation(mon.records(), "1")["norm"] == pytest.approx(want, rel=1e-6)  # not x sqrt2
+
+    class Div(nn.Module):
+        def forward(self, h: Tensor) -> Tensor:
+            return h / (h - h)
+
+    model = nn.Sequential(nn.Linear(3, 3), Div())
+    with hs.Monitor(model, layers="0", every=1) as mon:
+        with pytest.warns(RuntimeWarning), hs.nonfinite(model, mode="warn") as report:
+            model(x)  # nonfinite replays this forward twice to name the operator
+        mon.step()
+    with torch.no_grad():
+        want = float(model[0](x).norm())
+    assert report.findings and _activation(mon.records(), "0")["norm"] == pytest.approx(want)
+
+
+def test_dead_channels_of_conv1d_outputs() -> None:
+    """(N, C, L) maps: channels are dim 1, not the last dim as for (N, T, C) tokens."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6, 2))
+    with torch.no_grad():
+        net[0].bias[1] = -1e3  # channel 1 never fires
+    with hs.Monitor(net, every=1) as mon:
+        net(torch.randn(5, 2, 8))
+        mon.step()
+    records = mon.records()
+    assert _activation(records, "1")["dead"] == pytest.approx(1 / 4)  # the ReLU inherits dim 1
+    assert _activation(records, "0")["dead"] == pytest.approx(1 / 4)
+
+
+def test_parametrized_layers_are_watched_with_their_parameters() -> None:
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    net = nn.Sequential(weight_norm(nn.Linear(3, 4)), nn.ReLU(), nn.Linear(4, 1))
+    with hs.Monitor(net, every=1) as mon:
+        net(torch.randn(6, 3)).sum().backward()
+        mon.step()
+    param = next(r for r in mon.records() if r["layer"] == "0" and r["kind"] == "parameter")
+    leaves = [net[0].bias, *net[0].parametrizations.weight.parameters()]
+    want = torch.cat([p.detach().reshape(-1) for p in leaves]).norm()
+    grads = torch.cat([p.grad.reshape(-1) for p in leaves]).norm()
+    assert param["norm"] == pytest.approx(float(want), rel=1e-6)
+    assert param["grad_norm"] == pytest.approx(float(grads), rel=1e-6)
+
+
+@pytest.mark.mutates_model  # the optimizers train it
+def test_two_optimizers_followed_together_or_one_of_them() -> None:
+    net = _net()
+    first = torch.optim.SGD(net[0].parameters(), lr=0.1)
+    second = torch.optim.SGD(net[2].parameters(), lr=0.1)
+
+    def train(mon: hs.Monitor) -> None:
+        net(torch.randn(4, 3)).pow(2).sum().backward()
+        grads = {n: torch.cat([p.grad.reshape(-1) for p in net[n].parameters()]) for n in (0, 2)}
+        first.step()
+        second.step()
+        first.zero_grad()
+        second.zero_grad()
+        mon.step() if not mon.optimizers else None
+        train.norms = {str(n): 0.1 * float(g.norm()) for n, g in grads.items()}  # type: ignore[attr-defined]
+
+    with hs.Monitor(net, every=1, optimizer=[first, second]) as mon:
+        train(mon)
+    updates = {r["layer"]: r["update_norm"] for r in mon.records() if r["kind"] == "parameter"}
+    assert updates == pytest.approx(train.norms, rel=1e-5)  # type: ignore[attr-defined]
+    assert mon.count == 1  # one step: each optimizer stepped once
+    with hs.Monitor(net, every=1, optimizer=first) as mon:
+        train(mon)
+    updates = {r["layer"]: r["update_norm"] for r in mon.records() if r["kind"] == "parameter"}
+    assert updates["0"] == pytest.approx(train.norms["0"], rel=1e-5)  # type: ignore[attr-defined]
+    assert updates["2"] != updates["2"]  # NaN: the followed optimizer does not move it, not 0
+    with pytest.raises(hs.UsageError, match="optimizer must be"):
+        hs.Monitor(net, optimizer=[first, "adam"])  # type: ignore[list-item]
+
+
+def test_scalars_of_the_user_go_to_the_same_sinks(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    net = _net()
+    sinks = [tmp_path / "m.jsonl", tmp_path / "m.csv", ("tensorboard", tmp_path / "tb")]
+    losses = []
+    with hs.Monitor(net, every=2, sinks=sinks) as mon:
+        for step in range(3):
+            loss = net(torch.randn(4, 3)).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            mon.log(loss=loss, lr=0.01 * (step + 1))
+            mon.step()
+    scalars = [r for r in mon.records() if r["kind"] == "scalar"]
+    assert [(r["step"], r["layer"]) for r in scalars] == [
+        (0, "loss"),
+        (0, "lr"),
+        (2, "loss"),
+        (2, "lr"),
+    ]
+    assert [r["value"] for r in scalars if r["layer"] == "loss"] == pytest.approx(
+        [losses[0], losses[2]], rel=1e-6
+    )
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r for r in lines if r["kind"] == "scalar"] == json.loads(json.dumps(scalars))
+    with open(tmp_path / "m.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] == "scalar"]
+    assert [float(r["value"]) for r in rows] == pytest.approx([r["value"] for r in scalars])
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [s.step for s in events.Scalars("lr")] == [0, 2]
+
+
+def test_sinks_are_written_off_the_training_thread_and_errors_surface(tmp_path: Path) -> None:
+    import threading
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.threads: set[str] = set()
+            self.records: list[dict] = []
+
+        def write(self, record: dict) -> None:
+            self.threads.add(threading.current_thread().name)
+            self.records.append(record)
+
+        def flush(self) -> None: ...
+
+        def close(self) -> None: ...
+
+    net, sink = _net(), Recorder()
+    with hs.Monitor(net, every=1, sinks=[sink]) as mon:
+        net(torch.randn(4, 3))
+        mon.step()
+    assert sink.threads == {"hookscope-monitor"} and sink.records == mon.records()
+
+    class Broken(Recorder):
+        def write(self, record: dict) -> None:
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        with hs.Monitor(net, every=1, sinks=[Broken()]) as mon:
+            net(torch.randn(4, 3))
+            mon.step()

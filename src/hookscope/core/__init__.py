@@ -7,7 +7,7 @@ Capabilities (``look``, ``diagnose``, ``explain``, ``extract``) import from here
 is re-exported flat from ``hookscope``.
 """
 
-from ._autograd import can_have_grad, queue_after_backward, recomputing, why_no_grad
+from ._autograd import backward_id, can_have_grad, queue_after_backward, recomputing, why_no_grad
 from ._bind import Binder
 from ._capture import Capture, StopForward, capture
 from ._clip import ClipGrad, ClipReport, clip_grad
@@ -30,7 +30,9 @@ from ._lifetime import HookSet, training_mode
 from ._naming import Layers, is_called, names, resolve, unwrap
 from ._records import Call, LayerRecord
 from ._session import ModuleCall, Session, private_forward
+from ._torch import node_sequence_nr, sequence_nr
 from ._tree import describe, leaves, map_tensors
+from ._types import LayerSelector
 
 __all__ = [
     "Binder",
@@ -45,12 +47,14 @@ __all__ = [
     "GradHook",
     "HookSet",
     "LayerRecord",
+    "LayerSelector",
     "Layers",
     "ModuleCall",
     "Session",
     "StopForward",
     "ablate",
     "add",
+    "backward_id",
     "call_model",
     "can_have_grad",
     "capture",
@@ -64,6 +68,7 @@ __all__ = [
     "map_tensors",
     "mean_ablate",
     "names",
+    "node_sequence_nr",
     "on_grad",
     "patch",
     "private_forward",
@@ -73,6 +78,7 @@ __all__ = [
     "resolve",
     "run_eagerly",
     "scale",
+    "sequence_nr",
     "training_mode",
     "transform",
     "unwrap",

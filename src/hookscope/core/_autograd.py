@@ -85,8 +85,7 @@ def edge_of(t: Tensor) -> Edge:
 
 
 def _created_since(node: Any, start: int) -> bool:
-    seq: int = node._sequence_nr()
-    return start <= seq < _NEVER
+    return start <= _torch.node_sequence_nr(node) < _NEVER
 
 
 def stand_in(t: Tensor) -> Tensor:

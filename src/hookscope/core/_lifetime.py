@@ -9,7 +9,8 @@ exit path (never ``__del__``). hookscope registers only:
 * tensor hooks (``Tensor.register_hook``) on tensors crossing those modules' boundaries, and
   on the selected modules' parameters for gradient clipping;
 * post-hooks on autograd nodes created inside a selected module's call (the nodes that send
-  gradient to its inputs, see ``_autograd``).
+  gradient to its inputs, see ``_autograd``);
+* optimizer step hooks (``Monitor`` follows optimizer steps), through :meth:`HookSet.handle`.
 
 Tensor and node hooks are removed on close like module hooks, so a backward that runs after
 the session ended sees none of them. It never uses module backward hooks: the legacy
@@ -23,8 +24,8 @@ undone exactly by the last one to close, whatever the order):
 * ``copyreg.dispatch_table`` has an entry for each class of module hookscope has hooked, so
   that ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a hooked model work and the copy
   carries none of hookscope's hooks (the user's own hooks are copied as PyTorch always does);
-* ``torch._dynamo.config.skip_nnmodule_hook_guards`` is set to ``False`` while a session
-  with ``recompile=True`` is open (see ``_compile``).
+* the compiler stance is ``force_eager`` while a session with ``recompile=True`` is open on a
+  compiled model that already ran (see ``_compile``).
 
 Module hooks live in the module's hook dicts, which PyTorch shares between every thread that
 calls the module: a capture also records calls other threads make while it is open.
@@ -173,6 +174,11 @@ class HookSet:
     def node(self, node: Any, fn: Callable[[Any, Any], Any]) -> None:
         """Hook an autograd node: ``fn(grad_inputs, grad_outputs)`` after it runs."""
         self._keep(node.register_hook(fn))
+
+    def handle(self, handle: RemovableHandle) -> None:
+        """Keep a handle of a hook registered elsewhere (an optimizer's step hooks) to
+        remove it with the rest."""
+        self._handles.append(handle)
 
     def close(self) -> None:
         """Remove every hook, newest first. Safe to call more than once."""

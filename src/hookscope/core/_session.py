@@ -228,7 +228,7 @@ class Session:
 
     # -- passes ------------------------------------------------------------------------------------
     def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _torch.backward_id() != -1 or hidden(self):  # a replay, or a private forward
+        if self._in_backward() or hidden(self):  # a replay, or a private forward
             return
         if module is not self._layers.root:
             raise replica_error(module)
@@ -242,8 +242,13 @@ class Session:
             self._new_pass()
 
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _torch.backward_id() == -1 and not hidden(self):
+        if not self._in_backward() and not hidden(self):
             self._depth = max(0, self._depth - 1)
+
+    def _in_backward(self) -> bool:
+        """A forward running inside backward: a checkpoint's replay (a private forward run
+        from a backward callback is a forward of its own for the sessions it is for)."""
+        return _torch.backward_id() != -1 and not (_PRIVATE and self in _PRIVATE)
 
     # -- calls -------------------------------------------------------------------------------------
     def _check_hookable(self, names: Mapping[str, Any]) -> None:
@@ -276,12 +281,30 @@ class Session:
             hooks.forward_pre(module, functools.partial(self._call_pre, name), with_kwargs=True)
             hooks.forward(module, functools.partial(self._call_post, name), always_call=True)
 
+    def _track_outputs(self, hooks: HookSet, modules: Mapping[str, nn.Module]) -> None:
+        """Follow only the outputs of ``modules`` (one forward hook each, no call stack):
+        :meth:`_output` gets each returned output, replays and private forwards excluded."""
+        self._check_hookable({n: m for n, m in modules.items() if n})
+        for name, module in modules.items():
+            hooks.forward(module, functools.partial(self._output_hook, name))
+
+    def _output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """A module followed by :meth:`_track_outputs` returned; may return a new output."""
+        return None
+
+    def _output_hook(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if (_PRIVATE and self not in _PRIVATE) or self._in_backward():
+            return None
+        if name and module is not self._layers.modules.get(name):
+            raise replica_error(module)
+        return self._output(name, module, args, output)
+
     def _call_pre(
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         if _PRIVATE and self not in _PRIVATE:
             return None
-        replay = _torch.backward_id() != -1
+        replay = self._in_backward()
         if replay and not self._replays:
             return None
         if name and module is not self._layers.modules.get(name):
@@ -307,7 +330,7 @@ class Session:
     def _call_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if _PRIVATE and self not in _PRIVATE:
             return None
-        if _torch.backward_id() != -1 and not self._replays:
+        if not self._replays and self._in_backward():
             return None
         stack = self._stack
         while stack and stack[-1].module is not module:  # left open by a BaseException

@@ -33,6 +33,7 @@ __all__ = [
     "functorch_level",
     "missing",
     "need",
+    "node_sequence_nr",
     "queue_callback",
     "saved_tensor_hooks_active",
     "sequence_nr",
@@ -115,6 +116,14 @@ sequence_nr: Callable[[], int] = _find(
     "torch._C._autograd._get_sequence_nr", lambda: torch._C._autograd._get_sequence_nr
 )
 """The sequence number the next autograd node created on this thread will get."""
+
+
+
+def node_sequence_nr(node: Any) -> int:
+    """The sequence number of an autograd node (the order in which nodes were created)."""
+    seq: int = node._sequence_nr()
+    return seq
+
 
 _engine = _find(
     "torch.autograd.Variable._execution_engine.queue_callback",

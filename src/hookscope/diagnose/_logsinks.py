@@ -20,7 +20,7 @@ __all__ = ["CSV_FIELDS", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "mak
 #: The CSV header: every key a record can have (empty where a record has none).
 CSV_FIELDS = (
     "step", "layer", "kind", "norm", "mean", "std", "min", "max", "zeros", "nonfinite", "dead",
-    "grad_norm", "grad_nonfinite", "update_norm", "update_ratio",
+    "grad_norm", "grad_nonfinite", "update_norm", "update_ratio", "value",
 )  # fmt: skip
 
 
@@ -78,7 +78,8 @@ class CSVSink:
 
 
 class TensorBoardSink:
-    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step, and histograms: of each
+    """Scalars ``{layer}/{kind}/{statistic}`` at the optimizer step (values given to
+    ``Monitor.log`` under their own name), and histograms: of each
     layer's parameters and their gradients (``{layer}/parameter``,
     ``{layer}/parameter_gradient``; ``histograms=True``, the default), also of its activations
     and output gradients (``{layer}/activation``, ``{layer}/gradient``; ``histograms="all"``,
@@ -100,6 +101,9 @@ class TensorBoardSink:
             self._writer, self._own = writer_or_dir, False
 
     def write(self, record: dict[str, Any]) -> None:
+        if record["kind"] == "scalar":  # a value of the user's: its own name as the tag
+            self._writer.add_scalar(record["layer"], record["value"], global_step=record["step"])
+            return
         for key, value in record.items():
             if key not in ("step", "layer", "kind") and isinstance(value, (int, float)):
                 tag = f"{record['layer']}/{record['kind']}/{key}"

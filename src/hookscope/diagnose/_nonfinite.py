@@ -1,318 +1,372 @@
 """``hs.nonfinite``: the first NaN/Inf of a training step, named at module and operator level.
 
-Tier 1 runs on every step and costs little: each module call's inputs and outputs (and, in
-backward, the gradient arriving at each output) are reduced on the device to one number that
-is non-finite exactly when the tensor holds a NaN or an Inf (a float32 sum; a sum that merely
-overflows is a false alarm that tier 2 clears). The numbers are read with one host
-synchronisation at the end of each forward and one at the end of each backward.
+Tier 1 runs on every step and costs little. A session follows every module call; the floating
+tensors each call takes and returns are checked on the device, many per operator
+(``torch._foreach_norm`` with the infinity norm is NaN when a tensor holds a NaN, inf when it
+holds an Inf, finite otherwise: it cannot overflow), and read with one host synchronisation at
+the end of each forward. In backward, the gradients arriving at each call's outputs and, at the
+end, the parameters' gradients are checked the same way and read once.
 
-Tier 2 (``_replay``) runs only when tier 1 found something: it replays the step at operator
-level, on copies of the inputs taken when the forward began and with that forward's RNG state,
-to name the operator (forward) or the autograd node (backward) and the module call that ran it.
+A forward is reported when the model's output is non-finite. The call that made it is found by
+following the values back from the output (data flow; a NaN is followed to where a NaN first
+appeared, an Inf to where a non-finite value first appeared) to the first call that returned
+them from inputs without them. Non-finite values that never reach the output (a ``-inf``
+attention mask, a ``-inf`` padding a max-pool drops) are intended and not reported. Tier 2
+(``_replay``) replays the step at operator level to name the operator the same way.
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
+import math
 import warnings
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from ..core import HookSet, Layers, leaves, map_tensors, recomputing, unwrap
-from ..core._autograd import backward_id, queue_after_backward
-from ..core._naming import is_called
+from ..core import (
+    HookSet,
+    LayerSelector,
+    ModuleCall,
+    Session,
+    backward_id,
+    queue_after_backward,
+    unwrap,
+)
 from ..errors import NonFiniteError, UsageError
-from ._replay import Found, floats, replay_backward, replay_forward, stats
+from ._replay import (
+    FINITE,
+    INF,
+    INTENDED,
+    NAN,
+    copy_inputs,
+    floats,
+    holds,
+    plain,
+    replay_backward,
+    replay_forward,
+)
+from ._replay import stats as _stats
 
 __all__ = ["NonFiniteReport", "nonfinite"]
 
 INPUT, LOSS = "<input>", "<loss>"
 Mode = Literal["raise", "warn"]
+_BATCH = 16  # tensors checked per operator
+_BATCH_BYTES = 1 << 28  # or fewer, when they are large (they are kept alive until checked)
 
 
 @dataclass
 class NonFiniteReport:
-    """What a :func:`nonfinite` session found: one :class:`NonFiniteError` per problem (in
-    ``mode="warn"`` the run went on), and how many forwards and backwards it checked."""
+    """What a :func:`nonfinite` session found.
+
+    Attributes:
+        findings: one :class:`~hookscope.NonFiniteError` per problem (in ``mode="warn"`` the
+            run went on).
+        overflows: with ``scaler=``, the backward passes whose gradients overflowed, which the
+            ``GradScaler`` skips (expected, not raised).
+        forwards, backwards: how many forwards and backwards were checked.
+    """
 
     findings: list[NonFiniteError] = field(default_factory=list)
+    overflows: list[NonFiniteError] = field(default_factory=list)
     forwards: int = 0
     backwards: int = 0
 
     @property
     def ok(self) -> bool:
+        """No finding (overflows a GradScaler skips are not findings)."""
         return not self.findings
 
 
-def _summed(t: Tensor) -> Tensor:
-    t = t.detach()
-    if t.is_complex():
-        t = torch.view_as_real(t)
-    return t.sum(dtype=torch.float64 if t.dtype == torch.float64 else torch.float32).float()
+class _Checks:
+    """Tensors to check for NaN/Inf, many per operator; :meth:`read` gets every result with
+    one host transfer. A tensor seen again at the same version shares its slot."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, tuple[weakref.ref[Tensor], int, int]] = {}
+        self._pending: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
+        self._bytes: dict[tuple[torch.device, torch.dtype], int] = {}
+        self._norms: list[Tensor | None] = []
+
+    def __len__(self) -> int:
+        return len(self._norms)
+
+    def add(self, t: Tensor) -> int:
+        version = _version(t)
+        hit = self._slots.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == version:
+            return hit[2]
+        slot = len(self._norms)
+        self._norms.append(None)
+        self._slots[id(t)] = (weakref.ref(t), version, slot)
+        if t.is_nested or t.is_complex():
+            t = plain(t)
+        if t.numel():
+            group = (t.device, t.dtype)
+            pending = self._pending.setdefault(group, [])
+            pending.append((slot, t))
+            self._bytes[group] = self._bytes.get(group, 0) + t.nbytes
+            if len(pending) >= _BATCH or self._bytes[group] >= _BATCH_BYTES:
+                self._flush(group)
+        return slot
+
+    def _flush(self, group: tuple[torch.device, torch.dtype]) -> None:
+        pending = self._pending.pop(group, [])
+        self._bytes.pop(group, None)
+        if pending:
+            with torch.no_grad():
+                norms = torch._foreach_norm([t for _, t in pending], math.inf)
+            for (slot, _), norm in zip(pending, norms, strict=True):
+                self._norms[slot] = norm
+
+    def read(self) -> list[int]:
+        """FINITE, INF or NAN per slot (one host read per device)."""
+        for group in list(self._pending):
+            self._flush(group)
+        kinds = [FINITE] * len(self._norms)
+        by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
+        for slot, norm in enumerate(self._norms):
+            if norm is not None:
+                by_device.setdefault(norm.device, []).append((slot, norm))
+        for items in by_device.values():
+            values = torch.stack([n for _, n in items]).tolist()
+            for (slot, _), v in zip(items, values, strict=True):
+                kinds[slot] = NAN if math.isnan(v) else INF if math.isinf(v) else FINITE
+        return kinds
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return -1
 
 
 @dataclass
-class _Call:
+class _Rec:
+    """A finished call, as tier 1 saw it."""
+
     name: str
-    call: int
+    call: int  # 1-based
     allowed: bool
-    inp: Tensor | None = None  # device scalars, non-finite iff the tensors are
-    out: Tensor | None = None
+    parent: _Rec | None
+    inputs: list[int] = field(default_factory=list)  # slots
+    outputs: list[int] = field(default_factory=list)
 
 
 @dataclass
 class _Pass:
     """One forward: what tier 1 saw, and what tier 2 needs to replay it."""
 
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    module: nn.Module
+    inputs: Any  # copies (args, kwargs)
     rng: Any
-    inp: Tensor | None = None
-    calls: list[_Call] = field(default_factory=list)
-    out_grads: dict[int, Tensor] = field(default_factory=dict)  # output leaf index -> grad
-    loss: list[Tensor] = field(default_factory=list)  # device scalars of those grads
+    checks: _Checks = field(default_factory=_Checks)
+    recs: list[_Rec] = field(default_factory=list)
+    open: dict[int, _Rec] = field(default_factory=dict)  # id(ModuleCall) -> running record
+    out_grads: dict[int, Tensor] = field(default_factory=dict)  # output leaf -> its gradient
+    found: bool = False
 
 
-class _Tracer:
-    def __init__(self, model: nn.Module, allow: Any, mode: Mode, replay: bool) -> None:
+class _Tracer(Session):
+    def __init__(
+        self,
+        model: nn.Module,
+        allow: LayerSelector | None,
+        mode: Mode,
+        replay: bool,
+        scaler: Any,
+        recompile: bool,
+    ) -> None:
         if mode not in ("raise", "warn"):
             raise UsageError(f"mode must be 'raise' or 'warn', got {mode!r}")
-        self.model, self.root = model, unwrap(model)
-        self.names = {id(m): n for n, m in self.root.named_modules() if is_called(m)}
-        self.allow_inputs, self.allowed = _allowed(model, allow)
-        self.mode, self.replay = mode, replay
+        if scaler is not None and not hasattr(scaler, "scale"):
+            raise UsageError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        super().__init__(model, recompile=recompile)
+        self.root = unwrap(model)
+        self.allow_inputs, self.allowed = self._allowed(allow)
+        self.mode, self.replay, self.scaler = mode, replay, scaler
         self.report = NonFiniteReport()
-        self.hooks = HookSet()
-        self.stack: list[_Call] = []
-        self.counts: dict[int, int] = {}
         self.pass_: _Pass | None = None
-        self.pending: list[tuple[_Pass, _Call | None, Tensor]] = []  # backward flags
+        self.names = {id(m): n for n, m in self.every_module().items()}
+        # backward: (pass, call or None for the model's output, output leaf index, slot)
+        self.arrived: list[tuple[_Pass, _Rec | None, int, int]] = []
+        self.grads = _Checks()
         self.queued: set[int] = set()
-        self.quiet = False  # replaying: tier 1 looks away
-        self.sums = _Sums()
+
+    def _allowed(self, allow: Any) -> tuple[bool, set[str]]:
+        if allow is None:
+            return False, set()
+        items = list(allow) if isinstance(allow, (list, tuple)) else [allow]
+        inputs = INPUT in items
+        items = [a for a in items if a != INPUT]
+        return inputs, set(self.layers.select(items)) if items else set()
+
+    def _install(self, hooks: HookSet) -> None:
+        self._track(hooks, self.every_module())
 
     # -- tier 1: forward ----------------------------------------------------------------------
 
-    def open(self) -> NonFiniteReport:
-        try:
-            for module in self.root.modules():
-                if id(module) in self.names:
-                    self.hooks.forward_pre(module, self.pre, with_kwargs=True)
-                    self.hooks.forward(module, self.post)
-        except BaseException:
-            self.hooks.close()
-            raise
-        return self.report
-
-    def pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.quiet or recomputing():
-            return
-        if not self.stack:  # a forward starts (the model's, or a layer called on its own)
-            self._start(args, kwargs)
-        n = self.counts[id(module)] = self.counts.get(id(module), 0) + 1
-        call = _Call(self.names[id(module)], n, id(module) in self.allowed)
-        call.inp = self.sums((args, kwargs))
-        self.stack.append(call)
-
-    def post(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self.quiet or recomputing() or not self.stack or self.pass_ is None:
-            return
-        call = self.stack.pop()
-        call.out = self.sums(output)
-        self.pass_.calls.append(call)
-        self._watch_grads(output, call, root=module is self.root and not self.stack)
-        if not self.stack:
-            self._end_forward()
-
-    def _start(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.counts.clear()
-        self.stack.clear()
-        self.sums.clear()
-
-        def keep(_: Any, t: Tensor) -> Tensor:
-            return t.detach().clone().requires_grad_(t.requires_grad and t.is_leaf)
-
-        self.pass_ = _Pass(map_tensors(keep, args), map_tensors(keep, kwargs), _rng_state())
-        self.pass_.inp = self.sums((args, kwargs))
-        self.report.forwards += 1
-
-    def _end_forward(self) -> None:
+    def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if call.parent is None:  # a forward starts (the model's, or a layer called alone)
+            self.report.forwards += 1
+            self.pass_ = _Pass(call.module, copy_inputs(args, kwargs), _rng_state())
         p = self.pass_
-        assert p is not None
-        values = _read([p.inp, *(f for c in p.calls for f in (c.inp, c.out))])
-        bad_input, rest = values[0], values[1:]
-        if bad_input and not self.allow_inputs:
-            self._found("forward", INPUT, None, None, {"inputs": stats(floats((p.args, p.kwargs)))})
+        if p is None:
             return
-        culprit = _producer(p.calls, rest)
-        if culprit is not None:
-            found = self._replay_forward(p) if self.replay else None
-            op, module, call, st = found if found is not None else (None, None, 0, {})
-            self._found(
-                "forward",
-                module if module is not None else culprit.name,
-                call or culprit.call,
-                op,
-                st,
-            )
+        parent = p.open.get(id(call.parent)) if call.parent is not None else None
+        rec = _Rec(call.name, call.index + 1, call.name in self.allowed, parent)
+        rec.inputs = [p.checks.add(t) for t in floats((args, kwargs))]
+        p.open[id(call)] = rec
+
+    def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
+        p = self.pass_
+        rec = p.open.pop(id(call), None) if p is not None else None
+        if p is None or rec is None:
+            return
+        outputs = floats(output)
+        rec.outputs = [p.checks.add(t) for t in outputs]
+        p.recs.append(rec)
+        root = call.parent is None
+        for i, t in enumerate(outputs):
+            if t.requires_grad:
+                self.hooks.tensor(t, functools.partial(self._on_grad, p, None if root else rec, i))
+        if root:
+            self._end_forward(p)
+
+    def _raised(self, call: ModuleCall) -> None:
+        if self.pass_ is not None:
+            self.pass_.open.pop(id(call), None)
+
+    def _end_forward(self, p: _Pass) -> None:
+        kinds = p.checks.read()
+        root = p.recs[-1]
+        bad = [s for s in root.outputs if kinds[s] != FINITE]
+        if not bad:
+            return
+        want = NAN if any(kinds[s] == NAN for s in bad) else INF
+        origin = _origin(p.recs, kinds, next(s for s in bad if kinds[s] == want), want)
+        if origin is None:
+            if self.allow_inputs:
+                return
+            p.found = True
+            self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs))})
+            return
+        if origin.allowed:
+            return  # an intended non-finite value (allow=)
+        p.found = True
+        op: str | None = None
+        module, call, st = origin.name, origin.call, {}
+        if self.replay:
+            found, outside = replay_forward(p.module, self.names, self.allowed, p.inputs, p.rng)
+            if outside == INTENDED:
+                p.found = False
+                return
+            if found is not None:
+                op, module, call, st = found[0], found[1] or origin.name, found[2], found[3]
+            elif outside == INPUT and not self.allow_inputs:
+                self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs))})
+                return
+            elif outside is not None and outside != "<unknown>":
+                st = {"source": f"the values come from {outside}, which holds NaN/Inf"}
+        self._found("forward", module, call, op, st)
 
     # -- tier 1: backward ---------------------------------------------------------------------
 
-    def _watch_grads(self, output: Any, call: _Call, *, root: bool) -> None:
-        p = self.pass_
-        assert p is not None
-        for i, (_, t) in enumerate(leaves(output)):
-            if t.requires_grad and (t.is_floating_point() or t.is_complex()):
-                self.hooks.tensor(t, self._grad_hook(p, None if root else call, i))
-
-    def _grad_hook(self, p: _Pass, call: _Call | None, index: int) -> Any:
-        def on_grad(grad: Tensor) -> None:
-            if self.quiet:
-                return
-            if call is None:  # the model's own output: what came in from the loss
-                p.out_grads[index] = grad
-            self.pending.append((p, call, _summed(grad)))
-            task = backward_id()
-            if task not in self.queued:
-                self.queued.add(task)
-                queue_after_backward(lambda: self._end_backward(task))
-
-        return on_grad
+    def _on_grad(self, p: _Pass, rec: _Rec | None, index: int, grad: Tensor) -> None:
+        if rec is None:  # the model's own output: what came in from the loss
+            p.out_grads[index] = grad
+        self.arrived.append((p, rec, index, self.grads.add(grad)))
+        task = backward_id()
+        if task not in self.queued:
+            self.queued.add(task)
+            queue_after_backward(functools.partial(self._end_backward, task))
 
     def _end_backward(self, task: int) -> None:
         self.queued.discard(task)
-        pending, self.pending = self.pending, []
-        if not pending:
+        arrived, self.arrived = self.arrived, []
+        checks, self.grads = self.grads, _Checks()
+        params = [(n, p.grad) for n, p in self.root.named_parameters() if p.grad is not None]
+        slots = [checks.add(g) for _, g in params if g.is_floating_point() or g.is_complex()]
+        if not arrived:
             return
         self.report.backwards += 1
-        bad = _read([flag for _, _, flag in pending])
-        from_loss = [i for i, (_, call, _) in enumerate(pending) if call is None and bad[i]]
-        if from_loss:
-            p = pending[from_loss[0]][0]
+        kinds = checks.read()
+        p = arrived[0][0]
+        if p.found:
+            return  # a consequence of the forward's finding
+        loss = [i for i, (_, rec, _, s) in enumerate(arrived) if rec is None and kinds[s]]
+        if loss:
             grads = [g for g in p.out_grads.values()]
-            self._found("backward", LOSS, None, None, {"gradient": stats(grads)})
-        elif any(bad):
-            first = next(i for i, b in enumerate(bad) if b)
-            p, call, _ = pending[first]
-            found = self._replay_backward(p) if self.replay else None
-            op, module, n, st = found if found is not None else (None, None, 0, {})
-            receiver = call.name if call is not None else ""
-            self._found(
-                "backward",
-                module if module is not None else receiver,
-                n or (call.call if call else None),
-                op,
-                st,
-            )
+            self._backward("backward", LOSS, None, None, {"gradient": _stats(grads)})
+        elif any(kinds[s] for *_, s in arrived) or any(kinds[s] for s in slots):
+            first = next((a for a in arrived if kinds[a[3]]), None)
+            receiver = first[1] if first is not None else None
+            name, n = (receiver.name, receiver.call) if receiver is not None else ("", None)
+            op: str | None = None
+            st: dict[str, Any] = {}
+            if self.replay and self.scaler is None and p.out_grads:
+                found = replay_backward(p.module, self.names, p.inputs, p.rng, p.out_grads)
+                if found is not None:
+                    op, name, n, st = found[0], found[1] or name, found[2], found[3]
+            if first is None:
+                bad = [pn for (pn, _), s in zip(params, slots, strict=False) if kinds[s]]
+                st = {**st, "parameters": bad[:10]}
+            self._backward("backward", name, n, op, st)
 
-    # -- tier 2 -------------------------------------------------------------------------------
+    def _backward(
+        self, phase: str, module: str, call: int | None, op: str | None, st: dict[str, Any]
+    ) -> None:
+        if self.scaler is not None:  # GradScaler skips steps whose gradients overflow
+            self.report.overflows.append(self._error(phase, module, call, op, st))
+            return
+        self._found(phase, module, call, op, st)
 
-    def _replay_forward(self, p: _Pass) -> Found | None:
-        self.quiet = True
-        try:
-            return replay_forward(self.root, self.names, self.allowed, (p.args, p.kwargs), p.rng)
-        finally:
-            self.quiet = False
+    # -- findings -------------------------------------------------------------------------------
 
-    def _replay_backward(self, p: _Pass) -> Found | None:
-        if not p.out_grads:
-            return None
-        self.quiet = True
-        try:
-            inputs = (p.args, p.kwargs)
-            return replay_backward(self.root, self.names, self.allowed, inputs, p.rng, p.out_grads)
-        finally:
-            self.quiet = False
-
-    # -- findings -----------------------------------------------------------------------------
+    def _error(
+        self, phase: str, module: str, call: int | None, op: str | None, st: dict[str, Any]
+    ) -> NonFiniteError:
+        message = _message(phase, module, call, op, st, self.root)
+        return NonFiniteError(message, phase=phase, module=module, call=call, op=op, stats=st)
 
     def _found(
         self, phase: str, module: str, call: int | None, op: str | None, st: dict[str, Any]
     ) -> None:
-        error = NonFiniteError(
-            _message(phase, module, call, op, st, self.root),
-            phase=phase,
-            module=module,
-            call=call,
-            op=op,
-            stats=st,
-        )
+        error = self._error(phase, module, call, op, st)
         self.report.findings.append(error)
         if self.mode == "raise":
             raise error
         warnings.warn(str(error), RuntimeWarning, stacklevel=3)
 
-    def close(self) -> None:
-        self.hooks.close()
-        self.pass_, self.pending = None, []
+    def _closed(self) -> None:
+        self.pass_, self.arrived = None, []
 
 
-class _Sums:
-    """Each tensor's sum, computed once per forward: a layer's input is mostly the output of
-    the layer before. Keyed by identity and version, so an in-place change is summed again."""
-
-    def __init__(self) -> None:
-        self._done: dict[tuple[int, int], tuple[weakref.ref[Tensor], Tensor]] = {}
-
-    def clear(self) -> None:
-        self._done.clear()
-
-    def __call__(self, obj: Any) -> Tensor | None:
-        sums = [self._one(t) for t in floats(obj)]
-        if not sums:
-            return None
-        device = sums[0].device
-        return torch.stack([s.to(device) for s in sums]).sum() if len(sums) > 1 else sums[0]
-
-    def _one(self, t: Tensor) -> Tensor:
-        if t.is_inference():  # no version counter to tell an in-place change by
-            return _summed(t)
-        key = (id(t), t._version)
-        hit = self._done.get(key)
-        if hit is not None and hit[0]() is t:
-            return hit[1]
-        s = _summed(t)
-        self._done[key] = (weakref.ref(t), s)
-        return s
-
-
-def _read(flags: list[Tensor | None]) -> list[bool]:
-    """Whether each flag is non-finite: one host transfer for all of them."""
-    present = [f for f in flags if f is not None]
-    if not present:
-        return [False] * len(flags)
-    device = present[0].device
-    values = iter((~torch.isfinite(torch.stack([f.to(device) for f in present]))).tolist())
-    return [bool(next(values)) if f is not None else False for f in flags]
-
-
-def _producer(calls: list[_Call], bad: list[bool]) -> _Call | None:
-    """The first call (in completion order) whose output went non-finite from finite inputs;
-    else the first non-allowed call with a non-finite output."""
-    first = None
-    for i, call in enumerate(calls):
-        bad_in, bad_out = bad[2 * i], bad[2 * i + 1]
-        if bad_out and not call.allowed:
-            if not bad_in:
-                return call
-            first = first or call
-    return first
-
-
-def _allowed(model: nn.Module, allow: Any) -> tuple[bool, set[int]]:
-    if allow is None:
-        return False, set()
-    items = list(allow) if isinstance(allow, (list, tuple)) else [allow]
-    inputs = INPUT in items
-    items = [a for a in items if a != INPUT]
-    if not items:
-        return inputs, set()
-    return inputs, {id(m) for m in Layers(model).select(items).values()}
+def _origin(recs: list[_Rec], kinds: list[int], start: int, want: int) -> _Rec | None:
+    """The call whose own work made the value at ``start`` hold ``want`` (NAN, or INF for any
+    non-finite value), found by following the data back; None if it came from the inputs."""
+    maker: dict[int, _Rec] = {}
+    for rec in recs:  # in completion order: inner calls first, so the innermost maker wins
+        for s in rec.outputs:
+            maker.setdefault(s, rec)
+    root = recs[-1]
+    slot, consumer = start, root
+    for _ in range(len(recs) + 1):
+        made = maker.get(slot)
+        if made is None:  # not returned by any call: the inputs, or the code of a caller
+            return None if slot in root.inputs else consumer.parent or consumer
+        bad = [s for s in made.inputs if holds(kinds[s], want)]
+        if not bad:
+            return made
+        slot, consumer = bad[0], made
+    return consumer
 
 
 def _rng_state() -> tuple[Tensor, list[Tensor]]:
@@ -321,6 +375,8 @@ def _rng_state() -> tuple[Tensor, list[Tensor]]:
 
 
 def _fmt(st: dict[str, Any]) -> str:
+    if not isinstance(st, dict) or "numel" not in st:
+        return str(st)
     counts = f"{st['nan']} NaN, {st['posinf']} +Inf, {st['neginf']} -Inf of {st['numel']}"
     if st["min"] is None:
         return counts + " values, none finite"
@@ -346,12 +402,24 @@ def _message(
         if op:
             head += f", in the backward of {op}" if phase == "backward" else f", operator {op}"
     parts = [f"{k}: {_fmt(v)}" for k, v in st.items()]
-    return f"NaN/Inf in the {phase}: {head}." + ("\n  " + "\n  ".join(parts) if parts else "")
+    text = f"NaN/Inf in the {phase}: {head}." + ("\n  " + "\n  ".join(parts) if parts else "")
+    if phase == "backward" and module != LOSS:
+        text += (
+            "\n  (Training with torch.amp.GradScaler? Overflowing gradients are expected there "
+            "and the scaler skips those steps: pass scaler= to record them instead.)"
+        )
+    return text
 
 
-@contextlib.contextmanager
+@contextmanager
 def nonfinite(
-    model: nn.Module, *, allow: Any = None, mode: Mode = "raise", replay: bool = True
+    model: nn.Module,
+    *,
+    allow: LayerSelector | None = None,
+    mode: Mode = "raise",
+    replay: bool = True,
+    scaler: Any = None,
+    recompile: bool = False,
 ) -> Iterator[NonFiniteReport]:
     """Watch a training step for NaN/Inf and name where the first one came from.
 
@@ -361,15 +429,25 @@ def nonfinite(
             loss = criterion(model(x), y)
             loss.backward()
 
+    A forward is reported when the model's output holds a NaN or an Inf; the producer is the
+    first operation on the data's path to that output that made such a value from inputs
+    without one (intended infinities that do not reach the output, such as attention masks,
+    are not reported). A backward is reported when a gradient reaching a layer's output or a
+    parameter is non-finite.
+
     Args:
         model: the model (wrappers are seen through).
-        allow: layers whose non-finite outputs are intended (any layer selector, e.g. a module
-            that builds a ``-inf`` attention mask); include ``"<input>"`` to accept non-finite
-            values in the model's inputs.
+        allow: layers whose non-finite outputs are intended even when they reach the output
+            (any layer selector); include ``"<input>"`` to accept non-finite inputs.
         mode: ``"raise"`` (default) raises :class:`~hookscope.NonFiniteError` from the forward
             or backward that produced the value; ``"warn"`` warns, records it in the report
             and goes on.
         replay: run tier 2 (replay at operator level) to name the operator.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: gradients that
+            overflow are then expected (the scaler skips those steps) and are recorded in
+            ``report.overflows`` instead of raised. Forward problems are still raised.
+        recompile: hook a ``torch.compile``d model that already ran (its compiled code then
+            runs eagerly while the session is open); otherwise CompiledModelError.
 
     Yields:
         The :class:`NonFiniteReport`, filled as the session runs.
@@ -386,9 +464,6 @@ def nonfinite(
         >>> report.ok, report.forwards, report.backwards
         (True, 1, 1)
     """
-    tracer = _Tracer(model, allow, mode, replay)
-    report = tracer.open()
-    try:
-        yield report
-    finally:
-        tracer.close()
+    tracer = _Tracer(model, allow, mode, replay, scaler, recompile)
+    with tracer:
+        yield tracer.report

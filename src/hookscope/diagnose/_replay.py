@@ -1,11 +1,20 @@
 """Tier 2 of ``hs.nonfinite``: replay a step at operator level to name the producer.
 
 The step is replayed on the copies of its inputs taken when the forward began, with that
-forward's RNG state (the caller's RNG and the model's buffers are restored after). Forward: a
-dispatch mode checks every operator, and the producer is the first whose output is
-non-finite although its inputs were not (or that made a NaN from inputs without one), judged
-on the inputs as they were before it ran (in-place operators). Backward: the replayed graph
-is differentiated into a private gradient (``.grad`` is not touched) with the gradient that
+forward's RNG state, as a private forward (no other session sees it) on clones of the model's
+buffers (the real ones are neither changed nor bumped in version, so a backward of the user's
+own graph still works). ``.grad`` is never touched.
+
+Forward: a dispatch mode records, for every operator, which values it read and wrote (a value
+is a storage at a version, so in-place operators and views are followed) and whether each held
+a NaN or an Inf. The producer is found by following the data back from the non-finite output:
+the first operator on that path whose output holds the kind of non-finite value traced (a NaN,
+else an Inf) although none of its inputs did. Non-finite values that never reach the output
+(a ``-inf`` padding that a max-pool discards, memory filled with NaN by
+``torch.use_deterministic_algorithms`` before an operator writes it) are not on that path. A
+second replay stops at that operator to measure its inputs and outputs.
+
+Backward: the replayed graph is differentiated into a private gradient with the gradient that
 reached the model's outputs, and post-hooks on its nodes find the first node that sent a
 non-finite gradient while receiving a finite one; autograd sequence numbers recorded around
 each module call name the call that created the node.
@@ -14,31 +23,62 @@ each module call name the call that created the node.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core import HookSet, leaves
+from ..core import (
+    ModuleCall,
+    Session,
+    leaves,
+    map_tensors,
+    node_sequence_nr,
+    private_forward,
+    sequence_nr,
+)
 
-__all__ = ["Found", "floats", "replay_backward", "replay_forward", "stats"]
+__all__ = [
+    "INTENDED",
+    "Found",
+    "floats",
+    "holds",
+    "plain",
+    "producer",
+    "replay_backward",
+    "replay_forward",
+    "stats",
+]
 
-#: (operator, module name, call, statistics) of a producer
+#: (operator, module name, call (1-based), statistics) of a producer
 Found = tuple[str | None, str | None, int, dict[str, Any]]
+
+FINITE, INF, NAN = 0, 1, 2
+_aten = torch.ops.aten
 
 
 class _Stop(BaseException):
-    """Ends a replay at the producer (a BaseException: model code cannot catch it)."""
+    """Ends a replay early (a BaseException: model code cannot catch it)."""
+
+
+def plain(t: Tensor) -> Tensor:
+    """The values of ``t`` as an ordinary tensor (a nested tensor's packed values; complex
+    numbers as pairs of reals)."""
+    t = t.detach()
+    if t.is_nested:
+        t = t.values()
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def stats(tensors: list[Tensor]) -> dict[str, Any]:
     """Counts of NaN / +Inf / -Inf and min, max, mean of the finite values (exact, on host)."""
     flat = (
-        torch.cat([t.detach().reshape(-1).double().cpu() for t in tensors])
+        torch.cat([plain(t).reshape(-1).double().cpu() for t in tensors])
         if tensors
         else torch.zeros(0, dtype=torch.float64)
     )
@@ -58,113 +98,74 @@ def floats(obj: Any) -> list[Tensor]:
     return [t for _, t in leaves(obj) if t.is_floating_point() or t.is_complex()]
 
 
-def _nonfinite_kind(tensors: list[Tensor]) -> tuple[bool, bool]:
-    """(has NaN, has any non-finite), exactly."""
-    nan = any(bool(t.isnan().any()) for t in tensors)
-    return nan, nan or any(not bool(torch.isfinite(t).all()) for t in tensors)
+def kind(t: Tensor) -> int:
+    """FINITE, INF (non-finite values but no NaN) or NAN, exactly."""
+    v = plain(t)
+    if v.numel() == 0:
+        return FINITE
+    if bool(v.isnan().any()):
+        return NAN
+    return FINITE if bool(torch.isfinite(v).all()) else INF
 
 
-def _produces(before: tuple[bool, bool], after: tuple[bool, bool]) -> bool:
-    """Non-finite out of finite in, or a NaN out of inputs without one (``_nonfinite_kind``
-    of the inputs before the operation and of its outputs after)."""
-    (in_nan, in_bad), (out_nan, out_bad) = before, after
-    return out_bad and (not in_bad or (out_nan and not in_nan))
-
-
-def _op_of(node_name: str) -> str:
-    base = re.sub(r"Backward\d*$", "", node_name)
-    return "aten." + re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
-
-
-def replay_forward(
-    root: nn.Module, names: dict[int, str], allowed: set[int], inputs: Any, rng: Any
-) -> Found | None:
-    """The first operator of the forward that produced a non-finite value, and its call."""
-    args, kwargs = inputs
-    tracker = _Tracker(root, names, allowed)
-    mode = _OpCheck(tracker)
-    with _replaying(root, rng), tracker, contextlib.suppress(_Stop), mode:
-        root(*args, **kwargs)
-    return mode.found
-
-
-def replay_backward(
-    root: nn.Module,
-    names: dict[int, str],
-    allowed: set[int],
-    inputs: Any,
-    rng: Any,
-    out_grads: dict[int, Tensor],
-) -> Found | None:
-    """The first backward node that sent a non-finite gradient, and the call that made it."""
-    args, kwargs = inputs
-    tracker = _Tracker(root, names, allowed, seq=True)
-    with _replaying(root, rng), tracker, torch.enable_grad():
-        output = root(*args, **kwargs)
-        pairs = [(t, out_grads[i]) for i, (_, t) in enumerate(leaves(output)) if i in out_grads]
-        outs = [t for t, _ in pairs]
-        found = tracker.watch_nodes(outs)
-        wrt = [x for x in (*root.parameters(), *floats(inputs)) if x.requires_grad]
-        with contextlib.suppress(_Stop):
-            torch.autograd.grad(outs, wrt, [g for _, g in pairs], allow_unused=True)
-    return found[0] if found else None
-
-
-@contextlib.contextmanager
-def _replaying(root: nn.Module, rng: Any) -> Iterator[None]:
-    buffers = [(b, b.detach().clone()) for b in root.buffers()]
-    devices = [torch.device("cuda", i) for i in range(len(rng[1]))] if rng[1] else []
+def _key(t: Tensor) -> tuple[int, int] | None:
+    """A value: the tensor's storage at its current version (views share both)."""
     try:
-        with torch.random.fork_rng(devices=devices):
-            torch.random.set_rng_state(rng[0])
-            if rng[1]:
-                torch.cuda.set_rng_state_all(rng[1])
-            yield
-    finally:
-        with torch.no_grad():
-            for b, saved in buffers:
-                b.copy_(saved)
+        return t.untyped_storage().data_ptr(), t._version
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
-class _Tracker:
-    """Module calls during a replay: the stack (forward) or sequence-number ranges (backward)."""
+# -- the replay ---------------------------------------------------------------------------------
 
-    def __init__(
-        self, root: nn.Module, names: dict[int, str], allowed: set[int], *, seq: bool = False
-    ) -> None:
-        self.root, self.names, self.allowed, self.seq = root, names, allowed, seq
-        self.stack: list[tuple[str, int, bool]] = []
-        self.counts: dict[int, int] = {}
-        self.ranges: list[tuple[int, int, str, int]] = []  # start, end, name, call
-        self.hooks = HookSet()
 
-    def __enter__(self) -> _Tracker:
-        for module in self.root.modules():
-            if id(module) in self.names:
-                self.hooks.forward_pre(module, self._pre)
-                self.hooks.forward(module, self._post, always_call=True)
-        return self
+class _Tracker(Session):
+    """Module calls during a replay: the innermost running call (forward) and, with ``seq``,
+    the autograd sequence numbers each call spanned (backward)."""
 
-    def __exit__(self, *exc: object) -> None:
-        self.hooks.close()
+    def __init__(self, module: nn.Module, names: dict[int, str], *, seq: bool = False) -> None:
+        super().__init__(module, recompile=True)
+        self.names, self.seq = names, seq
+        self.ranges: list[list[Any]] = []  # [start, end, name, call]
+        self.output: Any = None
+        self.allowed: set[str] = set()
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
-        n = self.counts[id(module)] = self.counts.get(id(module), 0) + 1
-        self.stack.append((self.names[id(module)], n, id(module) in self.allowed))
+    def _install(self, hooks: Any) -> None:
+        self._track(hooks, self.every_module())
+
+    def _name(self, call: ModuleCall) -> str:
+        return self.names.get(id(call.module), call.name)
+
+    def _started(self, call: ModuleCall, args: Any, kwargs: Any) -> None:
         if self.seq:
-            self.ranges.append((_get_sequence_nr(), -1, *self.stack[-1][:2]))
+            self.ranges.append([sequence_nr(), -1, self._name(call), call.index + 1])
 
-    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        name, n, _ = self.stack.pop()
-        if self.seq:
-            for i in range(len(self.ranges) - 1, -1, -1):
-                start, end, rname, rn = self.ranges[i]
-                if end == -1 and (rname, rn) == (name, n):
-                    self.ranges[i] = (start, _get_sequence_nr(), rname, rn)
-                    break
+    def _returned(self, call: ModuleCall, args: Any, output: Any) -> None:
+        self._end(call)
+        if call.parent is None:
+            self.output = output
 
-    def where(self) -> tuple[str | None, int, bool]:
-        return self.stack[-1] if self.stack else (None, 0, False)
+    def _raised(self, call: ModuleCall) -> None:
+        self._end(call)
+
+    def _end(self, call: ModuleCall) -> None:
+        if not self.seq:
+            return
+        name = self._name(call)
+        for r in reversed(self.ranges):
+            if r[1] == -1 and (r[2], r[3]) == (name, call.index + 1):
+                r[1] = sequence_nr()
+                break
+
+    def where(self) -> tuple[str | None, int]:
+        if not self._stack:
+            return None, 0
+        call = self._stack[-1]
+        return self._name(call), call.index + 1
+
+    def in_allowed(self) -> bool:
+        """Whether an allowed layer's call is running (its infinities are intended)."""
+        return bool(self.allowed) and any(self._name(c) in self.allowed for c in self._stack)
 
     def owner(self, seq: int) -> tuple[str | None, int]:
         inside = [r for r in self.ranges if r[0] <= seq < r[1]]
@@ -173,60 +174,285 @@ class _Tracker:
         best = min(inside, key=lambda r: r[1] - r[0])
         return best[2], best[3]
 
-    def watch_nodes(self, outs: list[Tensor]) -> list[Any]:
-        """Post-hooks on every node of the replayed graph; the first producer lands in the
-        returned list and ends the backward."""
-        found: list[Any] = []
-        start = min((r[0] for r in self.ranges), default=0)
-        seen: set[Any] = set()
-        todo: list[Any] = [t.grad_fn for t in outs if t.grad_fn is not None]
-        while todo:
-            node = todo.pop()
-            if node in seen or node is None:
-                continue
-            seen.add(node)
-            if node._sequence_nr() >= start:
-                self.hooks.node(node, self._node_hook(node, found))
-            todo.extend(n for n, _ in node.next_functions)
-        return found
 
-    def _node_hook(self, node: Any, found: list[Any]) -> Any:
-        def check(grad_inputs: Any, grad_outputs: Any) -> None:
-            ins = [g for g in grad_outputs if isinstance(g, Tensor)]
-            outs = [g for g in grad_inputs if isinstance(g, Tensor)]
-            if not found and _produces(_nonfinite_kind(ins), _nonfinite_kind(outs)):
-                module, call = self.owner(node._sequence_nr())
-                op = _op_of(node.name())
-                found.append(
-                    (op, module, call, {"gradient in": stats(ins), "gradient out": stats(outs)})
-                )
-                raise _Stop
-
-        return check
+@contextlib.contextmanager
+def _replaying(module: nn.Module, rng: Any, tracker: _Tracker) -> Iterator[None]:
+    """The RNG as it was when the forward began (the caller's restored after), clones of every
+    buffer in place of the real ones, and a private forward seen only by ``tracker``."""
+    swapped = [
+        (m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None
+    ]
+    devices = [torch.device("cuda", i) for i in range(len(rng[1]))] if rng[1] else []
+    try:
+        for m, name, b in swapped:
+            m._buffers[name] = b.detach().clone()
+        with torch.random.fork_rng(devices=devices):
+            torch.random.set_rng_state(rng[0])
+            if rng[1]:
+                torch.cuda.set_rng_state_all(rng[1])
+            with tracker, private_forward(tracker):
+                yield
+    finally:
+        for m, name, b in swapped:
+            m._buffers[name] = b
 
 
-class _OpCheck(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    def __init__(self, tracker: _Tracker) -> None:
+def _call(module: nn.Module, inputs: Any) -> Any:
+    args, kwargs = inputs
+    return module(*args, **kwargs)
+
+
+@dataclass
+class _Op:
+    name: str
+    module: str | None
+    call: int
+    inputs: list[tuple[tuple[int, int] | None, int]]  # (value, kind) read, before the op ran
+    index: int
+    deliberate: bool  # given an infinity as a constant, or run by an allowed layer
+
+
+@dataclass
+class _Flow:
+    """What the dispatch mode saw: the operator that wrote each value, and what it was."""
+
+    writer: dict[tuple[int, int], tuple[_Op, int]] = field(default_factory=dict)
+    external: dict[tuple[int, int], str] = field(default_factory=dict)
+    count: int = 0
+
+
+class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    def __init__(self, tracker: _Tracker, flow: _Flow, stop_at: int | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self.tracker = tracker
-        self.found: Found | None = None
+        self.tracker, self.flow, self.stop_at = tracker, flow, stop_at
+        self.measured: dict[str, Any] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        name, call, allowed = self.tracker.where()
-        if allowed or func.overloadpacket is torch.ops.aten._local_scalar_dense:
+        if func.is_view or func.overloadpacket is _aten._local_scalar_dense:
             return func(*args, **kwargs)
         ins = floats((args, kwargs))
-        before = _nonfinite_kind(ins)  # before the op: an in-place op changes its input
-        in_stats = stats(ins) if func._schema.is_mutable else None
-        out = func(*args, **kwargs)
-        outs = floats(out)
-        if outs and _produces(before, _nonfinite_kind(outs)):
-            op = f"aten.{func.overloadpacket.__name__}"
-            st = {"inputs": in_stats or stats(ins), "outputs": stats(outs)}
-            self.found = (op, name, call, st)
+        index = self.flow.count
+        self.flow.count += 1
+        if index == self.stop_at:
+            before = stats(ins)
+            out = func(*args, **kwargs)
+            self.measured = {"inputs": before, "outputs": stats(floats(out))}
             raise _Stop
+        read = [(_key(t), kind(t)) for t in ins]
+        out = func(*args, **kwargs)
+        name, call = self.tracker.where()
+        deliberate = self.tracker.in_allowed() or _infinite_constant((args, kwargs))
+        op = _Op(f"aten.{func.overloadpacket.__name__}", name, call, read, index, deliberate)
+        # Written in place: the version counter is bumped only once the operator has
+        # returned through the dispatcher, after this mode (ADInplaceOrView), hence + 1.
+        mutated = _written(func, args, kwargs) if func._schema.is_mutable else []
+        fresh = [t for t in floats(out) if not any(t is m for m in mutated)]
+        reads = {k for k, _ in read}
+        for t, bump in [*((t, 0) for t in fresh), *((t, 1) for t in mutated)]:
+            k = _key(t)
+            if k is not None and (bump or k not in reads):  # an alias of an input (an
+                self.flow.writer[k[0], k[1] + bump] = (op, kind(t))  # _unsafe_view) writes nothing
         return out
 
 
-# -- helpers ----------------------------------------------------------------------------------
+def _infinite_constant(args: Any) -> bool:
+    """Whether an operator's arguments include an infinity as a plain number."""
+    stack = [args]
+    while stack:
+        a = stack.pop()
+        if isinstance(a, float) and math.isinf(a):
+            return True
+        if isinstance(a, (tuple, list)):
+            stack.extend(a)
+        elif isinstance(a, dict):
+            stack.extend(a.values())
+    return False
+
+
+def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
+    """The tensors an operator writes in place (``Tensor(a!)`` in its schema)."""
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        info = arg.alias_info
+        if info is None or not info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        out += floats(value)
+    return out
+
+
+def _source(flow: _Flow, start: tuple[int, int], want: int) -> tuple[_Op | None, str | None]:
+    """Follow the values back from ``start`` (holding ``want``: NAN, or INF for any non-finite
+    value) to the first operator on their path that made them from inputs without; or the
+    outside value (``"<input>"``, a parameter's name) they came from."""
+    seen: set[tuple[int, int]] = set()
+    todo = [start]
+    while todo:
+        value = todo.pop()
+        if value in seen:
+            continue
+        seen.add(value)
+        found = flow.writer.get(value)
+        if found is None:
+            return None, flow.external.get(value, "<unknown>")
+        op, _ = found
+        bad = [k for k, kd in op.inputs if k is not None and holds(kd, want)]
+        if not bad:
+            return op, None
+        todo.extend(reversed(bad))
+    return None, None
+
+
+def holds(found: int, want: int) -> bool:
+    """Whether a value of kind ``found`` holds what is traced: a NaN, or (INF) any non-finite."""
+    return found == NAN if want == NAN else found != FINITE
+
+
+#: what ``replay_forward`` returns when the non-finite values are intended
+INTENDED = "<intended>"
+
+
+def producer(flow: _Flow, start: tuple[int, int], want: int) -> tuple[_Op | None, str | None]:
+    """The operator to blame for the non-finite value at ``start``, or the outside source, or
+    :data:`INTENDED`.
+
+    A NaN is blamed on the operator where it first appeared, unless the infinities it was
+    made from were not put there on purpose (then their source is blamed: a division by
+    zero, an overflow). Infinities are on purpose when an operator was given them as a
+    constant (``masked_fill(mask, -inf)``, ``torch.full(..., -inf)``, a ``-inf`` padding) or an
+    allowed layer made them, or when they came in with the inputs (masks); NaN in the inputs
+    is the inputs' fault.
+    """
+    if want == INF:
+        op, outside = _source(flow, start, INF)
+        if (op is not None and op.deliberate) or outside == "<input>":
+            return None, INTENDED
+        return op, outside
+    op, outside = _source(flow, start, NAN)
+    if op is None:
+        return None, outside
+    for value, kd in op.inputs:
+        if value is None or kd != INF:
+            continue
+        source, where = _source(flow, value, INF)
+        if source is not None and not source.deliberate:
+            return source, None
+        if source is None and where not in (None, "<input>", "<unknown>"):
+            return None, where  # a parameter or buffer holding an infinity
+    return op, None
+
+
+def replay_forward(
+    module: nn.Module, names: dict[int, str], allowed: set[str], inputs: Any, rng: Any
+) -> tuple[Found | None, str | None]:
+    """``(found, outside)``: the operator to blame for the non-finite output (see
+    :func:`producer`; ``(None, None)`` if the output is finite in the replay), or, if the
+    values came from outside the model's operators, ``(None, "<input>")`` or
+    ``(None, "<layer>.<parameter>")``, or ``(None, INTENDED)``."""
+    flow = _Flow()
+    tracker = _Tracker(module, names)
+    tracker.allowed = allowed
+    with _replaying(module, rng, tracker):
+        _register_outside(flow, module, names, inputs)
+        with _Record(tracker, flow):
+            _call(module, inputs)
+    bad = [(kind(t), t) for t in floats(tracker.output)]
+    bad = [(k, t) for k, t in bad if k != FINITE]
+    if not bad:
+        return None, None
+    want, tensor = max(bad, key=lambda kt: kt[0])  # a NaN first
+    start = _key(tensor)
+    op, outside = producer(flow, start, want) if start is not None else (None, None)
+    if op is None:
+        return None, outside
+    measure = _Record(_Tracker(module, names), _Flow(), stop_at=op.index)
+    with _replaying(module, rng, measure.tracker), contextlib.suppress(_Stop), measure:
+        _call(module, inputs)
+    return (op.name, op.module, op.call, measure.measured or {}), None
+
+
+def _register_outside(flow: _Flow, module: nn.Module, names: dict[int, str], inputs: Any) -> None:
+    for t in floats(inputs):
+        if (k := _key(t)) is not None:
+            flow.external[k] = "<input>"
+    for prefix, m in module.named_modules():
+        owner = names.get(id(m), prefix)
+        for pname, p in [*m._parameters.items(), *m._buffers.items()]:
+            if isinstance(p, Tensor) and (k := _key(p)) is not None:
+                flow.external.setdefault(k, f"{owner}.{pname}" if owner else pname)
+
+
+# -- backward -------------------------------------------------------------------------------
+
+
+def replay_backward(
+    module: nn.Module,
+    names: dict[int, str],
+    inputs: Any,
+    rng: Any,
+    out_grads: dict[int, Tensor],
+) -> Found | None:
+    """The first backward node that sent a non-finite gradient, and the call that made it."""
+    tracker = _Tracker(module, names, seq=True)
+    found: list[Found] = []
+    with _replaying(module, rng, tracker), torch.enable_grad():
+        output = _call(module, inputs)
+        pairs = [(t, out_grads[i]) for i, (_, t) in enumerate(leaves(output)) if i in out_grads]
+        outs = [t for t, _ in pairs if t.requires_grad]
+        if not outs:
+            return None
+        _watch_nodes(tracker, outs, found)
+        wrt = [x for x in (*module.parameters(), *floats(inputs)) if x.requires_grad]
+        with contextlib.suppress(_Stop):
+            torch.autograd.grad(
+                outs, wrt, [g for t, g in pairs if t.requires_grad], allow_unused=True
+            )
+    return found[0] if found else None
+
+
+def _watch_nodes(tracker: _Tracker, outs: list[Tensor], found: list[Found]) -> None:
+    """Post-hooks on every node of the replayed graph; the first producer lands in ``found``
+    and ends the backward."""
+    start = min((r[0] for r in tracker.ranges), default=0)
+    seen: set[Any] = set()
+    todo: list[Any] = [t.grad_fn for t in outs if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node in seen or node is None:
+            continue
+        seen.add(node)
+        if node_sequence_nr(node) >= start:
+            tracker.hooks.node(node, _node_hook(tracker, node, found))
+        todo.extend(n for n, _ in node.next_functions)
+
+
+def _node_hook(tracker: _Tracker, node: Any, found: list[Found]) -> Any:
+    def check(grad_inputs: Any, grad_outputs: Any) -> None:
+        ins = [g for g in grad_outputs if isinstance(g, Tensor)]
+        outs = [g for g in grad_inputs if isinstance(g, Tensor)]
+        if found:
+            return
+        before = max((kind(g) for g in ins), default=FINITE)
+        after = max((kind(g) for g in outs), default=FINITE)
+        if after > FINITE and (before == FINITE or (after == NAN and before != NAN)):
+            name, call = tracker.owner(node_sequence_nr(node))
+            st = {"gradient in": stats(ins), "gradient out": stats(outs)}
+            found.append((_op_of(node.name()), name, call, st))
+            raise _Stop
+
+    return check
+
+
+def _op_of(node_name: str) -> str:
+    base = re.sub(r"Backward\d*$", "", node_name)
+    return "aten." + re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
+
+
+def copy_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """Copies of a call's inputs, taken when the forward begins (for the replays)."""
+
+    def keep(_: Any, t: Tensor) -> Tensor:
+        return t.detach().clone().requires_grad_(t.requires_grad and t.is_leaf)
+
+    return map_tensors(keep, args), map_tensors(keep, kwargs)

@@ -1,0 +1,188 @@
+"""A :class:`~hookscope.Monitor` logging step's end: parameter statistics for every watched
+layer at once (``torch._foreach_norm``), every value gathered on the device, combined across
+ranks under ``torch.distributed``, read with one host transfer and turned into records."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from . import _stats
+from ._stats import SUM, Moments, merged, summary
+
+if TYPE_CHECKING:
+    from ._monitoring import Monitor
+
+__all__ = ["flush"]
+
+MEAN = 4  # parameter statistics, the same on every rank up to rounding: averaged
+_ZERO64: dict[torch.device, Tensor] = {}  # makes the gathered vector float64 (exact counts)
+
+
+class _Gather:
+    """Device values to read in one transfer, with how each combines across ranks."""
+
+    def __init__(self) -> None:
+        self.tensors: list[Tensor] = []
+        self.codes: list[int] = []
+        self.size = 0
+
+    def add(self, t: Tensor, code: int) -> slice:
+        n = t.numel()
+        self.tensors.append(t.reshape(-1))
+        self.codes += [code] * n
+        self.size += n
+        return slice(self.size - n, self.size)
+
+    def moments(self, m: Moments) -> list[slice]:
+        return [self.add(t, code) for t, code in m.parts()]
+
+    def read(self, ranks: str, world: int) -> list[float]:
+        if not self.tensors:
+            return []
+        device = self.tensors[0].device
+        if device not in _ZERO64:
+            _ZERO64[device] = torch.zeros(1, dtype=torch.float64, device=device)
+        values = torch.cat([_ZERO64[device], *(t.to(device) for t in self.tensors)])[1:]
+        if ranks == "reduce" and world > 1:
+            codes = torch.tensor(self.codes, dtype=torch.float64).to(device)
+            values = _reduce(values, codes, world)
+        return list(values.tolist())
+
+
+def _reduce(values: Tensor, codes: Tensor, world: int) -> Tensor:
+    averaged = codes == MEAN
+    combined = _stats.reduce(values, torch.where(averaged, float(SUM), codes), world)
+    return torch.where(averaged, combined / world, combined)
+
+
+def flush(mon: Monitor) -> tuple[list[dict[str, Any]], list[Any]]:
+    """``(records, histograms)`` of the logging step that ends now."""
+    from ._monitoring import _rank, _world
+
+    gather = _Gather()
+    entries: list[tuple[str, str, int | slice, list[slice], bool]] = []
+    ranks = mon.ranks == "reduce" and _world() > 1
+    for name in mon.layers_watched:
+        for kind in ("activation", "gradient"):
+            found = mon._moments.get((name, kind))
+            if found:
+                m = merged(found)
+                numel: int | slice = m.numel
+                if ranks:  # every rank's count of values, added up with the rest
+                    numel = gather.add(torch.full((), m.numel, device=m.total.device), SUM)
+                entries.append((name, kind, numel, gather.moments(m), m.high.dim() > 0))
+    params = _parameters(mon, gather)
+    hists = _histograms(mon, gather) if mon.histograms else []
+    scalars = {
+        k: gather.add(v.detach().float(), MEAN) if isinstance(v, Tensor) else float(v)
+        for k, v in mon._scalars.items()
+    }
+    host = gather.read(mon.ranks, _world())
+    step, rank = mon.count, (_rank() if mon.ranks == "each" and _world() > 1 else None)
+    records: list[dict[str, Any]] = []
+    for name, kind, count, slices, alive in entries:
+        values = [host[s][0] for s in slices[:5]] + host[slices[5]]
+        numel = int(host[count][0]) if isinstance(count, slice) else count
+        records.append({"step": step, "layer": name, "kind": kind, **summary(numel, values, alive)})
+    records += [{"step": step, "layer": n, "kind": "parameter", **p(host)} for n, p in params]
+    for key, value in scalars.items():
+        v = host[value][0] if isinstance(value, slice) else value
+        records.append({"step": step, "layer": key, "kind": "scalar", "value": v})
+    if rank is not None:
+        for r in records:
+            r["rank"] = rank
+    histograms = [(f"{n}/{k}", step, h(host)) for n, k, h in hists]
+    return records, [(tag, s, *made) for tag, s, made in histograms if made[0]["num"]]
+
+
+def _parameters(mon: Monitor, gather: _Gather) -> list[tuple[str, Any]]:
+    """Per layer, a function of the values read giving its parameter record."""
+    layers = [(n, ps) for n, ps in mon._params.items() if ps]
+    flat = [p for _, ps in layers for p in ps]
+    if not flat:
+        return []
+    with torch.no_grad():
+        norms = torch._foreach_norm([p.detach() for p in flat])
+        grads = [p.grad for p in flat if p.grad is not None]
+        gnorms = torch._foreach_norm(grads) if grads else []
+        # NaN and Inf times 0 are NaN, everything else 0: the count of non-zeros is theirs
+        gbad = torch._foreach_norm(torch._foreach_mul(grads, 0.0), 0) if grads else []
+        moved = [p for p in flat if id(p) in mon._before]
+        unorms: Sequence[Tensor] = []
+        if moved:
+            before = [mon._before[id(p)] for p in moved]
+            unorms = torch._foreach_norm(torch._foreach_sub([p.detach() for p in moved], before))
+    at = {id(p): gather.add(n, MEAN) for p, n in zip(flat, norms, strict=True)}
+    with_grad = [p for p in flat if p.grad is not None]
+    g_at = {id(p): gather.add(n, MEAN) for p, n in zip(with_grad, gnorms, strict=True)}
+    b_at = {id(p): gather.add(n, MEAN) for p, n in zip(with_grad, gbad, strict=True)}
+    u_at = {id(p): gather.add(n, MEAN) for p, n in zip(moved, unorms, strict=True)}
+
+    def record(ps: Sequence[Tensor]) -> Any:
+        def make(host: list[float]) -> dict[str, float]:
+            norm = _root_sum_squares(host, [at[id(p)] for p in ps])
+            grad = [g_at[id(p)] for p in ps if id(p) in g_at]
+            update = [u_at[id(p)] for p in ps if id(p) in u_at]
+            u = _root_sum_squares(host, update) if update else math.nan
+            return {
+                "norm": norm,
+                "grad_norm": _root_sum_squares(host, grad) if grad else math.nan,
+                "grad_nonfinite": sum(host[b_at[id(p)]][0] for p in ps if id(p) in b_at)
+                if grad
+                else math.nan,
+                "update_norm": u,
+                "update_ratio": u / norm if norm and update else math.nan,
+            }
+
+        return make
+
+    return [(name, record(ps)) for name, ps in layers]
+
+
+def _root_sum_squares(host: list[float], slices: list[slice]) -> float:
+    return math.sqrt(sum(host[s][0] ** 2 for s in slices))
+
+
+def _histograms(mon: Monitor, gather: _Gather) -> list[tuple[str, str, Any]]:
+    """Per (layer, kind), a function of the values read giving (statistics, bucket counts)."""
+    out: list[tuple[str, str, Any]] = []
+    for name in mon.layers_watched:
+        ps = mon._params[name]
+        parts: dict[str, list[Tensor]] = {"parameter": [p.detach() for p in ps]}
+        parts["parameter_gradient"] = [p.grad for p in ps if p.grad is not None]
+        for kind in ("activation", "gradient"):
+            if (name, kind) in mon._hist:
+                found = mon._moments.get((name, kind))
+                if found:
+                    made = _histogram_entry(
+                        name, kind, merged(found), mon._hist[name, kind], gather
+                    )
+                    out.append(made)
+        for kind, tensors in parts.items():
+            if tensors:
+                moments = merged([m for t in tensors if (m := Moments.of(t)) is not None])
+                counts = [_stats.histogram(tensors)]
+                out.append(_histogram_entry(name, kind, moments, counts, gather))
+    return out
+
+
+def _histogram_entry(
+    name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather
+) -> tuple[str, str, Any]:
+    slices = gather.moments(Moments(m.numel, m.total, m.norm, m.nonzero, m.nonzero_finite,
+                                    m.low, m.high.amax() if m.high.dim() else m.high))  # fmt: skip
+    total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
+    counted = gather.add(total, SUM)
+
+    def make(host: list[float]) -> tuple[dict[str, float], list[float]]:
+        total_, norm, nonzero, nonzero_finite, low, high = (host[s][0] for s in slices)
+        num = m.numel - (nonzero - nonzero_finite)
+        stats = {"num": num, "sum": total_, "sum_squares": norm * norm, "min": low, "max": high}
+        return stats, host[counted]
+
+    return name, kind, make

@@ -1,0 +1,172 @@
+"""The statistics :class:`~hookscope.Monitor` computes on the device, and how they combine.
+
+A tensor's :class:`Moments` take a few reductions and nothing else: non-finite values are
+replaced by 0 once (``nan_to_num``) for the sum and the norm, and counted as the difference of
+two ``count_nonzero`` (they are non-zero before the replacement and zero after); the minimum
+and maximum skip them through their own replacement by ``+inf`` / ``-inf``. The maximum is
+taken per channel when dead units are wanted. Everything is read on the host once per logging
+step and combined there (:func:`summary`), so micro-batches, layers and kinds cost no extra
+device work; under ``torch.distributed`` the values are combined across ranks first
+(:func:`reduce`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["EDGES", "MAX", "MIN", "ROOT_SUM_SQUARES", "SUM", "Moments", "histogram", "reduce"]
+
+#: how each value combines across ranks
+SUM, MIN, MAX, ROOT_SUM_SQUARES = 0, 1, 2, 3
+
+
+@dataclass
+class Moments:
+    """One tensor's statistics, as device tensors (``max`` per channel when asked for)."""
+
+    numel: int
+    total: Tensor  # sum of the finite values
+    norm: Tensor  # L2 norm of the finite values
+    nonzero: Tensor  # count of non-zero values (non-finite ones included)
+    nonzero_finite: Tensor  # count of non-zero finite values
+    low: Tensor  # minimum of the finite values (+inf if none)
+    high: Tensor  # maximum of the finite values, per channel if asked (-inf if none)
+
+    @staticmethod
+    def of(t: Tensor, channels: int | None = None) -> Moments | None:
+        """The moments of ``t`` (a plain tensor); ``channels``: the dim whose entries are
+        channels, for a per-channel maximum. None for an empty tensor."""
+        x = t.detach()
+        if x.is_nested:
+            x = x.values()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        if x.numel() == 0:
+            return None
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        others = None
+        if channels is not None and x.dim() > 1:
+            others = tuple(d for d in range(x.dim()) if d != channels % x.dim())
+        return Moments(
+            numel=x.numel(),
+            total=x0.sum(dtype=acc),
+            norm=torch.linalg.vector_norm(x0, dtype=acc),
+            nonzero=torch.count_nonzero(x),
+            nonzero_finite=torch.count_nonzero(x0),
+            low=torch.nan_to_num(x, nan=math.inf, neginf=math.inf).amin(),
+            high=torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf).amax(dim=others or ()),
+        )
+
+    def parts(self) -> list[tuple[Tensor, int]]:
+        """``(values, how they combine)`` in a fixed order (the per-channel maximum last)."""
+        return [
+            (self.total, SUM),
+            (self.norm, ROOT_SUM_SQUARES),
+            (self.nonzero, SUM),
+            (self.nonzero_finite, SUM),
+            (self.low, MIN),
+            (self.high, MAX),
+        ]
+
+
+def merged(moments: list[Moments]) -> Moments:
+    """Several forwards' moments of one layer as one (device work only when there are
+    several: one operation per part)."""
+    if len(moments) == 1:
+        return moments[0]
+    one = moments[0]
+    high = torch.stack([m.high for m in moments]) if one.high.dim() else None
+    return Moments(
+        numel=sum(m.numel for m in moments),
+        total=torch.stack([m.total for m in moments]).sum(0),
+        norm=torch.linalg.vector_norm(torch.stack([m.norm for m in moments])),
+        nonzero=torch.stack([m.nonzero for m in moments]).sum(0),
+        nonzero_finite=torch.stack([m.nonzero_finite for m in moments]).sum(0),
+        low=torch.stack([m.low for m in moments]).amin(0),
+        high=high.amax(0) if high is not None else torch.stack([m.high for m in moments]).amax(),
+    )
+
+
+def summary(numel: int, values: list[float], alive: bool) -> dict[str, float]:
+    """The record of one tensor's (or one layer's) moments read back: ``values`` as in
+    :meth:`Moments.parts`, the per-channel maxima last when ``alive``."""
+    total, norm, nonzero, nonzero_finite, low = values[:5]
+    high_values = values[5:]
+    nonfinite = nonzero - nonzero_finite
+    count = numel - nonfinite
+    mean = total / count if count else math.nan
+    sumsq = norm * norm
+    var = (sumsq - count * mean * mean) / (count - 1) if count > 1 else math.nan
+    high = max(high_values) if high_values else -math.inf
+    record = {
+        "norm": norm,
+        "mean": mean,
+        "std": math.sqrt(max(var, 0.0)) if count > 1 else math.nan,
+        "min": low if count else math.nan,
+        "max": high if count else math.nan,
+        "zeros": (numel - nonzero) / numel if numel else math.nan,
+        "nonfinite": int(nonfinite),
+    }
+    if alive:
+        record["dead"] = sum(1 for h in high_values if not h > 0) / len(high_values)
+    return record
+
+
+def reduce(values: Tensor, ops: Tensor, world: int) -> Tensor:
+    """Every rank's ``values`` combined element by element as ``ops`` says: three
+    all-reduces of the whole buffer."""
+    dist = torch.distributed
+    squares = ops == ROOT_SUM_SQUARES
+    summed = torch.where(squares, values * values, torch.where(ops == SUM, values, 0.0))
+    low = torch.where(ops == MIN, values, math.inf)
+    high = torch.where(ops == MAX, values, -math.inf)
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    out = torch.where(squares, summed.sqrt(), summed)
+    return torch.where(ops == MIN, low, torch.where(ops == MAX, high, out))
+
+
+# -- histograms --------------------------------------------------------------------------------
+
+
+def _edges() -> Tensor:
+    """TensorBoard's bucket edges: ±1e-12 growing by 10 % to ±1e20, and 0."""
+    positive = [1e-12]
+    while positive[-1] < 1e20:
+        positive.append(positive[-1] * 1.1)
+    return torch.tensor([-v for v in reversed(positive)] + [0.0] + positive, dtype=torch.float64)
+
+
+EDGES = _edges()
+_EDGES_ON: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+
+
+def _edges_on(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """:data:`EDGES` on ``device``, copied there once (a copy from host memory synchronises)."""
+    key = (device, dtype)
+    if key not in _EDGES_ON:
+        _EDGES_ON[key] = EDGES.to(device, dtype)
+    return _EDGES_ON[key]
+
+
+def histogram(tensors: list[Tensor]) -> Tensor:
+    """Counts of the finite values of ``tensors`` in the buckets ``(EDGES[i-1], EDGES[i]]``
+    (the last one open above), on their device with no synchronisation; NaN and Inf are not
+    counted (the statistics count them)."""
+    first = tensors[0]
+    counts = torch.zeros(len(EDGES) + 1, dtype=torch.float64, device=first.device)
+    for t in tensors:
+        x = t.detach()
+        if x.is_complex():
+            x = torch.view_as_real(x)
+        x = x.reshape(-1)
+        edges = _edges_on(x.device, torch.float64 if x.dtype == torch.float64 else torch.float32)
+        finite = torch.isfinite(x).to(torch.float64)
+        counts.index_add_(0, torch.bucketize(x.to(edges.dtype), edges), finite)
+    return counts
