@@ -162,3 +162,49 @@ def test_clip_grad_report_describes_the_latest_backward_and_names_nan() -> None:
     assert sorted(report.nonfinite) == ["0.bias", "0.weight"]
     assert math.isnan(report.total_norm)
     assert hs.clip_grad(value=1.0).report() == hs.ClipReport(0.0, 0.0, math.inf, 2.0)
+
+
+# -- overflow, parametrized layers, float64 -------------------------------------------------------
+
+
+@pytest.mark.mutates_model  # gradients are set on purpose
+def test_a_total_norm_that_overflows_is_caught_as_torch_does() -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    for p in net.parameters():
+        p.grad = torch.full_like(p, 1e30)  # finite gradients, squares overflow float32
+    with pytest.raises(RuntimeError, match="non-finite"):
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0, error_if_nonfinite=True)
+    before = [p.grad.clone() for p in net.parameters()]
+    with pytest.raises(hs.NonFiniteError, match=r"overflows torch\.float32") as info:
+        hs.clip_grad_norm(net, 1.0, error_if_nonfinite=True)
+    assert info.value.module in ("0", "1")
+    assert all(torch.equal(a, p.grad) for a, p in zip(before, net.parameters(), strict=True))
+
+
+@pytest.mark.mutates_model
+def test_per_layer_keeps_a_parametrized_layer_whole() -> None:
+    from torch.nn.utils.parametrizations import weight_norm
+
+    torch.manual_seed(0)
+    net = nn.Sequential(weight_norm(nn.Linear(4, 4)), nn.Linear(4, 2))
+    net(torch.randn(3, 4)).pow(2).sum().backward()
+    norms = {
+        layer: float(torch.cat([p.grad.reshape(-1) for p in net[int(layer)].parameters()]).norm())
+        for layer in ("0", "1")
+    }
+    report = hs.clip_grad_norm(net, 1e-3, per_layer=True)
+    assert report.layers == pytest.approx(norms, rel=1e-6)  # "0" once, not "0" and "0.param..."
+    for layer in ("0", "1"):
+        after = torch.cat([p.grad.reshape(-1) for p in net[int(layer)].parameters()]).norm()
+        assert float(after) == pytest.approx(1e-3, rel=1e-3)
+
+
+@pytest.mark.mutates_model
+def test_float64_gradients_get_a_float64_norm() -> None:
+    net = nn.Linear(3, 1).double()
+    net.weight.grad = torch.tensor([[1.0, 1e-9, 1.0]], dtype=torch.float64)
+    net.bias.grad = torch.tensor([1e-9], dtype=torch.float64)
+    want = torch.nn.utils.get_total_norm([net.weight.grad, net.bias.grad])
+    report = hs.clip_grad_norm(net, 10.0)
+    assert report.total_norm == float(want)  # exactly: no float32 rounding on the way
+    assert report.total_norm != float(want.float())

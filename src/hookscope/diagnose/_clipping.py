@@ -9,7 +9,9 @@ computed on the device and read with one host transfer.
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -40,23 +42,37 @@ def _named(target: Any) -> list[tuple[str, str, nn.Parameter | Tensor]]:
             continue
         seen.add(id(p))
         # a model's layers are the modules owning the parameters ("" for the root's own)
-        layer = (
-            (name.rsplit(".", 1)[0] if "." in name else "")
-            if isinstance(target, nn.Module)
-            else name
-        )
+        layer = _layer_of(name) if isinstance(target, nn.Module) else name
         out.append((layer, name, p))
     return out
 
 
+_PARAMETRIZED = re.compile(r"\.?parametrizations\.[^.]+\.original\d*$")
+
+
+def _layer_of(name: str) -> str:
+    """The layer owning a parameter: ``"0"`` for ``"0.weight"`` and for a parametrized
+    ``"0.parametrizations.weight.original0"`` (``weight_norm``); ``""`` for the root's own."""
+    name = _PARAMETRIZED.sub(".p", name)
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
 def _norms(grads: list[Tensor], norm_type: float) -> Tensor:
-    """Each gradient's norm, as float32 on the first gradient's device."""
+    """Each gradient's norm in its own dtype (``torch._foreach_norm``, one operator per device
+    and dtype, as ``clip_grad_norm_``), promoted to the widest and gathered on the first
+    gradient's device."""
     device = grads[0].device
-    if math.isinf(norm_type):
-        return torch.stack([g.detach().abs().max().float().to(device) for g in grads])
-    return torch.stack(
-        [torch.linalg.vector_norm(g.detach(), norm_type).float().to(device) for g in grads]
-    )
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    norms: list[Tensor | None] = [None] * len(grads)
+    with torch.no_grad():
+        for idx in groups.values():
+            found = torch._foreach_norm([grads[i].detach() for i in idx], norm_type)
+            for i, n in zip(idx, found, strict=True):
+                norms[i] = n
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    return torch.stack([n.to(device, dtype) for n in norms if n is not None])
 
 
 def _total(norms: Tensor, norm_type: float) -> Tensor:
@@ -128,10 +144,12 @@ def clip_grad_norm(
         coef = (max_norm / (layer_norms + 1e-6)).clamp(max=1.0)
     else:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(len(layers))
-    finite = torch.stack([torch.isfinite(g).all().to(norms.device) for g in grads])
+    # the largest magnitude is finite exactly when the gradient is (it cannot overflow)
+    peaks = norms if math.isinf(norm_type) else _norms(grads, math.inf)
+    finite = torch.isfinite(peaks)
     after = layer_norms * coef  # a norm scales with its gradients
     values = torch.cat(
-        [total[None], layer_norms, coef, finite.float(), _total(after, norm_type)[None]]
+        [total[None], layer_norms, coef, finite.to(norms.dtype), _total(after, norm_type)[None]]
     )
     host = values.tolist()  # the one host transfer
     k = len(layers)
@@ -145,6 +163,17 @@ def clip_grad_norm(
             phase="backward",
             module=bad[0],
             stats={"parameters": bad},
+        )
+    if error_if_nonfinite and not math.isfinite(total_v):
+        top = max(range(len(layers)), key=lambda i: layer_v[i])
+        raise NonFiniteError(
+            f"the total gradient norm is {total_v} although every gradient is finite: the "
+            f"{norm_type:g}-norm overflows {norms.dtype} (largest layer norm {layer_v[top]:.4g}, "
+            f"in {layers[top]!r}). Nothing was clipped; torch's clip_grad_norm_ raises here "
+            "too. Scale the loss down, or clip by value first (torch.nn.utils.clip_grad_value_).",
+            phase="backward",
+            module=layers[top],
+            stats={"total_norm": total_v},
         )
     for i, idx in enumerate(groups.values()):
         for j in idx:
