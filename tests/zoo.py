@@ -46,6 +46,9 @@ class ZooEntry:
         shared_outputs: layers returning a tensor they also used themselves to compute
             another returned tensor (``return h, fc(h)``): d loss / d h from downstream
             differs from h's total gradient.
+        aliased: layer -> groups of argument names given the same tensor (``mix(h, h)``):
+            the gradient through the layer w.r.t. that tensor is reported under each name
+            (the sum of the per-argument gradients), since the layer must see one tensor.
     """
 
     name: str
@@ -60,6 +63,7 @@ class ZooEntry:
     mutates: bool = False
     float_grads: bool = True
     shared_outputs: tuple[str, ...] = ()
+    aliased: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
 
 
 ZOO: dict[str, ZooEntry] = {}
@@ -442,6 +446,18 @@ def _map_marked(fn: Callable[[Any], Any], obj: Any) -> Any:
             obj, **{f.name: _map_marked(fn, getattr(obj, f.name)) for f in dataclasses.fields(obj)}
         )
     return obj
+
+
+def with_aliases(grads: dict[Any, Any], groups: tuple[tuple[str, ...], ...]) -> dict[Any, Any]:
+    """Per-argument reference gradients as hookscope reports arguments that are one tensor:
+    each name of a group gets the group's sum."""
+    out = dict(grads)
+    for group in groups:
+        keys = [k for k in grads if k and k[0] in group and grads[k] is not None]
+        if keys:
+            total = sum(grads[k] for k in keys)
+            out.update(dict.fromkeys(keys, total))
+    return out
 
 
 def reference_input_grads(
@@ -1205,7 +1221,7 @@ class SameTwice(nn.Module):
         return self.mix(h, h)  # the same tensor as both inputs
 
 
-@register("same_tensor_twice", layers=("pre", "mix", "mix.la"))
+@register("same_tensor_twice", layers=("pre", "mix", "mix.la"), aliased={"mix": (("a", "b"),)})
 def _same_tensor_twice() -> Example:
     _seed()
     return SameTwice(), (torch.randn(2, 4),), {}

@@ -104,53 +104,54 @@ class Boundary:
     __slots__ = ("_inputs", "inputs", "start")
 
     def __init__(self, inputs: Any) -> None:
-        #: the inputs to pass on: a tensor given twice (``layer(x, x)``) gets a stand-in for
-        #: its second use, so that each argument's gradient can be told apart
+        #: the inputs, passed on unchanged: a tensor given as several arguments
+        #: (``attention(x, x, x)``) stays one tensor, since layers test ``query is key``; the
+        #: gradient through the layer w.r.t. it is then reported under each of its names
         self.inputs = inputs
-        self._inputs: dict[Edge, Path] = {}
+        self._inputs: dict[Edge, list[Path]] = {}
         for path, t in _tree.leaves(inputs):
-            if not t.requires_grad:
-                continue
-            e = edge_of(t)
-            if e in self._inputs:
-                s = stand_in(t)
-                self.inputs = _tree.replace_at(self.inputs, path, s)
-                e = edge_of(s)
-            self._inputs[e] = path
+            if t.requires_grad:
+                self._inputs.setdefault(edge_of(t), []).append(path)
         self.start = _torch.sequence_nr()  # nodes made from here on belong to the call
 
     def finish(
-        self, output: Any, *, inputs: bool = True
+        self, output: Any, *, inputs: bool = True, separate: bool = False
     ) -> tuple[Any, list[tuple[Path, Tensor]], Consumers]:
         """Return ``(output, hook_on, consumers)``: the output with stand-ins where needed,
         for each output leaf that requires grad the tensor whose hook sees its gradient, and
         per input path the (node, slot) pairs through which the layer sends it gradient
-        (only with ``inputs``; without, a single new output needs no graph walk)."""
+        (only with ``inputs``; without, a single new output needs no graph walk).
+        ``separate``: a stand-in for every output leaf, so that its hook sees nothing but
+        what comes from downstream, even in a second-order backward, where the layer's own
+        backward formula (``tanh``'s, which saved its output) sends gradient to the output
+        too (gradient edits, whose changes must not reach that path)."""
         leaves = [(p, t) for p, t in _tree.leaves(output) if t.requires_grad]
         out_edges = [edge_of(t) for _, t in leaves]
-        if not inputs and len(leaves) == 1 and _created_since(out_edges[0][0], self.start):
+        simple = len(leaves) == 1 and _created_since(out_edges[0][0], self.start)
+        if not inputs and not separate and simple:
             return output, leaves, {}  # one new output: nothing inside can have used it
-        watched: dict[Edge, list[Path | int]] = {e: [p] for e, p in self._inputs.items()}
+        watched: dict[Edge, list[Path | int]] = {e: list(p) for e, p in self._inputs.items()}
         for k, e in enumerate(out_edges):  # outputs are keyed by position, inputs by path
             watched.setdefault(e, []).append(k)
         roots = [e[0] for e in out_edges if _created_since(e[0], self.start)]
         found = _consumers(roots, self.start, watched)
-        seen: set[Edge] = set()
+        # a tensor returned twice gets a stand-in for each of its places: a hook on the
+        # tensor itself would see the sum of both places' gradients
+        twice = {e for e in out_edges if out_edges.count(e) > 1}
         hook_on: list[tuple[Path, Tensor]] = []
         for k, ((path, t), e) in enumerate(zip(leaves, out_edges, strict=True)):
-            if e in seen or k in found or not _created_since(e[0], self.start):
+            if separate or e in twice or k in found or not _created_since(e[0], self.start):
                 t = stand_in(t)
                 output = _tree.replace_at(output, path, t)
                 for slot, nxt in enumerate(t.grad_fn.next_functions):  # type: ignore[union-attr]
                     for key in watched.get(nxt, ()):
                         found.setdefault(key, []).append((t.grad_fn, slot))
-            seen.add(e)
             hook_on.append((path, t))
         consumers = {k: v for k, v in found.items() if isinstance(k, tuple)}
         return output, hook_on, consumers
 
     def input_paths(self) -> list[Path]:
-        return list(self._inputs.values())
+        return [p for paths in self._inputs.values() for p in paths]
 
 
 Consumers = dict[Path, list[tuple[Any, int]]]

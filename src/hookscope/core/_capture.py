@@ -336,10 +336,7 @@ class Capture(Session):
         if not self._grads:
             return None
         call.expect_grads(None if self._inputs else bound)
-        boundary = self._watch.start(site.name, call, bound)
-        site.open[-1] = (call, boundary)
-        if isinstance(boundary, Boundary) and boundary.inputs is not bound:
-            return site.binder.unbind(args, kwargs, boundary.inputs)
+        site.open[-1] = (call, self._watch.start(site.name, call, bound))
         return None
 
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -376,11 +373,7 @@ class Capture(Session):
             site.replays.append(None)
             return None
         assert site.binder is not None
-        bound = site.binder.bind(args, kwargs)
-        boundary = Boundary(bound)
-        site.replays.append((found, boundary))
-        if boundary.inputs is not bound:
-            return site.binder.unbind(args, kwargs, boundary.inputs)
+        site.replays.append((found, Boundary(site.binder.bind(args, kwargs))))
         return None
 
     def _replayed_output(self, site: _Site, output: Any) -> Any:

@@ -206,7 +206,7 @@ class Editor(Session):
     def _edit_output_grad(
         self, edit: Edit, output: Any, name: str, index: int, boundary: Boundary
     ) -> Any:
-        output, hook_on, _ = boundary.finish(output, inputs=False)
+        output, hook_on, _ = boundary.finish(output, inputs=False, separate=True)
         targets = set(paths(edit, output, name, first_input=False))
         for path, t in hook_on:
             if path in targets:
@@ -218,12 +218,17 @@ class Editor(Session):
     def _stand_in_inputs(
         self, edit: Edit, bound: Any, name: str, index: int, mirror: list[Any]
     ) -> Any:
-        for path in paths(edit, bound, name, first_input=True):
+        chosen = paths(edit, bound, name, first_input=True)
+        made: dict[int, Tensor] = {}  # one stand-in per tensor: `query is key` stays true
+        for path in chosen:
             x = _tensor_at(edit, bound, name, path)
             _needs_grad(x, edit, name, path)
-            s = stand_in(x)
-            mirror.append((x, s, s._version))
-            self._hook(s, edit, EditContext(name, index, path))
+            _all_names_of(x, bound, set(chosen), edit, name)
+            s = made.get(id(x))
+            if s is None:
+                s = made[id(x)] = stand_in(x)
+                mirror.append((x, s, s._version))
+                self._hook(s, edit, EditContext(name, index, path))
             bound = _tree.replace_at(bound, path, s)
         return bound
 
@@ -254,6 +259,19 @@ def _mirror_back(output: Any, mirror: list[tuple[Tensor, Tensor, int]]) -> Any:
     if not swap:
         return output
     return _tree.map_tensors(lambda p, t: swap.get(id(t), t), output)
+
+
+def _all_names_of(x: Tensor, bound: Any, chosen: set[Any], edit: Edit, name: str) -> None:
+    """An input-gradient edit must cover every argument that is the same tensor: the layer
+    would see different tensors otherwise (``query is key`` decides attention's path)."""
+    names = [p for p, t in _tree.leaves(bound) if t is x]
+    if not set(names) <= chosen:
+        shown = ", ".join(_tree.path_str(p).lstrip(".") or "input" for p in names)
+        raise EditError(
+            f"cannot edit the gradient of one argument of {name!r} alone: {shown} are the "
+            f"same tensor, and their gradients through the layer cannot be told apart without "
+            f"giving the layer different tensors. Edit them together (at='*')."
+        )
 
 
 def _tensor_at(edit: Edit, tree: Any, name: str, path: Any) -> Tensor:

@@ -168,8 +168,14 @@ class HookSet:
         self._module(module, handle)
 
     def tensor(self, tensor: Tensor, fn: Callable[[Tensor], Tensor | None]) -> None:
-        """Hook ``tensor``'s gradient until :meth:`close`."""
-        self._keep(tensor.register_hook(fn))  # type: ignore[no-untyped-call]
+        """Hook ``tensor``'s gradient until :meth:`close`. ``fn`` never sees ``None``, which
+        autograd passes for an output nothing used when its node runs for another output
+        (an LSTM's ``output`` when the loss reads only ``h_n``)."""
+
+        def hook(grad: Tensor | None) -> Tensor | None:
+            return None if grad is None else fn(grad)
+
+        self._keep(tensor.register_hook(hook))  # type: ignore[no-untyped-call]
 
     def node(self, node: Any, fn: Callable[[Any, Any], Any]) -> None:
         """Hook an autograd node: ``fn(grad_inputs, grad_outputs)`` after it runs."""

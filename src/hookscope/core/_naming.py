@@ -53,6 +53,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 def is_called(module: nn.Module) -> bool:
     """Whether the module can run (``ModuleList`` / ``ModuleDict`` have no ``forward``)."""
+    if isinstance(module, torch.jit.ScriptModule):  # its forward is compiled, not a method
+        return True
     return getattr(type(module), "forward", _UNIMPLEMENTED) is not _UNIMPLEMENTED
 
 
@@ -183,7 +185,7 @@ class Layers:
 
     def _container_message(self, name: str) -> str:
         module = self.modules[name]
-        kids = [f"{name}.{k}" for k in module._modules][:3]
+        kids = [f"{name}.{k}" for k, _ in module.named_children()][:3]
         return (
             f"{name!r} is a {type(module).__name__}, a container that is never called itself, "
             f"so it has no inputs or outputs to capture. Select its children instead "

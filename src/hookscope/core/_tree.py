@@ -37,8 +37,9 @@ def _children(obj: Any) -> list[tuple[PathKey, Any]] | None:
 
 def _rebuild(obj: Any, values: dict[PathKey, Any]) -> Any:
     """A container like ``obj`` with the children named in ``values`` replaced."""
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(values.get(i, v) for i, v in enumerate(obj)))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: _make skips a
+        # validating __new__ (PackedSequence's refuses meta tensors and None leaves)
+        return type(obj)._make(values.get(i, v) for i, v in enumerate(obj))  # type: ignore[attr-defined]
     if isinstance(obj, (tuple, list)):
         return type(obj)(values.get(i, v) for i, v in enumerate(obj))
     if isinstance(obj, Mapping):
