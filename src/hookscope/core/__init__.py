@@ -30,7 +30,7 @@ from ._lifetime import HookSet, training_mode
 from ._naming import Layers, is_called, names, resolve, unwrap
 from ._records import Call, LayerRecord
 from ._session import ModuleCall, Session, private_forward
-from ._torch import node_sequence_nr, sequence_nr
+from ._torch import dispatch_has_composite, node_sequence_nr, sequence_nr
 from ._tree import describe, leaves, map_tensors
 from ._types import LayerSelector
 
@@ -60,6 +60,7 @@ __all__ = [
     "capture",
     "clip_grad",
     "describe",
+    "dispatch_has_composite",
     "edit",
     "features",
     "grad_of",
