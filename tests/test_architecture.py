@@ -74,8 +74,10 @@ def test_only_core_hooks_models(capability: str) -> None:
 
 def test_private_torch_internals_live_in_one_module() -> None:
     """``torch._C`` and other private torch names are reached only through core/_torch.py."""
-    pattern = re.compile(r"torch\._C\b|torch\._dynamo\.(eval_frame|external_utils)|\._sequence_nr\(|"
-                         r"_current_graph_task_id|_execution_engine")  # fmt: skip
+    pattern = re.compile(
+        r"torch\._C\b|torch\._dynamo\.(eval_frame|external_utils)|\._sequence_nr\(|"
+        r"_current_graph_task_id|_execution_engine"
+    )
     bad = [
         f"{path.relative_to(PACKAGE)}:{i}: {line.strip()}"
         for path in sorted(PACKAGE.rglob("*.py"))
