@@ -24,34 +24,52 @@ _ZERO64: dict[torch.device, Tensor] = {}  # makes the gathered vector float64 (e
 
 
 class _Gather:
-    """Device values to read in one transfer, with how each combines across ranks."""
+    """Device values to read in one transfer, with how each combines across ranks: scalars
+    are stacked and vectors concatenated (no operator per value)."""
 
     def __init__(self) -> None:
-        self.tensors: list[Tensor] = []
-        self.codes: list[int] = []
-        self.size = 0
+        self.scalars: list[Tensor] = []
+        self.vectors: list[Tensor] = []
+        self._codes: tuple[list[int], list[int]] = ([], [])
+        self._where: list[tuple[bool, int, int]] = []  # (vector?, start, length) per add
 
-    def add(self, t: Tensor, code: int) -> slice:
-        n = t.numel()
-        self.tensors.append(t.reshape(-1))
-        self.codes += [code] * n
-        self.size += n
-        return slice(self.size - n, self.size)
+    def add(self, t: Tensor, code: int) -> int:
+        vector = t.dim() > 0
+        n = t.numel() if vector else 1
+        start = sum(v.numel() for v in self.vectors) if vector else len(self.scalars)
+        (self.vectors if vector else self.scalars).append(t)
+        self._codes[vector].extend([code] * n)
+        self._where.append((vector, start, n))
+        return len(self._where) - 1
 
-    def moments(self, m: Moments) -> list[slice]:
+    @property
+    def tensors(self) -> list[Tensor]:
+        return self.scalars + self.vectors
+
+    def moments(self, m: Moments) -> list[int]:
         return [self.add(t, code) for t, code in m.parts()]
 
-    def read(self, ranks: str, world: int) -> list[float]:
-        if not self.tensors:
+    def read(self, ranks: str, world: int) -> list[list[float]]:
+        """The values of each :meth:`add`, in order (a list per add)."""
+        if not self._where:
             return []
         device = self.tensors[0].device
         if device not in _ZERO64:
             _ZERO64[device] = torch.zeros(1, dtype=torch.float64, device=device)
-        values = torch.cat([_ZERO64[device], *(t.to(device) for t in self.tensors)])[1:]
+        parts = [_ZERO64[device]]  # float64 first: counts above 2**24 stay exact
+        if self.scalars:
+            parts.append(torch.stack([t.to(device) for t in self.scalars]))
+        parts += [t.to(device) for t in self.vectors]
+        values = torch.cat(parts)[1:]
         if ranks == "reduce" and world > 1:
-            codes = torch.tensor(self.codes, dtype=torch.float64).to(device)
-            values = _reduce(values, codes, world)
-        return list(values.tolist())
+            codes = torch.tensor(self._codes[0] + self._codes[1], dtype=torch.float64)
+            values = _reduce(values, codes.to(device), world)
+        flat = values.tolist()
+        offset = len(self.scalars)
+        return [
+            flat[offset + start : offset + start + n] if vector else [flat[start]]
+            for vector, start, n in self._where
+        ]
 
 
 def _reduce(values: Tensor, codes: Tensor, world: int) -> Tensor:
@@ -65,21 +83,21 @@ def flush(mon: Monitor) -> tuple[list[dict[str, Any]], list[Any]]:
     from ._monitoring import _rank, _world
 
     gather = _Gather()
-    entries: list[tuple[str, str, int | slice, list[slice], bool]] = []
+    entries: list[tuple[str, str, tuple[int] | int, list[int], bool]] = []
     ranks = mon.ranks == "reduce" and _world() > 1
     for name in mon.layers_watched:
         for kind in ("activation", "gradient"):
             found = mon._moments.get((name, kind))
             if found:
                 m = merged(found)
-                numel: int | slice = m.numel
+                numel: tuple[int] | int = m.numel
                 if ranks:  # every rank's count of values, added up with the rest
-                    numel = gather.add(torch.full((), m.numel, device=m.total.device), SUM)
+                    numel = (gather.add(torch.full((), m.numel, device=m.total.device), SUM),)
                 entries.append((name, kind, numel, gather.moments(m), m.high.dim() > 0))
     params = _parameters(mon, gather)
     hists = _histograms(mon, gather) if mon.histograms else []
-    scalars = {
-        k: gather.add(v.detach().float(), MEAN) if isinstance(v, Tensor) else float(v)
+    scalars: dict[str, tuple[int] | float] = {
+        k: (gather.add(v.detach().float(), MEAN),) if isinstance(v, Tensor) else float(v)
         for k, v in mon._scalars.items()
     }
     host = gather.read(mon.ranks, _world())
@@ -87,11 +105,11 @@ def flush(mon: Monitor) -> tuple[list[dict[str, Any]], list[Any]]:
     records: list[dict[str, Any]] = []
     for name, kind, count, slices, alive in entries:
         values = [host[s][0] for s in slices[:5]] + host[slices[5]]
-        numel = int(host[count][0]) if isinstance(count, slice) else count
+        numel = int(host[count[0]][0]) if isinstance(count, tuple) else count
         records.append({"step": step, "layer": name, "kind": kind, **summary(numel, values, alive)})
     records += [{"step": step, "layer": n, "kind": "parameter", **p(host)} for n, p in params]
     for key, value in scalars.items():
-        v = host[value][0] if isinstance(value, slice) else value
+        v = host[value[0]][0] if isinstance(value, tuple) else value
         records.append({"step": step, "layer": key, "kind": "scalar", "value": v})
     if rank is not None:
         for r in records:
@@ -103,20 +121,20 @@ def flush(mon: Monitor) -> tuple[list[dict[str, Any]], list[Any]]:
 def _parameters(mon: Monitor, gather: _Gather) -> list[tuple[str, Any]]:
     """Per layer, a function of the values read giving its parameter record."""
     layers = [(n, ps) for n, ps in mon._params.items() if ps]
-    flat = [p for _, ps in layers for p in ps]
+    flat: list[Tensor] = [p for _, ps in layers for p in ps]
     if not flat:
         return []
     with torch.no_grad():
-        norms = torch._foreach_norm([p.detach() for p in flat])
+        norms = torch._foreach_norm(flat)
         grads = [p.grad for p in flat if p.grad is not None]
         gnorms = torch._foreach_norm(grads) if grads else []
         # NaN and Inf times 0 are NaN, everything else 0: the count of non-zeros is theirs
         gbad = torch._foreach_norm(torch._foreach_mul(grads, 0.0), 0) if grads else []
-        moved = [p for p in flat if id(p) in mon._before]
+        moved: list[Tensor] = [p for p in flat if id(p) in mon._before]
         unorms: Sequence[Tensor] = []
         if moved:
             before = [mon._before[id(p)] for p in moved]
-            unorms = torch._foreach_norm(torch._foreach_sub([p.detach() for p in moved], before))
+            unorms = torch._foreach_norm(torch._foreach_sub(moved, before))
     at = {id(p): gather.add(n, MEAN) for p, n in zip(flat, norms, strict=True)}
     with_grad = [p for p in flat if p.grad is not None]
     g_at = {id(p): gather.add(n, MEAN) for p, n in zip(with_grad, gnorms, strict=True)}
@@ -124,7 +142,7 @@ def _parameters(mon: Monitor, gather: _Gather) -> list[tuple[str, Any]]:
     u_at = {id(p): gather.add(n, MEAN) for p, n in zip(moved, unorms, strict=True)}
 
     def record(ps: Sequence[Tensor]) -> Any:
-        def make(host: list[float]) -> dict[str, float]:
+        def make(host: list[list[float]]) -> dict[str, float]:
             norm = _root_sum_squares(host, [at[id(p)] for p in ps])
             grad = [g_at[id(p)] for p in ps if id(p) in g_at]
             update = [u_at[id(p)] for p in ps if id(p) in u_at]
@@ -144,7 +162,7 @@ def _parameters(mon: Monitor, gather: _Gather) -> list[tuple[str, Any]]:
     return [(name, record(ps)) for name, ps in layers]
 
 
-def _root_sum_squares(host: list[float], slices: list[slice]) -> float:
+def _root_sum_squares(host: list[list[float]], slices: list[int]) -> float:
     return math.sqrt(sum(host[s][0] ** 2 for s in slices))
 
 
@@ -179,7 +197,7 @@ def _histogram_entry(
     total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
     counted = gather.add(total, SUM)
 
-    def make(host: list[float]) -> tuple[dict[str, float], list[float]]:
+    def make(host: list[list[float]]) -> tuple[dict[str, float], list[float]]:
         total_, norm, nonzero, nonzero_finite, low, high = (host[s][0] for s in slices)
         num = m.numel - (nonzero - nonzero_finite)
         stats = {"num": num, "sum": total_, "sum_squares": norm * norm, "min": low, "max": high}

@@ -274,10 +274,13 @@ class Monitor(Session):
     # -- steps ----------------------------------------------------------------------------------
     def _before_step(self, opt: torch.optim.Optimizer) -> None:
         if self.logging and not any(self._stepped.values()):  # the round's first optimizer
-            params = [p for ps in self._params.values() for p in ps if id(p) in self._followed()]
+            followed = self._followed()
+            params: list[Tensor] = [
+                p for ps in self._params.values() for p in ps if id(p) in followed
+            ]
             if params:
                 with torch.no_grad():
-                    copies = torch._foreach_mul([p.detach() for p in params], 1.0)
+                    copies = torch._foreach_mul(params, 1.0)
                 self._before = {id(p): c for p, c in zip(params, copies, strict=True)}
 
     def _after_step(self, opt: torch.optim.Optimizer) -> None:

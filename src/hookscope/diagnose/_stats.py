@@ -1,13 +1,14 @@
 """The statistics :class:`~hookscope.Monitor` computes on the device, and how they combine.
 
-A tensor's :class:`Moments` take a few reductions and nothing else: non-finite values are
-replaced by 0 once (``nan_to_num``) for the sum and the norm, and counted as the difference of
-two ``count_nonzero`` (they are non-zero before the replacement and zero after); the minimum
-and maximum skip them through their own replacement by ``+inf`` / ``-inf``. The maximum is
-taken per channel when dead units are wanted. Everything is read on the host once per logging
-step and combined there (:func:`summary`), so micro-batches, layers and kinds cost no extra
-device work; under ``torch.distributed`` the values are combined across ranks first
-(:func:`reduce`).
+A tensor's :class:`Moments` take six or seven operators and nothing else: non-finite values
+are replaced by 0 once (``nan_to_num``) for the sum, the norm, the minimum and the maximum, and
+counted as the difference of two ``count_nonzero`` (non-zero before the replacement, zero
+after). The maximum is taken per channel when dead units are wanted. The replacing zeros can
+only reach the minimum or the maximum if the tensor held non-finite values and no zero of its
+own; then an extreme that came out 0 is unknown and reported as NaN (:func:`summary`).
+Everything is read on the host once per logging step and combined there, so micro-batches,
+layers and kinds cost no extra device work; under ``torch.distributed`` the values are
+combined across ranks first (:func:`reduce`).
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ class Moments:
     norm: Tensor  # L2 norm of the finite values
     nonzero: Tensor  # count of non-zero values (non-finite ones included)
     nonzero_finite: Tensor  # count of non-zero finite values
-    low: Tensor  # minimum of the finite values (+inf if none)
-    high: Tensor  # maximum of the finite values, per channel if asked (-inf if none)
+    low: Tensor  # minimum of the values, non-finite ones counted as 0
+    high: Tensor  # maximum of the values, non-finite ones as 0; per channel if asked
 
     @staticmethod
     def of(t: Tensor, channels: int | None = None) -> Moments | None:
         """The moments of ``t`` (a plain tensor); ``channels``: the dim whose entries are
         channels, for a per-channel maximum. None for an empty tensor."""
-        x = t.detach()
+        x = t
         if x.is_nested:
             x = x.values()
         if x.is_complex():
@@ -48,19 +49,24 @@ class Moments:
         if x.numel() == 0:
             return None
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-        others = None
+        others: tuple[int, ...] = ()
         if channels is not None and x.dim() > 1:
             others = tuple(d for d in range(x.dim()) if d != channels % x.dim())
-        return Moments(
-            numel=x.numel(),
-            total=x0.sum(dtype=acc),
-            norm=torch.linalg.vector_norm(x0, dtype=acc),
-            nonzero=torch.count_nonzero(x),
-            nonzero_finite=torch.count_nonzero(x0),
-            low=torch.nan_to_num(x, nan=math.inf, neginf=math.inf).amin(),
-            high=torch.nan_to_num(x, nan=-math.inf, posinf=-math.inf).amax(dim=others or ()),
-        )
+        with torch.no_grad():  # no autograd record (and no detach() to dispatch)
+            x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+            if others:
+                low, high = x0.amin(), x0.amax(dim=others)
+            else:
+                low, high = torch.aminmax(x0)
+            return Moments(
+                numel=x.numel(),
+                total=x0.sum(dtype=acc),
+                norm=torch.linalg.vector_norm(x0, dtype=acc),
+                nonzero=torch.count_nonzero(x),
+                nonzero_finite=torch.count_nonzero(x0),
+                low=low,
+                high=high,
+            )
 
     def parts(self) -> list[tuple[Tensor, int]]:
         """``(values, how they combine)`` in a fixed order (the per-channel maximum last)."""
@@ -102,7 +108,10 @@ def summary(numel: int, values: list[float], alive: bool) -> dict[str, float]:
     mean = total / count if count else math.nan
     sumsq = norm * norm
     var = (sumsq - count * mean * mean) / (count - 1) if count > 1 else math.nan
-    high = max(high_values) if high_values else -math.inf
+    high = max(high_values) if high_values else math.nan
+    if nonfinite and nonzero == numel:  # zeros in the minimum or maximum stand for NaN/Inf
+        low = math.nan if low == 0 else low
+        high = math.nan if high == 0 else high
     record = {
         "norm": norm,
         "mean": mean,
