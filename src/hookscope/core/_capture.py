@@ -141,7 +141,7 @@ class Capture(Session):
         self._sweep()
         if self._store.counting:
             return self._store.nbytes
-        return sum(record.held() for record in self._records.values())
+        return sum(record._held() for record in self._records.values())
 
     @property
     def records(self) -> dict[str, LayerRecord]:
@@ -249,18 +249,18 @@ class Capture(Session):
         if site.open or site.replays:  # left over only if a forward was interrupted
             self._drop_open(site)
         if self._per_pass:
-            site.record.evict_all(grads=self._grads)
+            site.record._evict_all(grads=self._grads)
 
     def _reset(self, site: _Site) -> None:
         """Drop a layer's calls left from earlier passes (keep="pass")."""
         if site.open or site.replays:
             self._drop_open(site)
         if self._per_pass:
-            site.record.evict_all(grads=self._grads)
+            site.record._evict_all(grads=self._grads)
 
     def _drop_open(self, site: _Site) -> None:
         for call, _ in site.open:
-            call.evict()
+            call._evict()
         site.open.clear()
         site.replays.clear()
 
@@ -268,7 +268,7 @@ class Capture(Session):
         """A ring of N calls: drop the oldest before storing (the budget sees the room)."""
         assert self._ring is not None
         if len(record) >= self._ring:
-            record.evict(len(record) - self._ring + 1, grads=self._grads)
+            record._evict(len(record) - self._ring + 1, grads=self._grads)
 
     def _new_call(self, site: _Site) -> Call:
         if site.used_in != self._pass:
@@ -290,7 +290,7 @@ class Capture(Session):
         needs bound once. It stores the value (and its version, by reference), nothing else.
         With the default storage policy (see ``Store``) the copy is made right here."""
         module, name, record, store = site.module, site.name, site.record, self._store
-        append, ring, stop, where = record.appender(), self._ring, self._stop, (name, _OUTPUT)
+        append, ring, stop, where = record._appender(), self._ring, self._stop, (name, _OUTPUT)
         keep = None if store.keep == store._keep_clone else store.keep
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
@@ -304,8 +304,8 @@ class Capture(Session):
                 self._make_room(record)
             if type(output) is not Tensor:
                 call = Call(name, self._pass, store)
-                call.set_output(output)
-                record.add(call)
+                call._set_output(output)
+                record._add(call)
             elif keep is None:  # Store._keep_clone, inlined
                 value = (output.detach() if output.requires_grad else output).clone()
                 append((value, None, self._pass))
@@ -332,10 +332,10 @@ class Capture(Session):
         bound = site.binder.bind(args, kwargs)
         site.open.append((call, None))  # first: if storing raises, closing refunds it
         if self._inputs:
-            call.set_inputs(bound)
+            call._set_inputs(bound)
         if not self._grads:
             return None
-        call.expect_grads(None if self._inputs else bound)
+        call._expect_grads(None if self._inputs else bound)
         site.open[-1] = (call, self._watch.start(site.name, call, bound))
         return None
 
@@ -350,15 +350,15 @@ class Capture(Session):
             call, boundary = site.open.pop()
         else:
             call, boundary = self._new_call(site), None
-        call.set_output(output)
+        call._set_output(output)
         new_output = None
         if self._grads:
             assert self._hooks is not None
             new_output = self._watch.finish(self._hooks, call, boundary, output)
         record = site.record
-        record.add(call)
+        record._add(call)
         if self._ring is not None and len(record) > self._ring:  # nested calls
-            record.evict(len(record) - self._ring, grads=self._grads)
+            record._evict(len(record) - self._ring, grads=self._grads)
         self._last_done = site.name
         if self._stop:
             self._finished(site)

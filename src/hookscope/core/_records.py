@@ -40,6 +40,9 @@ class _Extra:
 class Call:
     """What one call of one layer saw: inputs, output and (on request) their gradients.
 
+    Read-only for users: a capture fills it in (through the underscore methods) and every
+    public attribute and property only reads.
+
     Attributes:
         layer: the layer's dotted name.
         index: position of this call among the layer's calls since the capture opened.
@@ -68,7 +71,7 @@ class Call:
         self._evicted = False
 
     @classmethod
-    def made(
+    def _made(
         cls, layer: str, store: Store, index: int, value: Tensor, tag: Any, pass_: int
     ) -> Call:
         """The call of a single-tensor output recorded as ``Store.keep`` returned it."""
@@ -97,7 +100,7 @@ class Call:
             self._more().refs.append((value, tag, path))
         return value
 
-    def set_output(self, output: Any) -> None:
+    def _set_output(self, output: Any) -> None:
         if type(output) is Tensor:  # the common case, inlined: this runs for every call
             value, tag = self._store.keep(output, (self.layer, _OUTPUT))
             self._output = value
@@ -109,20 +112,20 @@ class Call:
         else:
             self._output = _tree.map_tensors(lambda p, t: self._keep(t, ("output", *p)), output)
 
-    def set_inputs(self, bound: Inputs) -> None:
+    def _set_inputs(self, bound: Inputs) -> None:
         self._more().inputs = _tree.map_tensors(lambda p, t: self._keep(t, ("input", *p)), bound)
 
-    def expect_grads(self, inputs: Inputs | None) -> None:
+    def _expect_grads(self, inputs: Inputs | None) -> None:
         """Gradients will be recorded; ``inputs`` gives their structure if not captured."""
         extra = self._more()
         extra.grads = {}
         if extra.inputs is None and inputs is not None:
             extra.skeleton = _tree.map_tensors(lambda p, t: t.new_empty(0, device="meta"), inputs)
 
-    def no_grad(self, key: Path, why: str) -> None:
+    def _no_grad(self, key: Path, why: str) -> None:
         self._more().why[key] = why
 
-    def set_grad(self, key: Path, grad: Tensor) -> None:
+    def _set_grad(self, key: Path, grad: Tensor) -> None:
         """Store the gradient at ``key`` (``("output", ...)`` / ``("input", ...)``); a later
         backward replaces it. Dropped once the call is evicted or the capture closed."""
         extra = self._extra
@@ -134,7 +137,7 @@ class Call:
             extra.refs = [r for r in extra.refs if r[2] != ("grad", *key)]
         extra.grads[key] = self._keep(grad, ("grad", *key), True)
 
-    def evict(self) -> None:
+    def _evict(self) -> None:
         """The capture no longer keeps this call: refund its bytes, take no more gradients."""
         if not self._evicted:
             self._evicted = True
@@ -301,7 +304,7 @@ class LayerRecord:
         self._pending: list[tuple[Tensor, Any, int]] = []
         self._store = store
 
-    def appender(self) -> Callable[[tuple[Tensor, Any, int]], None]:
+    def _appender(self) -> Callable[[tuple[Tensor, Any, int]], None]:
         """How a capture's hot path records a finished call with a single-tensor output:
         ``append((value, tag, pass_index))``, with ``value, tag`` as ``Store.keep`` returns
         them. The :class:`Call` is made when the record is read."""
@@ -317,19 +320,19 @@ class LayerRecord:
         if self._pending:
             first, name, store = self._dropped + len(self._calls), self.name, self._store
             self._calls += [
-                Call.made(name, store, first + i, *entry) for i, entry in enumerate(self._pending)
+                Call._made(name, store, first + i, *entry) for i, entry in enumerate(self._pending)
             ]
             self._pending.clear()
         return self._calls
 
-    def add(self, call: Call) -> None:
+    def _add(self, call: Call) -> None:
         """Keep a finished call as the newest."""
         if self._pending:
             self.calls  # noqa: B018 - keeps the order
         call.index = self.count
         self._calls.append(call)
 
-    def evict(self, n: int, *, grads: bool) -> None:
+    def _evict(self, n: int, *, grads: bool) -> None:
         """Stop keeping the ``n`` oldest calls (``grads``: they may still get gradients)."""
         self._dropped += min(n, len(self))
         gone = self._calls[:n]
@@ -337,7 +340,7 @@ class LayerRecord:
         counting = self._store.counting
         if grads:  # mark each, so that its late gradients are dropped
             for call in gone:
-                call.evict()
+                call._evict()
         elif gone and counting:  # nothing can arrive later: just refund
             self._store.refund(sum(call.nbytes for call in gone))
         rest = n - len(gone)
@@ -346,16 +349,16 @@ class LayerRecord:
                 self._store.refund(sum(entry[0].nbytes for entry in self._pending[:rest]))
             del self._pending[:rest]
 
-    def evict_all(self, *, grads: bool) -> None:
-        """Stop keeping any call (the fast path of :meth:`evict`, once per layer and pass)."""
+    def _evict_all(self, *, grads: bool) -> None:
+        """Stop keeping any call (the fast path of :meth:`_evict`, once per layer and pass)."""
         pending = self._pending
         if len(pending) == 1 and not self._calls and not self._store.counting:
             self._dropped += 1
             pending.clear()
         elif self._calls or pending:
-            self.evict(len(self._calls) + len(pending), grads=grads)
+            self._evict(len(self._calls) + len(pending), grads=grads)
 
-    def held(self) -> int:
+    def _held(self) -> int:
         """Bytes of every tensor the kept calls hold."""
         pending = sum(entry[0].nbytes for entry in self._pending)
         return pending + sum(call.nbytes for call in self._calls)

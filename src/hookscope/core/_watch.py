@@ -45,7 +45,7 @@ class GradWatch:
             boundary = Boundary(bound)
             for path, t in _tree.leaves(bound):
                 if not t.requires_grad:
-                    call.no_grad(("input", *path), _why(t))
+                    call._no_grad(("input", *path), _why(t))
             return boundary
         if maybe_in_segment():
             _, _, first_runs = find_segments()
@@ -54,7 +54,7 @@ class GradWatch:
                 return PENDING
         why = why_no_grad()
         for path, _ in _tree.leaves(bound):
-            call.no_grad(("input", *path), why)
+            call._no_grad(("input", *path), why)
         return why
 
     def finish(
@@ -66,14 +66,14 @@ class GradWatch:
             if boundary != PENDING:
                 why = boundary or why_no_grad()
                 for path, t in _tree.leaves(output):
-                    call.no_grad(("output", *path), why if can_have_grad(t) else _why(t))
+                    call._no_grad(("output", *path), why if can_have_grad(t) else _why(t))
             return None
         for path, t in _tree.leaves(output):
             if not t.requires_grad:
-                call.no_grad(("output", *path), _why(t))
+                call._no_grad(("output", *path), _why(t))
         new_output, hook_on, consumers = boundary.finish(output)
         for path, t in hook_on:
-            hooks.tensor(t, functools.partial(call.set_grad, ("output", *path)))
+            hooks.tensor(t, functools.partial(call._set_grad, ("output", *path)))
         by_node: dict[Any, list[tuple[int, Path]]] = {}
         for path, pairs in consumers.items():
             for node, slot in pairs:
@@ -82,7 +82,7 @@ class GradWatch:
             hooks.node(node, functools.partial(self._on_input_grad, call, slots))
         for path in boundary.input_paths():
             if path not in consumers:
-                call.no_grad(("input", *path), "the layer's output does not depend on it")
+                call._no_grad(("input", *path), "the layer's output does not depend on it")
         return new_output if new_output is not output else None
 
     def replayed(self, layer: str) -> Call | None:
@@ -110,7 +110,7 @@ class GradWatch:
     def _flush(self) -> None:
         sums, self._sums = self._sums, {}
         for (call, key), g in sums.items():
-            call.set_grad(key, g)
+            call._set_grad(key, g)
 
 
 def _why(t: Tensor) -> str:
