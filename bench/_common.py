@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 THREADS_ENV = "HOOKSCOPE_BENCH_THREADS"
 SETTINGS = {"tuned": "malloc tuned", "defaults": "glibc defaults"}
@@ -64,6 +65,26 @@ def timing_jobs(
         spec = {"kind": "timing", "model": model, "quick": cfg.quick, "plan": plan}
         out.append(Job(module, f"timing_{model}", spec, "tuned"))
     return out
+
+
+class _OpCounter(TorchDispatchMode):  # type: ignore[misc]
+    """Counts every aten operator dispatched while active (views included: each costs a
+    Python dispatch, and on a GPU most others a kernel launch)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """How many aten operators ``fn()`` dispatches (exact and repeatable, unlike times)."""
+    with _OpCounter() as counter:
+        fn()
+    return counter.count
 
 
 def set_threads() -> None:

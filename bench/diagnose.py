@@ -99,9 +99,49 @@ def _variants(case: capture.Case, logdir: str) -> tuple[list[Variant], list[Resu
     return [Variant(k, LABELS[k], fn) for k, fn in fns.items()], checks
 
 
+def _count(case: capture.Case, hs: Any) -> Result:
+    """Operators dispatched by one training step, plain and inside each tool (exact)."""
+    model, opt, loss = _trainer(case)
+
+    def step() -> None:
+        loss().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # warm-up: lazy state (optimizer buffers) out of the counts
+    out: Result = {"plain": common.count_ops(step)}
+    out["calls"] = sum(1 for m in model.modules())
+    with hs.nonfinite(model):
+        step()
+        out["nonfinite"] = common.count_ops(step)
+    with hs.Monitor(model, every=2) as mon:
+        out["layers"] = len(getattr(mon, "layers_watched", None) or mon.layers)
+        out["monitor_log"] = common.count_ops(lambda: (step(), mon.step()))
+        out["monitor_quiet"] = common.count_ops(lambda: (step(), mon.step()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly():
+            out["anomaly"] = common.count_ops(step)
+    return out
+
+
+def _counts(spec: Result) -> Result:
+    import hookscope as hs
+
+    case = capture.build_case(spec["model"], spec["quick"])
+    result: Result = {**spec, "case": case.description, "hs": _count(case, hs)}
+    baseline, error = capture._import_baseline(spec.get("baseline"))
+    if baseline is not None:
+        result["baseline"] = _count(capture.build_case(spec["model"], spec["quick"]), baseline)
+    result["baseline_error"] = error
+    return result
+
+
 def work(spec: Result) -> Result:
     common.set_threads()
     warnings.simplefilter("ignore")  # transformers' warnings are not results
+    if spec["kind"] == "ops":
+        return _counts(spec)
     case = capture.build_case(spec["model"], spec["quick"])
     with tempfile.TemporaryDirectory() as logdir:
         variants, checks = _variants(case, logdir)
@@ -111,7 +151,12 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    return common.timing_jobs("diagnose", cfg, {m: BUDGETS[m] for m in TITLES})
+    counts = [
+        Job("diagnose", f"ops_{m}", {"kind": "ops", "model": m, "quick": cfg.quick,
+                                     "baseline": cfg.baseline}, "tuned")
+        for m in TITLES
+    ]  # fmt: skip
+    return counts + common.timing_jobs("diagnose", cfg, {m: BUDGETS[m] for m in TITLES})
 
 
 def _per10(samples: list[Result], log: str, quiet: str | None) -> Ratio | None:
@@ -122,9 +167,45 @@ def _per10(samples: list[Result], log: str, quiet: str | None) -> Ratio | None:
     return common.ratio(both, plain)
 
 
-def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]]:
-    runs = {r["model"]: r for r in results}
+def _op_rows(counts: dict[str, Result]) -> tuple[list[Target], list[list[str]]]:
+    """Operators added per step, against the targets: hs.nonfinite at most 10 plus one per 10
+    module calls, a Monitor logging step at most 10 per watched layer, its quiet steps none."""
     targets, rows = [], []
+    for model, run in counts.items():
+        title = TITLES[model]
+        for who in ("hs", "baseline"):
+            c = run.get(who)
+            if not c:
+                continue
+            extra = {k: c[k] - c["plain"] for k in ("nonfinite", "monitor_log", "monitor_quiet",
+                                                     "anomaly")}  # fmt: skip
+            name = "this version" if who == "hs" else "the baseline revision"
+            rows.append([f"{title}: {name}", f"{c['plain']:,}", f"{extra['nonfinite']:+,}",
+                         f"{extra['monitor_log']:+,} ({extra['monitor_log'] / c['layers']:.1f} "
+                         f"a layer, {c['layers']} layers)", f"{extra['monitor_quiet']:+,}",
+                         f"{extra['anomaly']:+,}"])  # fmt: skip
+            if who == "hs":
+                budget = 10 + c["calls"] / 10
+                targets.append(Target(
+                    f"operators hs.nonfinite adds ÷ (10 + module calls / 10 = {budget:.0f})",
+                    title, {"count": _exact(extra["nonfinite"] / budget)}, 1.0))
+                targets.append(Target(
+                    "operators a Monitor logging step adds per layer ÷ 10", title,
+                    {"count": _exact(extra["monitor_log"] / c["layers"] / 10)}, 1.0))
+    return targets, rows
+
+
+def _exact(value: float) -> Ratio:
+    """A count's ratio: no spread (counts are exact)."""
+    return Ratio(value, value, value, 1)
+
+
+def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]]:
+    counts = {r["model"]: r for r in results if r.get("kind") == "ops"}
+    results = [r for r in results if r.get("kind") != "ops"]
+    runs = {r["model"]: r for r in results}
+    targets, op_rows = _op_rows(counts)
+    rows = []
     for model, title in TITLES.items():
         if model not in runs:
             continue
@@ -147,6 +228,13 @@ def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]
     lines = [
         "## Diagnose: training-step overhead",
         "",
+        "Operators dispatched per training step (forward, loss, backward, SGD step; counted "
+        "with a TorchDispatchMode on the CPU: exact, and what a GPU pays a launch and a Python "
+        "dispatch for). The targets: hs.nonfinite adds at most 10 plus one per 10 module calls; "
+        "a Monitor logging step at most 10 per watched layer; its other steps none.",
+        "",
+        *common.table(["model", "plain step", "hs.nonfinite", "Monitor logging step",
+                       "Monitor other step", "detect_anomaly"], op_rows),  # fmt: skip
         "One malloc-tuned process per model runs every variant once per round, shuffled; ÷ plain "
         f"= median [q1{DASH}q3] of same-round ratios. A step is forward, loss (cross-entropy on "
         "random labels / the LM loss), backward and an SGD step, in training mode. "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -220,6 +221,20 @@ def _read(path: Path) -> dict[tuple[str, str], dict[str, float]]:
     return {(r["layer"], r["kind"]): r for r in rows}
 
 
+def _spawn(mp: Any, fn: Any, args: tuple[Any, ...], nprocs: int, seconds: float) -> None:
+    """``mp.spawn`` that gives up after ``seconds`` (a rank waiting forever for a peer that
+    died would hang the whole test run)."""
+    import time
+
+    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + seconds
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {nprocs} gloo processes did not finish in {seconds:.0f} s")
+
+
 @pytest.mark.slow
 @pytest.mark.mutates_model
 def test_ddp_two_gloo_processes_reduced_and_per_rank(tmp_path: Path) -> None:
@@ -241,7 +256,7 @@ def test_ddp_two_gloo_processes_reduced_and_per_rank(tmp_path: Path) -> None:
         out = tmp_path / ranks
         out.mkdir()
         init = f"file://{tmp_path / (ranks + '.init')}"
-        mp.spawn(_ddp_rank, args=(init, str(out), ranks), nprocs=2, join=True)
+        _spawn(mp, _ddp_rank, (init, str(out), ranks), nprocs=2, seconds=180)
         if ranks == "reduce":
             assert not (out / "rank1.jsonl").read_text()  # rank 0 writes the reduced records
             got = _read(out / "rank0.jsonl")
@@ -355,7 +370,7 @@ def test_dead_channels_of_conv1d_outputs() -> None:
         mon.step()
     records = mon.records()
     assert _activation(records, "1")["dead"] == pytest.approx(1 / 4)  # the ReLU inherits dim 1
-    assert _activation(records, "0")["dead"] == pytest.approx(1 / 4)
+    assert "dead" not in _activation(records, "0")  # dead units are an activation's
 
 
 def test_parametrized_layers_are_watched_with_their_parameters() -> None:

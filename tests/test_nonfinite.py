@@ -535,3 +535,11 @@ def test_nested_tensors_of_a_padded_transformer_encoder() -> None:
         with pytest.raises(hs.NonFiniteError) as info, torch.no_grad(), hs.nonfinite(encoder):
             encoder(x, src_key_padding_mask=pad)
     assert info.value.module == "<input>"
+
+
+def test_a_model_that_changes_its_inputs_in_place_is_named_without_a_replay() -> None:
+    model = nn.Sequential(nn.ReLU(inplace=True), DivBlock())  # the ReLU changes the input
+    x = torch.randn(3, 4)
+    with pytest.raises(hs.NonFiniteError, match="not replayed") as info, hs.nonfinite(model):
+        model(x)
+    assert (info.value.module, info.value.op) == ("1", None)

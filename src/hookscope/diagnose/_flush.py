@@ -20,7 +20,14 @@ if TYPE_CHECKING:
 __all__ = ["flush"]
 
 MEAN = 4  # parameter statistics, the same on every rank up to rounding: averaged
-_ZERO64: dict[torch.device, Tensor] = {}  # makes the gathered vector float64 (exact counts)
+_ZERO64: dict[torch.device, Tensor] = {}
+
+
+def zero64(device: torch.device) -> Tensor:
+    """A float64 zero on ``device``, made once (it makes the gathered vector float64)."""
+    if device not in _ZERO64:
+        _ZERO64[device] = torch.zeros((), dtype=torch.float64, device=device)
+    return _ZERO64[device]
 
 
 class _Gather:
@@ -54,17 +61,15 @@ class _Gather:
         if not self._where:
             return []
         device = self.tensors[0].device
-        if device not in _ZERO64:
-            _ZERO64[device] = torch.zeros(1, dtype=torch.float64, device=device)
-        parts = [_ZERO64[device]]  # float64 first: counts above 2**24 stay exact
-        if self.scalars:
-            parts.append(torch.stack([t.to(device) for t in self.scalars]))
+        # a float64 zero first makes everything float64 (counts above 2**24 stay exact); it
+        # is read too, and skipped here rather than sliced off on the device
+        parts = [torch.stack([zero64(device), *(t.to(device) for t in self.scalars)])]
         parts += [t.to(device) for t in self.vectors]
-        values = torch.cat(parts)[1:]
+        values = torch.cat(parts) if len(parts) > 1 else parts[0]
         if ranks == "reduce" and world > 1:
-            codes = torch.tensor(self._codes[0] + self._codes[1], dtype=torch.float64)
+            codes = torch.tensor([SUM, *self._codes[0], *self._codes[1]], dtype=torch.float64)
             values = _reduce(values, codes.to(device), world)
-        flat = values.tolist()
+        flat = values.tolist()[1:]
         offset = len(self.scalars)
         return [
             flat[offset + start : offset + start + n] if vector else [flat[start]]
@@ -83,17 +88,22 @@ def flush(mon: Monitor) -> tuple[list[dict[str, Any]], list[Any]]:
     from ._monitoring import _rank, _world
 
     gather = _Gather()
-    entries: list[tuple[str, str, tuple[int] | int, list[int], bool]] = []
+    entries: list[tuple[str, str, tuple[int] | int, list[int], str | None, bool]] = []
     ranks = mon.ranks == "reduce" and _world() > 1
     for name in mon.layers_watched:
         for kind in ("activation", "gradient"):
             found = mon._moments.get((name, kind))
             if found:
                 m = merged(found)
+                if ranks:  # sums and norms combine across ranks; means and variances do not
+                    m = m.uncentered()
                 numel: tuple[int] | int = m.numel
                 if ranks:  # every rank's count of values, added up with the rest
                     numel = (gather.add(torch.full((), m.numel, device=m.total.device), SUM),)
-                entries.append((name, kind, numel, gather.moments(m), m.high.dim() > 0))
+                channels = (
+                    "high" if m.high.dim() else "nonzero_finite" if m.nonzero_finite.dim() else None
+                )
+                entries.append((name, kind, numel, gather.moments(m), channels, m.centered))
     params = _parameters(mon, gather)
     hists = _histograms(mon, gather) if mon.histograms else []
     scalars: dict[str, tuple[int] | float] = {
@@ -103,10 +113,10 @@ def flush(mon: Monitor) -> tuple[list[dict[str, Any]], list[Any]]:
     host = gather.read(mon.ranks, _world())
     step, rank = mon.count, (_rank() if mon.ranks == "each" and _world() > 1 else None)
     records: list[dict[str, Any]] = []
-    for name, kind, count, slices, alive in entries:
-        values = [host[s][0] for s in slices[:5]] + host[slices[5]]
+    for name, kind, count, slices, channels, centered in entries:
         numel = int(host[count[0]][0]) if isinstance(count, tuple) else count
-        records.append({"step": step, "layer": name, "kind": kind, **summary(numel, values, alive)})
+        stats = summary(numel, [host[s] for s in slices], channels, centered)
+        records.append({"step": step, "layer": name, "kind": kind, **stats})
     records += [{"step": step, "layer": n, "kind": "parameter", **p(host)} for n, p in params]
     for key, value in scalars.items():
         v = host[value[0]][0] if isinstance(value, tuple) else value
@@ -178,12 +188,13 @@ def _histograms(mon: Monitor, gather: _Gather) -> list[tuple[str, str, Any]]:
                 found = mon._moments.get((name, kind))
                 if found:
                     made = _histogram_entry(
-                        name, kind, merged(found), mon._hist[name, kind], gather
+                        name, kind, merged(found).uncentered(), mon._hist[name, kind], gather
                     )
                     out.append(made)
         for kind, tensors in parts.items():
             if tensors:
-                moments = merged([m for t in tensors if (m := Moments.of(t)) is not None])
+                found = [m for t in tensors if (m := Moments.of(t)) is not None]
+                moments = merged([m.uncentered() for m in found])
                 counts = [_stats.histogram(tensors)]
                 out.append(_histogram_entry(name, kind, moments, counts, gather))
     return out
@@ -192,8 +203,10 @@ def _histograms(mon: Monitor, gather: _Gather) -> list[tuple[str, str, Any]]:
 def _histogram_entry(
     name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather
 ) -> tuple[str, str, Any]:
-    slices = gather.moments(Moments(m.numel, m.total, m.norm, m.nonzero, m.nonzero_finite,
-                                    m.low, m.high.amax() if m.high.dim() else m.high))  # fmt: skip
+    slices = gather.moments(Moments(
+        m.numel, m.total, m.norm, m.nonzero, m.nonzero_finite.sum(),
+        m.low, m.high.amax() if m.high.dim() else m.high,
+    ))  # fmt: skip
     total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
     counted = gather.add(total, SUM)
 

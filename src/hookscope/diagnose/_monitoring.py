@@ -14,8 +14,9 @@ everything is read with one host transfer, and the records go to the sinks on a 
 
 Statistics of a tensor: ``norm`` (L2), ``mean``, ``std``, ``min``, ``max`` over its finite
 values, ``zeros`` (fraction of exact zeros), ``nonfinite`` (count of NaN/Inf, never dropped);
-``dead`` for activations: the fraction of channels that were never positive in the step's
-forwards. Channels are dim 1 of outputs of channels-first layers (convolutions, batch and
+``dead`` for the outputs of activation layers (``torch.nn``'s ReLU, GELU, Tanh, ...): the
+fraction of channels that were never positive in the step's forwards. Channels are dim 1 of
+outputs of channels-first layers (convolutions, batch and
 instance norms, pooling) and the last dim of outputs of channels-last ones (linear, embedding,
 layer norm); a layer of neither kind (an activation, dropout) takes the layout of the layer
 that made its input, and otherwise dim 1 of a 4-D or larger output and the last dim of others.
@@ -89,6 +90,14 @@ _CHANNELS_LAST: tuple[type[nn.Module], ...] = (
     nn.MultiheadAttention,
 )
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish)
+#: layers whose outputs have dead units: the activations of torch.nn
+_DEAD_UNITS = tuple(
+    cls
+    for cls in vars(nn.modules.activation).values()
+    if isinstance(cls, type) and issubclass(cls, nn.Module) and cls is not nn.Module
+    and cls not in (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
+)  # fmt: skip
+_NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs never negative: a channel is alive when non-zero
 
 
 class Monitor(Session):
@@ -197,6 +206,11 @@ class Monitor(Session):
             hooks.handle(opt.register_step_pre_hook(lambda o, *a: self._before_step(o)))
             hooks.handle(opt.register_step_post_hook(lambda o, *a: self._after_step(o)))
         self._writer = _Writer(self.sinks)
+        params = [p for ps in self._params.values() for p in ps]
+        if params:
+            from ._flush import zero64
+
+            zero64(params[0].device)  # made now, not in the first logging step
 
     def _closed(self) -> None:
         writer, self._writer = self._writer, None
@@ -213,7 +227,8 @@ class Monitor(Session):
         if t is None:
             return
         dim = self._channel_dim(module, args, t)
-        moments = Moments.of(t, dim)
+        dead = isinstance(module, _DEAD_UNITS)
+        moments = Moments.of(t, dim if dead else None, isinstance(module, _NONNEGATIVE))
         if moments is not None:
             self._moments.setdefault((name, "activation"), []).append(moments)
         if self.histograms == "all":

@@ -44,7 +44,7 @@ from ._replay import (
     INF,
     INTENDED,
     NAN,
-    copy_inputs,
+    Inputs,
     floats,
     holds,
     plain,
@@ -57,7 +57,11 @@ __all__ = ["NonFiniteReport", "nonfinite"]
 
 INPUT, LOSS = "<input>", "<loss>"
 Mode = Literal["raise", "warn"]
-_BATCH = 16  # tensors checked per operator
+_BATCH = 32  # tensors checked per operator
+_NO_REPLAY = (
+    "not replayed: the model changed its inputs in place, so a replay would not see the "
+    "values this forward saw"
+)
 _BATCH_BYTES = 1 << 28  # or fewer, when they are large (they are kept alive until checked)
 
 
@@ -165,7 +169,7 @@ class _Pass:
     """One forward: what tier 1 saw, and what tier 2 needs to replay it."""
 
     module: nn.Module
-    inputs: Any  # copies (args, kwargs)
+    inputs: Inputs
     rng: Any
     checks: _Checks = field(default_factory=_Checks)
     recs: list[_Rec] = field(default_factory=list)
@@ -216,7 +220,7 @@ class _Tracer(Session):
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if call.parent is None:  # a forward starts (the model's, or a layer called alone)
             self.report.forwards += 1
-            self.pass_ = _Pass(call.module, copy_inputs(args, kwargs), _rng_state())
+            self.pass_ = _Pass(call.module, Inputs(args, kwargs), _rng_state())
         p = self.pass_
         if p is None:
             return
@@ -256,25 +260,29 @@ class _Tracer(Session):
             if self.allow_inputs:
                 return
             p.found = True
-            self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs))})
+            self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
             return
         if origin.allowed:
             return  # an intended non-finite value (allow=)
         p.found = True
         op: str | None = None
         module, call, st = origin.name, origin.call, {}
-        if self.replay:
-            found, outside = replay_forward(p.module, self.names, self.allowed, p.inputs, p.rng)
+        if self.replay and p.inputs.unchanged:
+            found, outside = replay_forward(
+                p.module, self.names, self.allowed, p.inputs.call, p.rng
+            )
             if outside == INTENDED:
                 p.found = False
                 return
             if found is not None:
                 op, module, call, st = found[0], found[1] or origin.name, found[2], found[3]
             elif outside == INPUT and not self.allow_inputs:
-                self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs))})
+                self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
                 return
             elif outside is not None and outside != "<unknown>":
                 st = {"source": f"the values come from {outside}, which holds NaN/Inf"}
+        elif self.replay:
+            st = {"operator": _NO_REPLAY}
         self._found("forward", module, call, op, st)
 
     # -- tier 1: backward ---------------------------------------------------------------------
@@ -311,8 +319,8 @@ class _Tracer(Session):
             name, n = (receiver.name, receiver.call) if receiver is not None else ("", None)
             op: str | None = None
             st: dict[str, Any] = {}
-            if self.replay and self.scaler is None and p.out_grads:
-                found = replay_backward(p.module, self.names, p.inputs, p.rng, p.out_grads)
+            if self.replay and self.scaler is None and p.out_grads and p.inputs.unchanged:
+                found = replay_backward(p.module, self.names, p.inputs.call, p.rng, p.out_grads)
                 if found is not None:
                     op, name, n, st = found[0], found[1] or name, found[2], found[3]
             if first is None:

@@ -46,6 +46,7 @@ from ..core import (
 __all__ = [
     "INTENDED",
     "Found",
+    "Inputs",
     "floats",
     "holds",
     "plain",
@@ -449,10 +450,27 @@ def _op_of(node_name: str) -> str:
     return "aten." + re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
 
 
-def copy_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """Copies of a call's inputs, taken when the forward begins (for the replays)."""
+class Inputs:
+    """A forward's inputs, kept for the replays: the tensors themselves (copying every batch
+    would cost every step), with their versions, so that a model that changes its inputs in
+    place is noticed and not replayed on changed values. Inference tensors, which have no
+    version counter, are copied."""
 
-    def keep(_: Any, t: Tensor) -> Tensor:
-        return t.detach().clone().requires_grad_(t.requires_grad and t.is_leaf)
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.versions: list[tuple[Tensor, int]] = []
 
-    return map_tensors(keep, args), map_tensors(keep, kwargs)
+        def keep(_: Any, t: Tensor) -> Tensor:
+            if t.is_inference():
+                return t.clone()
+            self.versions.append((t, t._version))
+            return t
+
+        self.args, self.kwargs = map_tensors(keep, args), map_tensors(keep, kwargs)
+
+    @property
+    def unchanged(self) -> bool:
+        return all(t._version == v for t, v in self.versions)
+
+    @property
+    def call(self) -> tuple[Any, Any]:
+        return self.args, self.kwargs

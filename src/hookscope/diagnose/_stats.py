@@ -13,6 +13,7 @@ combined across ranks first (:func:`reduce`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,17 +31,23 @@ class Moments:
     """One tensor's statistics, as device tensors (``max`` per channel when asked for)."""
 
     numel: int
-    total: Tensor  # sum of the finite values
-    norm: Tensor  # L2 norm of the finite values
+    total: Tensor  # sum of the finite values (their mean over all values when centered)
+    norm: Tensor  # L2 norm of the finite values (their variance over all values, centered)
     nonzero: Tensor  # count of non-zero values (non-finite ones included)
     nonzero_finite: Tensor  # count of non-zero finite values
     low: Tensor  # minimum of the values, non-finite ones counted as 0
     high: Tensor  # maximum of the values, non-finite ones as 0; per channel if asked
+    #: ``total`` and ``norm`` hold ``torch.var_mean``'s mean and variance (one operator, for
+    #: float32 and float64; half precision sums in float32 instead, with two)
+    centered: bool = False
 
     @staticmethod
-    def of(t: Tensor, channels: int | None = None) -> Moments | None:
-        """The moments of ``t`` (a plain tensor); ``channels``: the dim whose entries are
-        channels, for a per-channel maximum. None for an empty tensor."""
+    def of(t: Tensor, channels: int | None = None, nonnegative: bool = False) -> Moments | None:
+        """The moments of ``t`` (a plain tensor). ``channels``: the dim whose entries are
+        channels, for dead units: the maximum is then taken per channel, or, for a layer whose
+        outputs are never negative (ReLU), the non-zero finite values are counted per channel
+        (a channel is alive when it has one), which saves an operator. None for an empty
+        tensor."""
         x = t
         if x.is_nested:
             x = x.values()
@@ -54,22 +61,38 @@ class Moments:
             others = tuple(d for d in range(x.dim()) if d != channels % x.dim())
         with torch.no_grad():  # no autograd record (and no detach() to dispatch)
             x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-            if others:
+            if others and not nonnegative:
                 low, high = x0.amin(), x0.amax(dim=others)
             else:
                 low, high = torch.aminmax(x0)
+            per_channel = others and nonnegative
+            centered = x0.dtype == acc
+            if centered:
+                total, norm = torch.var_mean(x0, correction=0)[::-1]
+            else:
+                total, norm = x0.sum(dtype=acc), torch.linalg.vector_norm(x0, dtype=acc)
             return Moments(
                 numel=x.numel(),
-                total=x0.sum(dtype=acc),
-                norm=torch.linalg.vector_norm(x0, dtype=acc),
+                total=total,
+                norm=norm,
                 nonzero=torch.count_nonzero(x),
-                nonzero_finite=torch.count_nonzero(x0),
+                nonzero_finite=torch.count_nonzero(x0, dim=others if per_channel else None),
                 low=low,
                 high=high,
+                centered=centered,
             )
 
+    def uncentered(self) -> Moments:
+        """The same moments as a sum and a norm (device operators only when centered)."""
+        if not self.centered:
+            return self
+        total = self.total * self.numel
+        norm = ((self.norm + self.total * self.total) * self.numel).sqrt()
+        return dataclasses.replace(self, total=total, norm=norm, centered=False)
+
     def parts(self) -> list[tuple[Tensor, int]]:
-        """``(values, how they combine)`` in a fixed order (the per-channel maximum last)."""
+        """``(values, how they combine)`` in a fixed order; ``nonzero_finite`` (counted per
+        channel) or ``high`` (the maximum per channel) may be vectors."""
         return [
             (self.total, SUM),
             (self.norm, ROOT_SUM_SQUARES),
@@ -85,24 +108,32 @@ def merged(moments: list[Moments]) -> Moments:
     several: one operation per part)."""
     if len(moments) == 1:
         return moments[0]
-    one = moments[0]
-    high = torch.stack([m.high for m in moments]) if one.high.dim() else None
+    moments = [m.uncentered() for m in moments]
+
+    def stacked(part: str) -> Tensor:
+        return torch.stack([getattr(m, part) for m in moments])
+
     return Moments(
         numel=sum(m.numel for m in moments),
-        total=torch.stack([m.total for m in moments]).sum(0),
-        norm=torch.linalg.vector_norm(torch.stack([m.norm for m in moments])),
-        nonzero=torch.stack([m.nonzero for m in moments]).sum(0),
-        nonzero_finite=torch.stack([m.nonzero_finite for m in moments]).sum(0),
-        low=torch.stack([m.low for m in moments]).amin(0),
-        high=high.amax(0) if high is not None else torch.stack([m.high for m in moments]).amax(),
+        total=stacked("total").sum(0),
+        norm=torch.linalg.vector_norm(stacked("norm"), dim=0),
+        nonzero=stacked("nonzero").sum(0),
+        nonzero_finite=stacked("nonzero_finite").sum(0),
+        low=stacked("low").amin(0),
+        high=stacked("high").amax(0),
     )
 
 
-def summary(numel: int, values: list[float], alive: bool) -> dict[str, float]:
-    """The record of one tensor's (or one layer's) moments read back: ``values`` as in
-    :meth:`Moments.parts`, the per-channel maxima last when ``alive``."""
-    total, norm, nonzero, nonzero_finite, low = values[:5]
-    high_values = values[5:]
+def summary(
+    numel: int, values: list[list[float]], channels: str | None, centered: bool
+) -> dict[str, float]:
+    """The record of one tensor's (or one layer's) moments read back: ``values`` per part as
+    in :meth:`Moments.parts`; ``channels``: which part is per channel (``"high"`` or
+    ``"nonzero_finite"``), giving dead units."""
+    (total,), (norm,), (nonzero,), counts, (low,), high_values = values
+    if centered:  # var_mean's mean and variance over every value (NaN/Inf counted as 0)
+        total, norm = total * numel, math.sqrt(max(numel * (norm + total * total), 0.0))
+    nonzero_finite = sum(counts)
     nonfinite = nonzero - nonzero_finite
     count = numel - nonfinite
     mean = total / count if count else math.nan
@@ -121,8 +152,9 @@ def summary(numel: int, values: list[float], alive: bool) -> dict[str, float]:
         "zeros": (numel - nonzero) / numel if numel else math.nan,
         "nonfinite": int(nonfinite),
     }
-    if alive:
-        record["dead"] = sum(1 for h in high_values if not h > 0) / len(high_values)
+    if channels is not None:
+        per = high_values if channels == "high" else counts
+        record["dead"] = sum(1 for v in per if not v > 0) / len(per)
     return record
 
 
