@@ -205,3 +205,45 @@ def test_models_without_class_logits_get_statistics_and_say_why_no_cam(tmp_path:
     ids = torch.randint(0, 20, (3, 5))
     text = hs.report(encoder, ids, tmp_path / "e.html").read_text()
     assert "No image input" in text and '<section id="statistics">' in text
+
+
+def test_plots_label_every_layer_and_axis_and_draw_no_lines_between_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hookscope.show import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(_plots, "_png", lambda plt, fig: figures.append(fig) or b"")
+    labels = [f"layer{i}.block.conv (Conv2d)" for i in range(60)]  # many: none may be skipped
+    values = [float(i) for i in range(60)]
+    _plots.layer_plot(
+        labels,
+        [
+            _plots.Panel("a", "value (unit)", {"mean": values}, errors={"mean": values}),
+            _plots.Panel("b", "% of outputs", {"x": values, "y": values}, kind="bars"),
+            _plots.Panel("c", "norm, log scale", {"g": [0.0, *values[1:]]}, log=True),
+        ],
+    )
+    (fig,) = figures
+    axes = fig.axes
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == labels
+    assert all(ax.get_xlabel() for ax in axes) and axes[0].get_ylabel()
+    for ax in axes:
+        for line in ax.get_lines():  # points and error caps only, never a polyline
+            assert line.get_linestyle() in ("None", "") or len(line.get_xdata()) <= 1
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_the_cam_section_explains_its_colours_and_scores(tmp_path: Path) -> None:
+    model, x = _cnn(), torch.randn(3, 3, 16, 16)
+    text = hs.report(model, x, tmp_path / "r.html").read_text()
+    cam = text[text.index('<section id="cam">') :]
+    assert "Colour scale of the overlays: each map is scaled to 0..1 on its own" in cam
+    assert "The logit is the model's raw output for that class" in cam
+    with torch.no_grad():
+        logits = model(x)
+    p = logits.softmax(1).max(1).values
+    for i in range(3):
+        assert f"(logit {float(logits[i].max()):.3g}, softmax {float(p[i]):.3f})" in cam

@@ -129,6 +129,8 @@ def _load(o: dict[str, Any], inputs: bool = True) -> tuple[torch.nn.Module, Any]
     )  # fmt: skip
     model, batch = prepare(model, loaded.batch, device=o["device"], dtype=o["dtype"])
     click.get_current_context().meta["hookscope.run"] = (model, batch)  # to locate a failure
+    for note in loaded.notes:
+        click.echo(f"warning: {note}", err=True)
     return model, Loaded(batch, loaded.originals, loaded.files)
 
 

@@ -4,7 +4,6 @@ loaded by ``_models``."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,11 +46,13 @@ def parse_size(text: str) -> tuple[int, ...]:
 @dataclass
 class Loaded:
     """What ``load_inputs`` made: the model's ``batch``, and for ``--input`` the images as
-    read (``(C, H, W)`` in 0..1, each at its own size) to draw maps on, and their files."""
+    read (``(C, H, W)`` in 0..1, each at its own size) to draw maps on, and their files;
+    ``notes``: what the user should know about the inputs (printed on stderr)."""
 
     batch: Any
     originals: list[Tensor] | None = None
     files: list[Path] | None = None
+    notes: tuple[str, ...] = ()
 
 
 def load_inputs(
@@ -83,7 +84,7 @@ def load_inputs(
     if text:
         if directory is None:
             raise UsageError("--text needs a Hugging Face model directory (its tokenizer)")
-        return Loaded(_tokenized(directory, list(text)))
+        return _text_inputs(directory, list(text))
     assert images is not None  # given == 1
     side = image_size or _model_side(model)
     files = _image_files(Path(images))
@@ -211,13 +212,6 @@ def _images(files: list[Path], transform: Any) -> tuple[Tensor, list[Tensor]]:
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", "tokenizer.model")
 
 
-def _tokenized(directory: Path, text: list[str]) -> dict[str, Tensor]:
-    tokenizer = tokenizer_of(directory, "tokenizing --text")
-    batch = dict(tokenizer(text, padding=True, truncation=True, return_tensors="pt"))
-    _warn_if_unknown(tokenizer, batch["input_ids"])
-    return batch
-
-
 def tokenizer_of(directory: Path, purpose: str) -> Any:
     """The directory's tokenizer; refused when the directory holds no vocabulary, where
     ``AutoTokenizer`` would build one that turns every word into ``[UNK]``."""
@@ -232,17 +226,24 @@ def tokenizer_of(directory: Path, purpose: str) -> Any:
     return _pretrained(directory, "AutoTokenizer", purpose)
 
 
-def _warn_if_unknown(tokenizer: Any, ids: Tensor) -> None:
+def _text_inputs(directory: Path, text: list[str]) -> Loaded:
+    tokenizer = tokenizer_of(directory, "tokenizing --text")
+    batch = dict(tokenizer(text, padding=True, truncation=True, return_tensors="pt"))
+    note = _all_unknown(tokenizer, batch["input_ids"])
+    return Loaded(batch, notes=(note,) if note else ())
+
+
+def _all_unknown(tokenizer: Any, ids: Tensor) -> str | None:
+    """A warning if every word of the text became the unknown token."""
     unknown = getattr(tokenizer, "unk_token_id", None)
     special = set(getattr(tokenizer, "all_special_ids", []) or []) - {unknown}
     words = [i for i in ids.flatten().tolist() if i not in special]
-    if unknown is not None and words and all(i == unknown for i in words):
-        warnings.warn(
-            f"every token of --text became the unknown token {tokenizer.unk_token!r}: the "
-            "tokenizer does not know this text's words",
-            UserWarning,
-            stacklevel=2,
-        )
+    if unknown is None or not words or any(i != unknown for i in words):
+        return None
+    return (
+        f"every token of --text became the unknown token {tokenizer.unk_token!r}: this "
+        "tokenizer does not know the text's words, so the model sees no text"
+    )
 
 
 def texts(spec: str, file: str) -> tuple[list[str], Any]:

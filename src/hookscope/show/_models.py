@@ -96,6 +96,8 @@ def _hugging_face(path: Path, hf_class: str | None, kwargs: dict[str, Any]) -> n
             f"--hf-class {hf_class!r} is not a transformers Auto class such as "
             "AutoModelForImageClassification"
         )
+    with contextlib.suppress(AttributeError):  # its bar would share stderr with our messages
+        transformers.utils.logging.disable_progress_bar()
     model: nn.Module = cls.from_pretrained(str(path), local_files_only=True, **kwargs)
     return model.eval()
 
