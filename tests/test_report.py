@@ -142,6 +142,13 @@ def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: 
     ), _findings(text)
 
     torch.manual_seed(0)
+    tanh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    with torch.no_grad():
+        tanh[0].bias[:3] = -100.0  # tanh outputs -1 there: a signal, not a dead unit
+    text = hs.report(tanh, torch.randn(8, 4), tmp_path / "tanh.html").read_text()
+    assert not any("Dead units" in f for f in _findings(text)), _findings(text)
+
+    torch.manual_seed(0)
     steep = nn.Sequential(
         nn.Linear(4, 4), _Scale(1e5), nn.Linear(4, 4), _Scale(1e5), nn.Linear(4, 2)
     )

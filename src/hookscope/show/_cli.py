@@ -156,13 +156,16 @@ def _with_options(fn: Callable[..., None]) -> Callable[..., None]:
 @cli.command()
 @click.option("--quick", is_flag=True, help="A smaller run (32 px images, ~5 s of training).")
 @click.option("--out", default="hookscope-demo", show_default=True, help="Folder for report.html.")
-def demo(quick: bool, out: str) -> None:
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seeds the weights and the batches."
+)
+def demo(quick: bool, out: str, seed: int) -> None:
     """Train a small CNN on synthetic shapes here and write its report."""
     from ._demo import demo as run
     from ._demo import describe
 
     click.echo("training a CNN on synthetic squares, disks and triangles...", err=True)
-    click.echo(describe(run(out, quick=quick)))
+    click.echo(describe(run(out, quick=quick, seed=seed)))
 
 
 @cli.command("names")

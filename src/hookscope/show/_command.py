@@ -25,20 +25,29 @@ NAN_FAILED = 3
 INTERRUPTED = 130
 
 EXITS = (
-    "\b\nExit status:\n  0    done\n  1    the model failed (its forward or backward raised; "
-    "the error names the layer and its inputs)\n  2    usage error (a bad option, model or "
-    "input)\n  130  interrupted (Ctrl-C)"
+    "\b\nExit status:\n"
+    "  0    done\n"
+    "  1    the model failed: its forward or backward raised (the error names the\n"
+    "       layer and its inputs)\n"
+    "  2    usage error: a bad option, model or input\n"
+    "  130  interrupted (Ctrl-C)"
 )
 GROUP_EXITS = (
-    "\b\nExit status:\n  0    done\n  1    the model failed (the error names the layer and its "
-    "inputs); for `nan`: a NaN or Inf was found\n  2    usage error (a bad option, model or "
-    "input)\n  3    `nan` only: the model failed\n  130  interrupted (Ctrl-C)"
+    "\b\nExit status:\n"
+    "  0    done\n"
+    "  1    the model failed (the error names the layer and its inputs);\n"
+    "       nan: a NaN or Inf was found\n"
+    "  2    usage error: a bad option, model or input\n"
+    "  3    nan only: the model failed\n"
+    "  130  interrupted (Ctrl-C)"
 )
 NAN_EXITS = (
-    "\b\nExit status:\n  0    no NaN or Inf in the forward or the backward\n  1    a NaN or Inf "
-    "was found (its first producer is printed)\n  2    usage error (a bad option, model or "
-    "input)\n  3    the model failed otherwise (its forward or backward raised)\n  130  "
-    "interrupted (Ctrl-C)"
+    "\b\nExit status:\n"
+    "  0    no NaN or Inf in the forward or the backward\n"
+    "  1    a NaN or Inf was found (its first producer is printed)\n"
+    "  2    usage error: a bad option, model or input\n"
+    "  3    the model failed otherwise (its forward or backward raised)\n"
+    "  130  interrupted (Ctrl-C)"
 )
 
 

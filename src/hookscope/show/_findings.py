@@ -20,10 +20,18 @@ def by_kind(records: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any
     return {r["layer"]: r for r in records if r["kind"] == kind}
 
 
+#: activations whose negative side is (close to) flat: a unit never positive there passes on
+#: (almost) nothing. Tanh, sigmoid and the like are not here: their negative side carries signal.
+_RELU_LIKE = (
+    nn.ReLU, nn.ReLU6, nn.RReLU, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
+    nn.SiLU, nn.Mish, nn.Hardswish,
+)  # fmt: skip
+
+
 def activations(model: nn.Module) -> set[str]:
-    """Names of the activation modules (``torch.nn`` ReLU, GELU, ...): where dead units mean
-    something (a convolution's output is often negative on purpose)."""
-    return {n for n, m in model.named_modules() if type(m).__module__ == nn.ReLU.__module__}
+    """Names of the ReLU-like activation modules: where dead units mean something (a
+    convolution's output, or a tanh's, is often negative on purpose)."""
+    return {n for n, m in model.named_modules() if isinstance(m, _RELU_LIKE)}
 
 
 Finding = tuple[bool, str]

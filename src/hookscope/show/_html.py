@@ -19,7 +19,7 @@ h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #d0d5de; padding-bott
 nav { display: flex; flex-wrap: wrap; gap: 0.2em 1em; } .muted { color: #667085; }
 table { border-collapse: collapse; font-size: 13px; margin: 0.5em 0; }
 th, td { padding: 2px 8px; text-align: left; border-bottom: 1px solid #eceff3;
-         overflow-wrap: normal; }
+         overflow-wrap: normal; white-space: nowrap; }
 th { position: sticky; top: 0; background: #f6f7f9; }
 td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
 .scroll { max-height: 32em; max-width: 100%; overflow: auto; border: 1px solid #eceff3; }
