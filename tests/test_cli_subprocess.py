@@ -98,17 +98,27 @@ def test_a_pickle_named_pt2_is_refused_in_one_line(tmp_path: Path) -> None:
 def test_every_help_documents_the_exit_statuses() -> None:
     top = hookscope("--help")
     assert top.returncode == 0 and "Exit status:" in top.stdout
+    from click.testing import CliRunner
+
+    from hookscope.show._cli import cli
+
     for command in ("names", "summary", "cam", "nan", "report", "extract", "demo"):
-        shown = hookscope(command, "--help").stdout
+        shown = CliRunner().invoke(cli, [command, "--help"]).output  # the same text, faster
         assert "Exit status:" in shown and "130  interrupted" in shown, command
     assert "3    the model failed otherwise" in hookscope("nan", "--help").stdout
+
+
+def _interruptible() -> None:
+    """In the child: Ctrl-C's default action, which Python turns into KeyboardInterrupt (a
+    shell starts background jobs, and so this test's runner maybe, with SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_exits_130(tmp_path: Path) -> None:
     mark = tmp_path / "running"
     process = subprocess.Popen(
         [sys.executable, "-m", "hookscope", "summary", f"{MODELS}:sleepy", "--input-size", "1,2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
         env={**os.environ, "HOOKSCOPE_TEST_MARK": str(mark)},
     )  # fmt: skip
     try:
@@ -121,6 +131,7 @@ def test_ctrl_c_exits_130(tmp_path: Path) -> None:
     finally:
         if process.poll() is None:
             process.kill()
+            process.communicate()  # closes the pipes
     assert process.returncode == 130, stderr
     assert "interrupted" in stderr and "Traceback" not in stderr
 
@@ -178,3 +189,16 @@ def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
     unknown = hookscope("summary", str(folder), "--text", "bonjour le monde")
     assert unknown.returncode == 0
     assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr
+
+
+def test_budgets_device_and_seed_from_a_shell(tmp_path: Path) -> None:
+    args = ("cam", CNN, "--input-size", "4,3,16,16", "--layer", "3", "--out", str(tmp_path))
+    budgeted = hookscope(*args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3")
+    assert budgeted.returncode == 0, budgeted.stderr
+    # 4 images x 2 of layer 3's 6 channels, 3 images per forward
+    assert "scorecam: 8 extra image forwards in 3 calls of up to 3 images" in budgeted.stderr
+    seeded = [
+        hookscope(*args, "--json", "--device", "cpu", "--seed", seed).stdout
+        for seed in ("3", "3", "4")
+    ]
+    assert json.loads(seeded[0]) == json.loads(seeded[1]) != json.loads(seeded[2])
