@@ -28,6 +28,9 @@ class Seen:
     figures: dict[str, int] = field(default_factory=dict)  # per section id
     pixel_std: float = 0.0  # of the screenshot's gray levels: 0 for a blank page
     height: int = 0
+    width: int = 0  # of the viewport
+    scroll_width: int = 0  # of the page: more than `width` means a horizontal scroll bar
+    image_right: list[float] = field(default_factory=list)  # each image's right edge, CSS px
 
 
 def look(page_file: Path, screenshot: Path | None = None, width: int = 1280) -> Seen:
@@ -62,6 +65,11 @@ def look(page_file: Path, screenshot: Path | None = None, width: int = 1280) -> 
                 " ok: e.complete ? 1 : 0}))",
             )
             seen.sections = page.eval_on_selector_all("section", "els => els.map(e => e.id)")
+            seen.width = width
+            seen.scroll_width = page.evaluate("document.documentElement.scrollWidth")
+            seen.image_right = page.eval_on_selector_all(
+                "img", "els => els.map(e => e.getBoundingClientRect().right)"
+            )
             seen.figures = page.evaluate(
                 "Object.fromEntries([...document.querySelectorAll('section')]"
                 ".map(s => [s.id, s.querySelectorAll('figure').length]))"

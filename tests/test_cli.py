@@ -73,7 +73,7 @@ def test_cam_writes_one_overlay_per_image(tmp_path: Path) -> None:
         with Image.open(row["png"]) as image:
             assert image.size == (16, 16)
     one = run(*args, "--target", "2", "--method", "layercam")
-    assert one.exit_code == 0 and one.output.count("class 2 ") == 3  # one target broadcast
+    assert one.exit_code == 0 and one.output.count("class 2 (logit ") == 3  # one target broadcast
 
 
 def test_cam_on_an_image_folder(tmp_path: Path) -> None:
@@ -109,7 +109,7 @@ def test_report_command(tmp_path: Path) -> None:
     result = run(*args, "--target", "1", "--cam-layer", "1")
     text = out.read_text()
     assert result.exit_code == 0 and text.count("every channel of the first input") == 1
-    assert text.count("(score ") == 2 and "Grad-CAM at <code>1</code>" in text
+    assert text.count("(logit ") == 2 and "Grad-CAM at <code>1</code>" in text
     assert len(re.findall(r"<figcaption>#\d: class 1 ", text)) == 2  # the target asked for
 
 
@@ -179,7 +179,7 @@ def test_pickled_modules_are_refused_and_verbose_shows_tracebacks(tmp_path: Path
     pickled = tmp_path / "model.pt"
     torch.save(small_cnn(), pickled)
     result = run("names", str(pickled))
-    assert result.exit_code == 2 and "pickled modules are never loaded" in result.output
+    assert result.exit_code == 2 and "pickles are never loaded" in result.output
     verbose = run("-v", "names", str(pickled))
     assert verbose.exit_code == 2 and "Traceback" in verbose.output
 
@@ -201,6 +201,7 @@ def test_saved_programs_and_runtime_errors(tmp_path: Path) -> None:
     wrong = run("summary", CNN, "--input-size", "1,5,8,8")  # 5 channels into a 3-channel conv
     assert wrong.exit_code == 1 and wrong.output.startswith("error: RuntimeError: ")
     assert "-v for the traceback" in wrong.output and wrong.output.count("\n") == 1
+    assert "failed in '0' (Conv2d) called with input=Tensor[1, 5, 8, 8] float32" in wrong.output
 
 
 @pytest.mark.hf

@@ -76,6 +76,10 @@ def test_report_in_a_real_browser(demo: tuple[Path, str]) -> None:
         pytest.skip("no Chromium here (scripts/test.sh installs Debian's chromium as root)")
     pytest.importorskip("playwright")
     report, _ = demo
+    for width in (390, 1280):  # a phone, a laptop: the page fits, its images scale down
+        fits = browser.look(report, width=width)
+        assert fits.scroll_width <= width, (width, fits.scroll_width)
+        assert fits.image_right and max(fits.image_right) <= width, (width, fits.image_right)
     seen = browser.look(report)
     assert seen.console_errors == [] and seen.page_errors == [] and seen.requests == []
     assert seen.images and all(i["ok"] and i["w"] > 0 and i["h"] > 0 for i in seen.images)
@@ -93,6 +97,16 @@ def test_report_in_a_real_browser(demo: tuple[Path, str]) -> None:
         "cam",
         "findings",
     ]
-    assert seen.figures["cam"] == 9  # three of each shape, as the demo asks
+    assert seen.figures["cam"] == 9 + 1  # three of each shape, as the demo asks; the colour scale
     assert seen.figures["features"] == 3  # the CNN's three convolutions
     assert len(seen.images) == text.count("<img ")
+
+
+def test_the_demo_output_folder_is_ignored_by_git() -> None:
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    done = subprocess.run(
+        ["git", "check-ignore", "-q", "hookscope-demo/report.html"], cwd=root, check=False
+    )
+    assert done.returncode == 0  # `bash scripts/demo.sh` leaves no untracked file behind

@@ -92,10 +92,11 @@ def test_sections_images_and_no_network(tmp_path: Path) -> None:
     for src in page.sources:
         assert min(_decode(src).size) > 0
     # what the sections hold: one figure per CAM image (max_images), one grid per conv layer
-    assert page.count("cam", "figure") == 4 and page.count("features", "figure") == 2
+    # the overlays and their colour scale
+    assert page.count("cam", "figure") == 4 + 1 and page.count("features", "figure") == 2
     with torch.no_grad():
         top = model(x).argmax(1)
-    captions = re.findall(r"<figcaption>#(\d): (\w) \(score", text)
+    captions = re.findall(r"<figcaption>#(\d): (\w) \(logit", text)
     assert [(int(i), c) for i, c in captions] == [(i, "abc"[int(k)]) for i, k in enumerate(top[:4])]
     # the summary table: one row per call, the hand-counted conv FLOPs in the totals
     conv_flops = 2 * 5 * 16 * 16 * (4 * 3 * 9 + 8 * 4 * 9)  # 2 * N * H * W * Cout * Cin * k*k
@@ -133,7 +134,19 @@ def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: 
     with torch.no_grad():
         dead[0].bias[:3] = -100.0  # three of six units can never be positive: 50 % dead
     text = hs.report(dead, torch.randn(8, 4), tmp_path / "dead.html").read_text()
-    assert any("Dead units" in f and "1 (50 %)" in f for f in _findings(text)), _findings(text)
+    assert any(
+        "Dead units" in f
+        and "on any of the 8 input(s)" in f
+        and "<code>1</code> (ReLU): 50 % of its channels" in f
+        for f in _findings(text)
+    ), _findings(text)
+
+    torch.manual_seed(0)
+    tanh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    with torch.no_grad():
+        tanh[0].bias[:3] = -100.0  # tanh outputs -1 there: a signal, not a dead unit
+    text = hs.report(tanh, torch.randn(8, 4), tmp_path / "tanh.html").read_text()
+    assert not any("Dead units" in f for f in _findings(text)), _findings(text)
 
     torch.manual_seed(0)
     steep = nn.Sequential(
@@ -141,20 +154,36 @@ def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: 
     )
     text = hs.report(steep, torch.randn(8, 4), tmp_path / "steep.html").read_text()
     # gradients w.r.t. each output: 1e10 times larger before the two scalings than after
-    span = re.search(r"Gradient norms span ([\d.]+) orders of magnitude: \S+ at 0 .* at 4 ", text)
+    span = re.search(
+        r"Gradient norms span ([\d.]+) orders of magnitude: \S+ at <code>0</code> \(Linear\) .* "
+        r"at <code>4</code> \(Linear\)",
+        text,
+    )
     assert span and 9 <= float(span[1]) <= 11, _findings(text)
 
     from cli_models import nan_model
 
     text = hs.report(nan_model(), torch.randn(8, 4), tmp_path / "nan.html").read_text()
     # the log layer (1) produces it, the next watched layer (2) shows 16 of them
-    assert "First non-finite value in the forward: 1 (aten.log)." in _findings(text)
+    assert (
+        "First non-finite value in the forward: <code>1</code> (operator <code>aten.log</code>)."
+        in _findings(text)
+    )
     assert any(
-        f.startswith("Non-finite values") and f.endswith(": 2 (16).") for f in _findings(text)
+        f.startswith("Non-finite values") and f.endswith("<code>2</code> (Linear): 16 values.")
+        for f in _findings(text)
     )
 
     text = hs.report(_cnn(), torch.randn(2, 3, 8, 8), tmp_path / "ok.html").read_text()
-    assert "Non-finite" not in text and "Layers that dominate the FLOPs: 2 " in text
+    assert "Non-finite" not in text
+    # 2 * N * H * W * Cout * Cin * 9 per convolution, 2 * N * 8 * 3 for the linear layer
+    convs = 2 * 2 * 64 * 4 * 3 * 9, 2 * 2 * 64 * 8 * 4 * 9
+    total = sum(convs) + 2 * 2 * 8 * 3
+    assert (
+        f"Layers with the largest share of the {total:,} FLOPs: <code>2</code> (Conv2d): "
+        f"{100 * convs[1] / total:.0f} %; <code>0</code> (Conv2d): {100 * convs[0] / total:.0f} %; "
+        "<code>6</code> (Linear): &lt; 1 %." in text
+    )
 
 
 def test_bad_arguments(tmp_path: Path) -> None:
@@ -175,9 +204,53 @@ def test_models_without_class_logits_get_statistics_and_say_why_no_cam(tmp_path:
     assert "No Grad-CAM: class targets need (N, classes) logits" in text
     out = backbone(x)
     want = torch.autograd.grad(out.flatten(1).norm(dim=1).sum(), out)[0].norm()
-    grads = re.findall(r"<tr><td>2</td>(?:<td class=n>[^<]*</td>){4}<td class=n>([^<]*)</td>", text)
+    grads = re.findall(
+        r"<tr><td>2</td><td>Conv2d</td>(?:<td class=n>[^<]*</td>){4}<td class=n>([^<]*)</td>", text
+    )
     assert grads and float(grads[0]) == pytest.approx(float(want), rel=1e-2)  # 3 digits shown
     encoder = nn.Sequential(nn.Embedding(20, 8), nn.Linear(8, 8))
     ids = torch.randint(0, 20, (3, 5))
     text = hs.report(encoder, ids, tmp_path / "e.html").read_text()
     assert "No image input" in text and '<section id="statistics">' in text
+
+
+def test_plots_label_every_layer_and_axis_and_draw_no_lines_between_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from hookscope.show import _plots
+
+    figures: list[Any] = []
+    monkeypatch.setattr(_plots, "_png", lambda plt, fig: figures.append(fig) or b"")
+    labels = [f"layer{i}.block.conv (Conv2d)" for i in range(60)]  # many: none may be skipped
+    values = [float(i) for i in range(60)]
+    _plots.layer_plot(
+        labels,
+        [
+            _plots.Panel("a", "value (unit)", {"mean": values}, errors={"mean": values}),
+            _plots.Panel("b", "% of outputs", {"x": values, "y": values}, kind="bars"),
+            _plots.Panel("c", "norm, log scale", {"g": [0.0, *values[1:]]}, log=True),
+        ],
+    )
+    (fig,) = figures
+    axes = fig.axes
+    assert [t.get_text() for t in axes[0].get_yticklabels()] == labels
+    assert all(ax.get_xlabel() for ax in axes) and axes[0].get_ylabel()
+    for ax in axes:
+        for line in ax.get_lines():  # points and error caps only, never a polyline
+            assert line.get_linestyle() in ("None", "") or len(line.get_xdata()) <= 1
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_the_cam_section_explains_its_colours_and_scores(tmp_path: Path) -> None:
+    model, x = _cnn(), torch.randn(3, 3, 16, 16)
+    text = hs.report(model, x, tmp_path / "r.html").read_text()
+    cam = text[text.index('<section id="cam">') :]
+    assert "Colour scale of the overlays: each map is scaled to 0..1 on its own" in cam
+    assert "The logit is the model's raw output for that class" in cam
+    with torch.no_grad():
+        logits = model(x)
+    p = logits.softmax(1).max(1).values
+    for i in range(3):
+        assert f"(logit {float(logits[i].max()):.3g}, softmax {float(p[i]):.3f})" in cam

@@ -7,6 +7,9 @@ from types import ModuleType
 
 __all__ = ["require"]
 
+#: import name -> distribution name, where they differ
+_PACKAGES = {"PIL": "pillow"}
+
 
 def require(module: str, extra: str, *, purpose: str) -> ModuleType:
     """Import ``module`` or raise ImportError saying which hookscope extra provides it.
@@ -17,7 +20,9 @@ def require(module: str, extra: str, *, purpose: str) -> ModuleType:
         return importlib.import_module(module)
     except ImportError as e:
         top = module.split(".")[0]
+        package = _PACKAGES.get(top, top)
         raise ImportError(
-            f"{purpose} needs the optional package {top!r}, which is not installed: "
-            f'pip install "hookscope[{extra}]"'
+            f"{purpose} needs the optional package {package!r}, which is not installed: "
+            f'pip install "hookscope[{extra}]" (the extras of the hookscope you installed), or '
+            f"pip install {package}"
         ) from e

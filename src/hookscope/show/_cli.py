@@ -1,13 +1,18 @@
 """The ``hookscope`` command line (click). Results go to stdout (only JSON with ``--json``);
-progress and messages to stderr. Usage errors exit with status 2 and a one-line hint, other
-failures with 1; ``-v`` shows the traceback."""
+progress and messages to stderr.
+
+Exit status, the same in every command (``nan`` adds its finding): 0 done; 1 the model failed
+(its forward or backward raised; the one line printed names the layer, with its inputs); 2 a
+usage error (a bad option, model or input; the command's usage line and a hint); 130
+interrupted. ``nan``: 1 means a NaN or Inf was found, and a model that raised exits 3.
+``-v`` prints tracebacks.
+"""
 
 from __future__ import annotations
 
 import functools
 import json
 import sys
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,43 +23,29 @@ import torch
 from .._version import __version__
 from ..core import call_model, leaves, names
 from ..diagnose import nonfinite
-from ..errors import LayerNotFoundError, NonFiniteError, UsageError
-from ..explain import METHODS, overlay
+from ..errors import NonFiniteError
 from ..look import summary
-from ._load import load_inputs, load_model, parse_kwargs
-from ._report import image_batch, report, requiring_grad
+from ._command import EXITS, GROUP_EXITS, NAN_EXITS, NAN_FAILED, Group
+from ._load import Loaded, load_inputs, prepare
+from ._methods import (
+    MethodOptions,
+    base_choices,
+    build,
+    choices,
+    draw,
+    perturbation_methods,
+)
+from ._models import load_model, parse_kwargs
+from ._report import report, requiring_grad
 
 __all__ = ["cli"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-class _Group(click.Group):
-    """Turns hookscope's usage errors into click's (exit 2, one line) and other failures into
-    one line on stderr and exit 1, unless ``-v`` asked for tracebacks."""
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except (click.exceptions.Exit, click.ClickException, click.exceptions.Abort):
-            raise
-        except (UsageError, LayerNotFoundError) as e:
-            if ctx.obj and ctx.obj.get("verbose"):
-                traceback.print_exc()
-            message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-            raise click.UsageError(str(message), ctx) from None
-        except Exception as e:
-            if ctx.obj and ctx.obj.get("verbose"):
-                traceback.print_exc()
-            else:
-                first = str(e).splitlines()[0] if str(e) else ""
-                click.echo(
-                    f"error: {type(e).__name__}: {first} (run with -v for the traceback)", err=True
-                )
-            sys.exit(1)
-
-
-@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(
+    cls=Group, context_settings={"help_option_names": ["-h", "--help"]}, epilog=GROUP_EXITS
+)
 @click.version_option(__version__, "--version", prog_name="hookscope")
 @click.option("-v", "--verbose", is_flag=True, help="Show tracebacks.")
 @click.pass_context
@@ -62,7 +53,7 @@ def cli(ctx: click.Context, verbose: bool) -> None:
     """Look inside a PyTorch model: summaries, NaN hunting, CAM maps, feature stores, reports.
 
     MODEL is package.module:factory (or file.py:factory), a Hugging Face model directory, or a
-    TorchScript (.pt) / torch.export (.pt2) file.
+    TorchScript (.pt) / torch.export (.pt2) file. `hookscope COMMAND --help` for each command.
     """
     ctx.obj = {"verbose": verbose}
 
@@ -86,14 +77,39 @@ def _model_options(fn: F) -> F:
 
 def _input_options(fn: F) -> F:
     decorators = [
-        click.option("--input-size", help="Random input of this shape, e.g. 1,3,224,224."),
         click.option(
-            "--dtype", default="float32", show_default=True, help="dtype of --input-size."
+            "--input-size",
+            help="Random input of this shape, e.g. 1,3,224,224, or 2,64 token ids for a model "
+            "whose first layer is an embedding.",
+        ),
+        click.option(
+            "--dtype",
+            help="float16, bfloat16, float64: the model's floating weights and the inputs are "
+            "cast to it. long / int: --input-size makes integer token ids. Default: token ids "
+            "for a model whose first layer is an embedding, else float32.",
         ),
         click.option("--input", "images", help="An image file or a folder of images."),
-        click.option("--image-size", type=int, help="Resize images to this side (default 224)."),
+        click.option(
+            "--image-size",
+            type=click.IntRange(min=1),
+            help="Images are resized to this square for the model (default: the HF config's "
+            "image_size, else 224).",
+        ),
         click.option("--channels", type=click.Choice(["1", "3"]), default="3", show_default=True),
         click.option("--text", multiple=True, help="Text for a HF model's tokenizer (repeatable)."),
+        click.option(
+            "--device",
+            help="Run on this device: cpu, cuda, cuda:1, mps (default: where the model's "
+            "weights are; the CPU for a model loaded from disk).",
+        ),
+        click.option(
+            "--seed",
+            type=int,
+            default=0,
+            show_default=True,
+            help="Seeds the factory's random weights, random --input-size inputs and "
+            "SmoothGrad's noise.",
+        ),
     ]
     for decorator in reversed(decorators):
         fn = decorator(fn)
@@ -101,14 +117,21 @@ def _input_options(fn: F) -> F:
 
 
 def _load(o: dict[str, Any], inputs: bool = True) -> tuple[torch.nn.Module, Any]:
+    """The model and its inputs, on ``--device`` in ``--dtype``."""
+    if o.get("seed") is not None:
+        torch.manual_seed(o["seed"])  # a factory's random weights
     model = load_model(o["model"], kwargs=parse_kwargs(o["kwargs_json"]), hf_class=o["hf_class"])
     if not inputs:
         return model, None
-    x = load_inputs(
+    loaded = load_inputs(
         model, o["model"], size=o["input_size"], dtype=o["dtype"], images=o["images"],
-        image_size=o["image_size"], channels=int(o["channels"]), text=o["text"],
+        image_size=o["image_size"], channels=int(o["channels"]), text=o["text"], seed=o["seed"],
     )  # fmt: skip
-    return model, x
+    model, batch = prepare(model, loaded.batch, device=o["device"], dtype=o["dtype"])
+    click.get_current_context().meta["hookscope.run"] = (model, batch)  # to locate a failure
+    for note in loaded.notes:
+        click.echo(f"warning: {note}", err=True)
+    return model, Loaded(batch, loaded.originals, loaded.files)
 
 
 def _targets(o: dict[str, Any]) -> Any:
@@ -133,13 +156,16 @@ def _with_options(fn: Callable[..., None]) -> Callable[..., None]:
 @cli.command()
 @click.option("--quick", is_flag=True, help="A smaller run (32 px images, ~5 s of training).")
 @click.option("--out", default="hookscope-demo", show_default=True, help="Folder for report.html.")
-def demo(quick: bool, out: str) -> None:
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Seeds the weights and the batches."
+)
+def demo(quick: bool, out: str, seed: int) -> None:
     """Train a small CNN on synthetic shapes here and write its report."""
     from ._demo import demo as run
     from ._demo import describe
 
     click.echo("training a CNN on synthetic squares, disks and triangles...", err=True)
-    click.echo(describe(run(out, quick=quick)))
+    click.echo(describe(run(out, quick=quick, seed=seed)))
 
 
 @cli.command("names")
@@ -167,23 +193,61 @@ def names_(o: dict[str, Any]) -> None:
 def summary_(o: dict[str, Any]) -> None:
     """Per-call table: output shapes, parameters, FLOPs."""
     model, x = _load(o)
-    result = summary(model, x)  # a mapping of inputs becomes keyword arguments
+    result = summary(model, x.batch)  # a mapping of inputs becomes keyword arguments
     if o["depth"] is not None:
         result = result.fold(o["depth"])
     click.echo(result.to_json(indent=2) if o["as_json"] else result.to_text())
 
 
+_PERTURBING = ", ".join(perturbation_methods())
+
+
 @cli.command()
 @_model_options
 @_input_options
-@click.option("--layer", required=True, help="The layer to explain at (see `hookscope names`).")
 @click.option(
     "--method",
     default="gradcam",
     show_default=True,
-    type=click.Choice(
-        sorted(n for n, m in METHODS.items() if m.kind == "layer" and not m.requires)
-    ),
+    type=click.Choice(choices()),
+    help="Layer methods (the CAM family, guided_gradcam), input methods (saliency, "
+    "guided_backprop) or smoothgrad (over --base).",
+)
+@click.option(
+    "--layer",
+    help="The layer to explain (see `hookscope names`; default: the last layer with "
+    "(N, C, H, W) maps). Input methods take none.",
+)
+@click.option(
+    "--fc",
+    help="cam: the classifier nn.Linear (default: the last nn.Linear whose inputs are the "
+    "layer's channels).",
+)
+@click.option(
+    "--base",
+    default="saliency",
+    show_default=True,
+    type=click.Choice(base_choices()),
+    help="smoothgrad: the method averaged over noisy copies of the input.",
+)
+@click.option(
+    "--samples", type=click.IntRange(min=1), default=25, show_default=True,
+    help="smoothgrad: noisy copies.",
+)  # fmt: skip
+@click.option(
+    "--noise", type=click.FloatRange(min=0), default=0.15, show_default=True,
+    help="smoothgrad: noise std as a fraction of each image's range.",
+)  # fmt: skip
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=1),
+    help=f"{_PERTURBING}: explore only the K channels that matter most per image (Grad-CAM "
+    "ranking; default: every channel). The extra forwards are counted before they run.",
+)
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    help=f"{_PERTURBING}: images per extra forward (default 32).",
 )
 @click.option(
     "--target", "targets", type=int, multiple=True, help="Class per image (default: top)."
@@ -192,31 +256,34 @@ def summary_(o: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_with_options
 def cam(o: dict[str, Any]) -> None:
-    """Attribution maps (Grad-CAM and family) drawn over the input images."""
+    """Attribution maps (Grad-CAM and family, saliency, ...) drawn over the input images, each
+    at the image's own size. The score is the target class's logit (the model's raw output)."""
     model, x = _load(o)
-    exp = METHODS[o["method"]].cls(model, o["layer"])(x, targets=_targets(o))
-    images = image_batch(x)
-    rows = []
-    for i in range(len(exp.maps)):
-        path = Path(o["out"]) / f"{o['method']}_{i}.png"
-        image = images[i] if images is not None else None
-        if image is not None:
-            overlay(image.detach(), exp.maps[i].detach(), alpha=0.45, save=path)
-        rows.append(
-            {
-                "index": i,
-                "target": None if exp.targets is None else int(exp.targets[i]),
-                "score": float(exp.scores[i]),
-                "png": str(path) if image is not None else None,
-            }
-        )
+    options = MethodOptions(
+        layer=o["layer"], fc=o["fc"], base=o["base"], top_k=o["top_k"],
+        batch_size=o["batch_size"], samples=o["samples"], noise=o["noise"], seed=o["seed"],
+    )  # fmt: skip
+    method = build(o["method"], model, x.batch, options)
+    if hasattr(method, "cost"):
+        _say_cost(o["method"], method.cost(x.batch), method)
+    exp = method(x.batch, targets=_targets(o))
+    rows = draw(model, x, exp, Path(o["out"]), o["method"])
     if o["as_json"]:
         _echo_json(rows)
         return
     for row in rows:
+        p = "" if row["probability"] is None else f", softmax {row['probability']:.3f}"
         click.echo(
-            f"#{row['index']}: class {row['target']} (score {row['score']:.4g}) -> {row['png']}"
+            f"#{row['index']}: class {row['target']} (logit {row['score']:.4g}{p}) -> {row['png']}"
         )
+
+
+def _say_cost(name: str, cost: dict[str, int], method: Any) -> None:
+    click.echo(
+        f"{name}: {cost['forwards']:,} extra image forwards in {cost['calls']:,} calls of up to "
+        f"{method.batch_size} images (budget them with --top-k and --batch-size)",
+        err=True,
+    )
 
 
 @cli.command()
@@ -225,15 +292,14 @@ def cam(o: dict[str, Any]) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_with_options
 def nan(o: dict[str, Any]) -> None:
-    """Run a forward and a backward (of the outputs' sum) and name the first NaN/Inf producer.
-
-    Exits 0 when everything is finite, 1 when a non-finite value was found."""
+    """Run a forward and a backward (of the outputs' sum) and name the first NaN/Inf producer."""
+    click.get_current_context().meta["hookscope.failed"] = NAN_FAILED
     model, x = _load(o)
-    x = requiring_grad(x)
+    batch = requiring_grad(x.batch)
     found: NonFiniteError | None = None
     try:
         with nonfinite(model):
-            out = call_model(model, x)
+            out = call_model(model, batch)
             total = sum(t.float().sum() for _, t in leaves(out) if t.is_floating_point())
             if isinstance(total, torch.Tensor) and total.requires_grad:
                 torch.autograd.backward(total)
@@ -319,7 +385,12 @@ def report_(o: dict[str, Any]) -> None:
     """Write a self-contained HTML report (summary, statistics, feature maps, CAM, findings)."""
     model, x = _load(o)
     path = report(
-        model, x, o["out"], cam_layer=o["cam_layer"],
+        model, x.batch, o["out"], cam_layer=o["cam_layer"],
         feature_layers=list(o["feature_layers"]) or None, targets=_targets(o),
     )  # fmt: skip
     click.echo(f"report: {path.resolve()}")
+
+
+# every command's --help ends with its exit statuses
+for _command in cli.commands.values():
+    _command.epilog = NAN_EXITS if _command.name == "nan" else EXITS

@@ -46,15 +46,19 @@ def demo(
     *,
     quick: bool = False,
     progress: bool | None = None,
+    seed: int = 0,
 ) -> DemoResult:
     """Train, measure, and write ``out/report.html``. ``quick``: 32 px images and a shorter
-    training (a few seconds), as CI runs it."""
+    training (a few seconds), as CI runs it. ``seed``: the weights and the training batches
+    (the held-out images stay the same)."""
     if not isinstance(quick, bool):
         raise UsageError(f"quick must be True or False, got {quick!r}")
-    torch.manual_seed(0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise UsageError(f"seed must be an int, got {seed!r}")
+    torch.manual_seed(seed)
     size, steps = (32, 300) if quick else (64, 400)
     start = time.perf_counter()
-    model = train(steps, size=size, progress_bar=progress)
+    model = train(steps, size=size, seed=seed, progress_bar=progress)
     seconds = time.perf_counter() - start
     x, y, masks = shapes(600, torch.Generator().manual_seed(12345), size=size)
     with torch.no_grad():

@@ -10,20 +10,26 @@ from collections.abc import Iterable, Sequence
 __all__ = ["figure", "image", "page", "section", "table"]
 
 _CSP = "default-src 'none'; img-src data:; style-src 'unsafe-inline'"
+# Fits any width: images scale down to the page (never up), wide tables scroll inside their
+# box, long names wrap; a phone (390 px) gets smaller margins.
 _CSS = """
 body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1200px;
-       padding: 0 1.5em 3em; color: #1d2330; }
+       padding: 0 1.5em 3em; color: #1d2330; overflow-wrap: anywhere; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #d0d5de; padding-bottom: 0.2em; }
-nav a { margin-right: 1em; } .muted { color: #667085; }
+nav { display: flex; flex-wrap: wrap; gap: 0.2em 1em; } .muted { color: #667085; }
 table { border-collapse: collapse; font-size: 13px; margin: 0.5em 0; }
-th, td { padding: 2px 8px; text-align: left; border-bottom: 1px solid #eceff3; }
+th, td { padding: 2px 8px; text-align: left; border-bottom: 1px solid #eceff3;
+         overflow-wrap: normal; white-space: nowrap; }
 th { position: sticky; top: 0; background: #f6f7f9; }
 td.n, th.n { text-align: right; font-variant-numeric: tabular-nums; }
-.scroll { max-height: 32em; overflow: auto; border: 1px solid #eceff3; }
-figure { display: inline-block; margin: 0.4em 0.8em 0.8em 0; vertical-align: top; }
+.scroll { max-height: 32em; max-width: 100%; overflow: auto; border: 1px solid #eceff3; }
+figure { display: inline-block; margin: 0.4em 0.8em 0.8em 0; vertical-align: top;
+         max-width: 100%; }
 figcaption { font-size: 13px; color: #444c5c; max-width: 40em; }
+img { max-width: 100%; height: auto; }
 img.pixel { image-rendering: pixelated; }
 li.warn::marker { content: "⚠ "; } li.ok::marker { content: "✓ "; }
+@media (max-width: 600px) { body { padding: 0 0.6em 2em; } figure { margin: 0.3em 0; } }
 """
 
 

@@ -28,14 +28,16 @@ from .._extras import require
 from .._png import pillow, png_bytes
 from .._version import __version__
 from ..core import call_model, leaves, map_tensors, training_mode
+from ..core import names as names_of
 from ..diagnose import Monitor, nonfinite
 from ..errors import NonFiniteError, UsageError
 from ..explain import GradCAM, overlay, target_scores
 from ..look import Summary, feature_grids, summary
 from . import _html
-from ._plots import layer_plot
+from ._findings import Finding, activations, by_kind, findings, findings_html
+from ._plots import Panel, colour_scale, layer_plot
 
-__all__ = ["Section", "image_batch", "report", "requiring_grad"]
+__all__ = ["Section", "image_batch", "probabilities", "report", "requiring_grad"]
 
 Section = tuple[str, str, str]
 """``(id, heading, body html)`` of an extra section (the demo adds its training results)."""
@@ -100,15 +102,19 @@ def report(
 
     shape = summary(model, *(inputs if isinstance(inputs, tuple) else (inputs,)))
     records, nonfinite_found = _statistics(model, inputs, targets)
-    found = _findings(shape, records, _activations(model), nonfinite_found)
+    types = names_of(model)
+    found = findings(
+        shape, records, activations(model), nonfinite_found, _batch_size(inputs), types
+    )
     parts: list[Section] = [("overview", "Overview", _overview(model, shape, found))]
     parts += list(sections)
     parts.append(("summary", "Summary", _summary_table(shape)))
-    parts.append(("statistics", "Activations and gradients", _statistics_html(records)))
+    n = _batch_size(inputs)
+    parts.append(("statistics", "Activations and gradients", _statistics_html(records, types, n)))
     parts.append(("features", "Feature maps", _features(model, inputs, feature_layers)))
     layer = cam_layer if cam_layer is not None else _last_spatial(shape)
     parts.append(("cam", "Grad-CAM", _cams(model, inputs, layer, targets, names, max_images)))
-    parts.append(("findings", "Findings", _findings_html(found)))
+    parts.append(("findings", "Findings", findings_html(found)))
     text = _html.page(
         title or type(model).__name__,
         f"hookscope {__version__} · torch {torch.__version__} · "
@@ -138,6 +144,18 @@ def image_batch(inputs: Any) -> Tensor | None:
     for _, t in leaves(inputs):
         if t.is_floating_point() and t.dim() == 4 and t.shape[1] in (1, 3):
             return t
+    return None
+
+
+def _batch_size(inputs: Any) -> int:
+    return int(next(t for _, t in leaves(inputs)).shape[0])
+
+
+def probabilities(output: Any) -> Tensor | None:
+    """Softmax over the classes of ``(N, classes)`` logits (``.logits`` or the output)."""
+    logits = getattr(output, "logits", output)
+    if isinstance(logits, Tensor) and logits.dim() == 2 and logits.is_floating_point():
+        return torch.softmax(logits.detach().float(), dim=1)
     return None
 
 
@@ -171,7 +189,7 @@ def _statistics(
     watched by hs.nonfinite (warn mode: recorded, not raised) to name where a NaN came from."""
 
     x = requiring_grad(inputs)
-    n = next(t for _, t in leaves(x)).shape[0]
+    n = _batch_size(x)
     with contextlib.ExitStack() as stack:
         stack.enter_context(_stashed_grads(model))
         stack.enter_context(training_mode(model, False))
@@ -202,44 +220,55 @@ def _score(output: Any, targets: Any, n: int) -> Tensor:
     return score
 
 
-def _by_kind(records: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {r["layer"]: r for r in records if r["kind"] == kind}
-
-
-def _statistics_html(records: list[dict[str, Any]]) -> str:
-    acts, grads = _by_kind(records, "activation"), _by_kind(records, "gradient")
+def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: int) -> str:
+    acts, grads = by_kind(records, "activation"), by_kind(records, "gradient")
     layers = list(dict.fromkeys(r["layer"] for r in records if r["kind"] != "parameter"))
     if not layers:
         return "<p>No layer was watched.</p>"
 
-    def col(table: dict[str, dict[str, Any]], key: str) -> list[float]:
-        return [float(table.get(name, {}).get(key, math.nan)) for name in layers]
+    def col(table: dict[str, dict[str, Any]], key: str, scale: float = 1) -> list[float]:
+        return [scale * float(table.get(name, {}).get(key, math.nan)) for name in layers]
 
     plot = layer_plot(
-        layers,
+        [f"{name} ({types.get(name, '?')})" for name in layers],
         [
-            ("activation mean and std", {k: col(acts, k) for k in ("mean", "std")}, False),
-            ("zeros, dead channels", {k: col(acts, k) for k in ("zeros", "dead")}, False),
-            ("gradient norm (log)", {"gradient L2 norm": col(grads, "norm")}, True),
+            Panel("Activations", "output value: mean ± std over the batch",
+                  {"mean ± std": col(acts, "mean")}, errors={"mean ± std": col(acts, "std")}),
+            Panel("Zeros and dead units", "% of the layer's outputs / channels",
+                  {"outputs exactly 0": col(acts, "zeros", 100),
+                   "channels never > 0 (dead)": col(acts, "dead", 100)}, kind="bars"),
+            Panel("Gradients", "L2 norm of d(score) / d(output), log scale",
+                  {"gradient norm": col(grads, "norm")}, log=True),
         ],
     )  # fmt: skip
     rows = [
         [
             name,
-            *(_num(acts.get(name, {}).get(k)) for k in ("mean", "std", "zeros", "dead")),
+            types.get(name, "?"),
+            *(_num(acts.get(name, {}).get(k)) for k in ("mean", "std")),
+            *(_percent(acts.get(name, {}).get(k)) for k in ("zeros", "dead")),
             _num(grads.get(name, {}).get("norm")),
             sum(int(t.get(name, {}).get("nonfinite", 0)) for t in (acts, grads)),
         ]
         for name in layers
     ]  # fmt: skip
     caption = (
-        "One forward and one backward of the explained scores, in eval mode. Dead: channels "
-        "never positive for this batch. Gradients are w.r.t. each layer's output."
+        f"One forward and one backward of the explained scores on the {n} input(s), in eval "
+        "mode. Zeros: share of a layer's output values that are exactly 0. Dead: share of its "
+        f"channels never positive on any of the {n} input(s). Gradients are of the summed "
+        "scores with respect to each layer's output (points left out: not finite)."
     )
-    headers = ["layer", "act. mean", "act. std", "zeros", "dead", "grad norm", "non-finite"]
+    headers = ["layer", "type", "act. mean", "act. std", "zeros %", "dead %", "grad norm"]
+    headers.append("non-finite")
     return _html.figure(_html.image(plot, "per-layer statistics"), caption) + _html.table(
-        headers, rows, numeric=range(1, 7)
+        headers, rows, numeric=range(2, 8)
     )
+
+
+def _percent(value: Any) -> str:
+    if value is None or not math.isfinite(float(value)):
+        return "-" if value is None else str(float(value))
+    return f"{100 * float(value):.1f}"
 
 
 def _num(value: Any) -> str:
@@ -330,100 +359,37 @@ def _cams(
         exp = GradCAM(model, layer)(inputs, targets=targets)
     except UsageError as e:  # e.g. no class logits to explain and no targets given
         return f"<p>No Grad-CAM: {html.escape(str(e))}.</p>"
+    with torch.no_grad(), training_mode(model, False):
+        probs = probabilities(call_model(model, inputs))
     out = []
     for i in range(min(len(images), max_images)):
         picture = overlay(images[i].detach().cpu(), exp.maps[i].cpu(), alpha=0.45)
         k = None if exp.targets is None else int(exp.targets[i])  # None: a target callable
         label = "target" if k is None else names[k] if names and k < len(names) else f"class {k}"
+        p = "" if probs is None or k is None else f", softmax {float(probs[i, k]):.3f}"
         width = max(160, min(256, picture.shape[1] * 4))
         out.append(_html.figure(
             _html.image(_png(picture), f"Grad-CAM {i}: {label}", width=width),
-            f"#{i}: {label} (score {float(exp.scores[i]):.3g})",
+            f"#{i}: {label} (logit {float(exp.scores[i]):.3g}{p})",
         ))  # fmt: skip
+    scale = _html.figure(
+        _html.image(colour_scale("jet", "0: the map's minimum", "1: its maximum"), "colour scale"),
+        "Colour scale of the overlays: each map is scaled to 0..1 on its own, so colours "
+        "compare places within one image, not images with each other.",
+    )
     return (
-        f"<p>Grad-CAM at <code>{html.escape(layer)}</code>, for the predicted class unless "
-        "targets were given.</p>" + "\n".join(out)
+        f"<p>Grad-CAM at <code>{html.escape(layer)}</code> ({html.escape(type_of(model, layer))}), "
+        "for the predicted class unless targets were given. The logit is the model's raw "
+        "output for that class (before softmax); softmax is its probability among the "
+        "classes.</p>" + scale + "\n".join(out)
     )
 
 
-# -- findings --------------------------------------------------------------------------------
+def type_of(model: nn.Module, layer: str) -> str:
+    return names_of(model).get(layer, "?")
 
 
-def _activations(model: nn.Module) -> set[str]:
-    """Names of the activation modules (``torch.nn`` ReLU, GELU, ...): where dead units mean
-    something (a convolution's output is often negative on purpose)."""
-    return {n for n, m in model.named_modules() if type(m).__module__ == nn.ReLU.__module__}
-
-
-def _findings(
-    shape: Summary,
-    records: list[dict[str, Any]],
-    activations: set[str],
-    nonfinite_found: list[NonFiniteError],
-) -> list[tuple[bool, str]]:
-    """``(is a warning, text)`` for what a reader should look at first."""
-    found: list[tuple[bool, str]] = []
-    for error in nonfinite_found[:3]:
-        op = f" ({error.op})" if error.op else ""
-        found.append(
-            (True, f"First non-finite value in the {error.phase}: {error.module or '(model)'}{op}.")
-        )
-    acts, grads = _by_kind(records, "activation"), _by_kind(records, "gradient")
-    bad = [(n, int(r["nonfinite"])) for t in (acts, grads) for n, r in t.items() if r["nonfinite"]]
-    if bad:
-        where = ", ".join(f"{n} ({c})" for n, c in bad[:5])
-        found.append(
-            (
-                True,
-                f"Non-finite values (NaN/Inf) in the watched layers' outputs or gradients: "
-                f"{where}.",
-            )
-        )
-    dead = sorted(
-        ((r["dead"], n) for n, r in acts.items() if n in activations and r.get("dead", 0) > 0),
-        reverse=True,
-    )
-    if dead:
-        where = ", ".join(f"{n} ({100 * d:.0f} %)" for d, n in dead[:5])
-        found.append((True, f"Dead units (channels never positive in this batch): {where}."))
-    norms = {n: r["norm"] for n, r in grads.items() if math.isfinite(r["norm"])}
-    if norms:
-        hi, lo = max(norms, key=norms.__getitem__), min(norms, key=norms.__getitem__)
-        span = math.log10(norms[hi] / norms[lo]) if norms[lo] > 0 else math.inf
-        if span >= 3 or norms[lo] < 1e-8 or norms[hi] > 1e3:
-            found.append(
-                (
-                    True,
-                    f"Gradient norms span {span:.1f} orders of magnitude: {norms[hi]:.3g} at "
-                    f"{hi} (exploding?) to {norms[lo]:.3g} at {lo} (vanishing?).",
-                )
-            )
-        else:
-            found.append(
-                (
-                    False,
-                    f"Gradient norms stay within {span:.1f} orders of magnitude "
-                    f"({norms[lo]:.3g} at {lo} to {norms[hi]:.3g} at {hi}).",
-                )
-            )
-    leaves_ = [r for i, r in enumerate(shape.rows) if not any(c.parent == i for c in shape.rows)]
-    top = sorted(leaves_, key=lambda r: r.flops, reverse=True)[:3]
-    if shape.total_flops and top:
-        share = ", ".join(f"{r.name} {100 * r.flops / shape.total_flops:.0f} %" for r in top)
-        found.append((False, f"Layers that dominate the FLOPs: {share}."))
-    if not any(warn for warn, _ in found):
-        found.insert(
-            0, (False, "No dead units, no non-finite values, no exploding or vanishing gradients.")
-        )
-    return found
-
-
-def _findings_html(found: list[tuple[bool, str]]) -> str:
-    items = "".join(f'<li class="{"warn" if w else "ok"}">{html.escape(t)}</li>' for w, t in found)
-    return f"<ul>{items}</ul>"
-
-
-def _overview(model: nn.Module, shape: Summary, found: list[tuple[bool, str]]) -> str:
+def _overview(model: nn.Module, shape: Summary, found: list[Finding]) -> str:
     described = ", ".join(f"{k} {v}" for k, v in shape.inputs.items()) or "-"
     to_look_at = sum(w for w, _ in found)
     return (
