@@ -202,6 +202,10 @@ def _op_rows(counts: dict[str, Result]) -> tuple[list[Target], list[list[str]]]:
     return targets, rows
 
 
+OP_HEADER = ["model", "plain step", "hs.nonfinite", "Monitor logging step",
+             "Monitor other step", "detect_anomaly"]  # fmt: skip
+
+
 def _exact(value: float) -> Ratio:
     """A count's ratio: no spread (counts are exact)."""
     return Ratio(value, value, value, 1)
@@ -241,8 +245,7 @@ def report(results: list[Result], meta: Result) -> tuple[list[Target], list[str]
         "a Monitor logging step at most 10 per watched layer (the slope between watching every "
         "default layer and half of them; the rest is per step); its other steps none.",
         "",
-        *common.table(["model", "plain step", "hs.nonfinite", "Monitor logging step",
-                       "Monitor other step", "detect_anomaly"], op_rows),  # fmt: skip
+        *common.table(OP_HEADER, op_rows),
         "One malloc-tuned process per model runs every variant once per round, shuffled; ÷ plain "
         f"= median [q1{DASH}q3] of same-round ratios. A step is forward, loss (cross-entropy on "
         "random labels / the LM loss), backward and an SGD step, in training mode. "
