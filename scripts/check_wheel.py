@@ -22,7 +22,7 @@ def main(wheel: str, sdist: str) -> None:
     info = next(n for n in names if n.endswith(".dist-info/METADATA"))
     meta = Parser().parsestr(zipfile.ZipFile(wheel).read(info).decode())
     requires = [r for r in meta.get_all("Requires-Dist") or [] if "extra ==" not in r]
-    assert [r.replace(" ", "") for r in requires] == ["torch>=2.2"], requires
+    assert [r.replace(" ", "") for r in requires] == ["torch>=2.11"], requires
     points = zipfile.ZipFile(wheel).read(info.replace("METADATA", "entry_points.txt")).decode()
     assert "hookscope = hookscope.show:main" in points, points
     with tarfile.open(sdist) as archive:
