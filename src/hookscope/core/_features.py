@@ -50,7 +50,7 @@ def features(
     device: torch.device | str | None = None,
     train: bool = False,
     stop: bool = True,
-    recompile: bool = False,
+    recompile: bool = True,
 ) -> dict[str, Any]:
     """The outputs of ``layers`` for ``inputs``, computed as cheaply as possible.
 
@@ -69,7 +69,9 @@ def features(
         stop: end the forward once every selected layer has run (default). A layer that
             would run again after that point (a reused module) is then not seen; with
             ``stop=False`` the whole forward runs and such a layer raises CaptureError.
-        recompile: see :func:`capture`.
+        recompile: a ``torch.compile``d model that already ran runs eagerly for this call
+            (the default: the forward is this function's own); ``False`` raises
+            CompiledModelError instead, as sessions around your code do.
 
     Returns:
         ``{layer name: output}`` in selection order; outputs keep their structure.

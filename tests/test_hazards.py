@@ -1,0 +1,405 @@
+"""The hazard matrix: every entry point that hooks a model, in every situation users found
+entry points breaking in. Each cell either works, checked against a reference computed
+without hookscope on a plain copy of the model, or refuses with the error README's policy
+table names, and the residue fixture checks the model is left as found.
+
+Situations: a compiled model that already ran; reentrant and non-reentrant activation
+checkpointing; an exception raised and caught inside the model; a KeyboardInterrupt in an
+earlier forward; another session open on the model; no_grad and inference_mode; a deepcopy
+of the model made inside its own forward; a second-order backward; nested tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import hookscope as hs
+
+# -- the model, and its situations ---------------------------------------------------------------
+
+
+class Fragile(nn.Module):
+    """Raises when told to; the model catches it (fallback code does this)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        raise RuntimeError("a layer that fails, caught by its caller")
+
+
+class Net(nn.Module):
+    """conv -> ReLU -> block (conv -> ReLU) -> pool -> linear, with a hazard switched on."""
+
+    def __init__(self, hazard: str = "plain") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.act = nn.ReLU()
+        self.block = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())
+        self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3))
+        self.fragile = Fragile()
+        self.hazard = hazard
+        self.copies: list[nn.Module] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.act(self.conv(x))
+        if self.hazard == "caught":
+            with contextlib.suppress(RuntimeError):
+                self.fragile(h)
+        if self.hazard == "deepcopy":
+            self.copies.append(copy.deepcopy(self))
+        if self.hazard in ("reentrant", "non-reentrant") and torch.is_grad_enabled():
+            h = checkpoint(self.block, h, use_reentrant=self.hazard == "reentrant")
+        else:
+            h = self.block(h)
+        return self.head(h)
+
+
+LAYER = "block.1"  # the layer every entry point looks at
+X = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _reference(fn: Callable[[nn.Module, Tensor], Any]) -> Any:
+    """``fn`` on a plain copy of the model, no hookscope anywhere."""
+    return fn(Net("plain"), X.clone())
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[nn.Module]:
+    """The model in eval mode for the block, every module's flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield model
+    finally:
+        for m, flag in flags:
+            m.training = flag
+
+
+def _layer_output(model: nn.Module, x: Tensor) -> Tensor:
+    seen: list[Tensor] = []
+    handle = model.get_submodule(LAYER).register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone())
+    )
+    try:
+        with torch.no_grad(), _eval(model):
+            model(x)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+# -- entry points ------------------------------------------------------------------------------
+# Each takes (model, x) and returns what its reference returns on a plain model.
+
+
+def _capture(model: nn.Module, x: Tensor) -> Tensor:
+    with hs.capture(model, LAYER) as cap, _eval(model):
+        model(x)
+    return cap[LAYER].output
+
+
+def _edit(model: nn.Module, x: Tensor) -> Tensor:
+    with hs.edit(model, {LAYER: hs.scale(0.5)}), torch.no_grad(), _eval(model):
+        return model(x).detach()
+
+
+def _edit_reference(model: nn.Module, x: Tensor) -> Tensor:
+    handle = model.get_submodule(LAYER).register_forward_hook(lambda m, a, out: out * 0.5)
+    try:
+        with torch.no_grad(), _eval(model):
+            return model(x)
+    finally:
+        handle.remove()
+
+
+def _features(model: nn.Module, x: Tensor) -> Tensor:
+    out: Tensor = hs.features(model, x, [LAYER])[LAYER]
+    return out
+
+
+def _summary(model: nn.Module, x: Tensor) -> tuple[int, int]:
+    s = hs.summary(model, x)
+    return s.total_flops, s.total_params
+
+
+def _summary_reference(model: nn.Module, x: Tensor) -> tuple[int, int]:
+    params = sum(p.numel() for p in model.parameters())
+    convs = 2 * (4 * 3 * 9 * 64 + 4 * 4 * 9 * 64) * x.shape[0]  # 2 per multiply-add
+    return convs + 2 * 4 * 3 * x.shape[0], params
+
+
+def _nonfinite(model: nn.Module, x: Tensor) -> tuple[bool, int]:
+    with hs.nonfinite(model) as report:
+        model(x).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return report.ok, report.forwards
+
+
+def _monitor(model: nn.Module, x: Tensor) -> float:
+    with hs.Monitor(model, LAYER, every=1) as mon:
+        with torch.no_grad(), _eval(model):
+            model(x)
+        mon.step()
+    return next(r["norm"] for r in mon.records() if r["kind"] == "activation")
+
+
+def _gradcam(model: nn.Module, x: Tensor) -> Tensor:
+    return hs.GradCAM(model, LAYER)(x, targets=[0, 1, 2, 0]).raw
+
+
+def _gradcam_reference(model: nn.Module, x: Tensor) -> Tensor:
+    kept: list[Tensor] = []
+    handle = model.get_submodule(LAYER).register_forward_hook(lambda m, a, out: kept.append(out))
+    try:
+        with torch.enable_grad(), _eval(model):
+            scores = model(x).gather(1, torch.tensor([[0], [1], [2], [0]]))
+            (grad,) = torch.autograd.grad(scores.sum(), kept[0])
+    finally:
+        handle.remove()
+    weights = grad.mean((2, 3), keepdim=True)
+    return (weights * kept[0]).sum(1).clamp_min(0).detach()
+
+
+def _extract(model: nn.Module, x: Tensor, *, tmp: Path) -> Tensor:
+    store = hs.extract(model, x, [LAYER], out=tmp / "store", overwrite=True)
+    return torch.from_numpy(store.to_numpy(LAYER))
+
+
+def _report(model: nn.Module, x: Tensor, *, tmp: Path) -> bool:
+    pytest.importorskip("matplotlib")
+    text = hs.report(model, x, tmp / "r.html").read_text()
+    return "Grad-CAM at <code>" in text
+
+
+@dataclass(frozen=True)
+class Entry:
+    run: Callable[..., Any]
+    reference: Callable[[nn.Module, Tensor], Any]
+    wraps: bool  # a session around the user's code (else: it runs the model itself)
+    needs_tmp: bool = False
+
+
+ENTRIES: dict[str, Entry] = {
+    "capture": Entry(_capture, _layer_output, wraps=True),
+    "edit": Entry(_edit, _edit_reference, wraps=True),
+    "features": Entry(_features, _layer_output, wraps=False),
+    "summary": Entry(_summary, _summary_reference, wraps=False),
+    "nonfinite": Entry(_nonfinite, lambda m, x: (True, 1), wraps=True),
+    "Monitor": Entry(_monitor, lambda m, x: float(_layer_output(m, x).norm()), wraps=True),
+    "GradCAM": Entry(_gradcam, _gradcam_reference, wraps=False),
+    "extract": Entry(_extract, _layer_output, wraps=False, needs_tmp=True),
+    "report": Entry(_report, lambda m, x: True, wraps=False, needs_tmp=True),
+}
+
+
+def _run(name: str, model: nn.Module, tmp: Path) -> Any:
+    entry = ENTRIES[name]
+    kwargs = {"tmp": tmp} if entry.needs_tmp else {}
+    return entry.run(model, X.clone(), **kwargs)
+
+
+def _same(got: Any, want: Any) -> None:
+    if isinstance(want, Tensor):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    elif isinstance(want, float):
+        assert got == pytest.approx(want, rel=1e-5)
+    else:
+        assert got == want
+
+
+# -- the matrix ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("hazard", ["plain", "reentrant", "non-reentrant", "caught", "deepcopy"])
+def test_model_situations(entry: str, hazard: str, tmp_path: Path) -> None:
+    """Checkpointing, a caught exception and a deepcopy inside the forward change nothing."""
+    model = Net(hazard)
+    got = _run(entry, model, tmp_path)
+    _same(got, _reference(ENTRIES[entry].reference))
+    if hazard == "deepcopy":  # the copies made inside carry none of hookscope's hooks
+        assert model.copies and not any(
+            m._forward_hooks or m._forward_pre_hooks for c in model.copies for m in c.modules()
+        )
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_compiled_model_that_already_ran(entry: str, tmp_path: Path) -> None:
+    """Sessions around the user's code refuse (CompiledModelError: hooks would be ignored)
+    unless recompile=True; entry points that run the model themselves run it eagerly."""
+    model = Net()
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        compiled(X)
+    want = _reference(ENTRIES[entry].reference)
+    if ENTRIES[entry].wraps:
+        with pytest.raises(hs.CompiledModelError, match="recompile=True"):
+            _run(entry, compiled, tmp_path)
+        return
+    _same(_run(entry, compiled, tmp_path), want)
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_after_a_keyboard_interrupt_in_a_forward(entry: str, tmp_path: Path) -> None:
+    """An earlier forward ended by KeyboardInterrupt (no hook sees it end) leaves nothing
+    behind that confuses the next call."""
+    model = Net()
+    seen = {"calls": 0}
+
+    def interrupt(m: nn.Module, a: Any) -> None:
+        seen["calls"] += 1
+        if seen["calls"] == 1:
+            raise KeyboardInterrupt
+
+    with hs.capture(model, "act") as other:  # a session open while it happens
+        handle = model.block.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(X)
+        handle.remove()
+        got = _run(entry, model, tmp_path)
+    _same(got, _reference(ENTRIES[entry].reference))
+    assert other["act"].count >= 1
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_with_another_session_open(entry: str, tmp_path: Path) -> None:
+    model = Net()
+    with hs.capture(model, LAYER) as outer, hs.edit(model, {"conv": hs.transform(lambda t: t)}):
+        got = _run(entry, model, tmp_path)
+        with _eval(model):
+            model(X)
+    _same(got, _reference(ENTRIES[entry].reference))
+    torch.testing.assert_close(outer[LAYER].output, _reference(_layer_output))
+
+
+# What each entry point does under torch.no_grad() and torch.inference_mode(): "works" or the
+# error it raises (README's policy table says the same).
+GRAD_MODES: dict[str, dict[str, type[Exception] | str]] = {
+    "capture": {"no_grad": "works", "inference_mode": "works"},
+    "edit": {"no_grad": "works", "inference_mode": "works"},
+    "features": {"no_grad": "works", "inference_mode": "works"},
+    "summary": {"no_grad": "works", "inference_mode": "works"},
+    "nonfinite": {"no_grad": "forward only", "inference_mode": "forward only"},
+    "Monitor": {"no_grad": "works", "inference_mode": "works"},
+    "GradCAM": {"no_grad": "works", "inference_mode": hs.UsageError},
+    "extract": {"no_grad": "works", "inference_mode": "works"},
+    "report": {"no_grad": "works", "inference_mode": "no cam"},
+}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_under_no_grad_and_inference_mode(entry: str, mode: str, tmp_path: Path) -> None:
+    model = Net()
+    want = _reference(ENTRIES[entry].reference)
+    context = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    expected = GRAD_MODES[entry][mode]
+    if entry == "nonfinite":  # no backward can run: the forward is checked
+        with context(), hs.nonfinite(model) as report:
+            model(X)
+        assert report.ok and report.forwards == 1 and report.backwards == 0
+        return
+    if isinstance(expected, type):
+        with context(), pytest.raises(expected, match="inference_mode"):
+            _run(entry, model, tmp_path)
+        return
+    with context():
+        got = _run(entry, model, tmp_path)
+    if expected == "no cam":
+        assert got is False  # the report says why there is no Grad-CAM instead
+        return
+    _same(got, want)
+
+
+# -- second-order backward -------------------------------------------------------------------
+
+
+def _penalty_step(model: nn.Module) -> list[Tensor]:
+    x = X.clone().requires_grad_()
+    out = model(x)
+    (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    (out.sum() + gx.pow(2).sum()).backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+@contextlib.contextmanager
+def _session(entry: str, model: nn.Module) -> Iterator[None]:
+    sessions: dict[str, Callable[[], Any]] = {
+        "capture": lambda: hs.capture(model, list(hs.names(model)), grads=True),
+        "edit": lambda: hs.edit(model, {LAYER: hs.scale(1.0, on="grad")}),
+        "nonfinite": lambda: hs.nonfinite(model),
+        "Monitor": lambda: hs.Monitor(model, every=1),
+    }
+    with sessions[entry]():
+        yield
+
+
+@pytest.mark.parametrize("entry", ["capture", "edit", "nonfinite", "Monitor"])
+def test_second_order_backward_changes_no_gradient(entry: str) -> None:
+    """A gradient penalty (create_graph=True, then backward) under each session around the
+    user's code: parameter gradients bit-identical to the plain step's."""
+    want = _penalty_step(Net())
+    model = Net()
+    with _session(entry, model):
+        got = _penalty_step(model)
+    for a, b in zip(want, got, strict=True):
+        assert torch.equal(a, b)
+
+
+# -- nested tensors ------------------------------------------------------------------------------
+
+
+def _encoder() -> tuple[nn.Module, Tensor, Tensor]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(2, 5, 8)
+    pad = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
+    return model, x, pad
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_tensors_of_a_padded_transformer_encoder(tmp_path: Path) -> None:
+    """In eval, TransformerEncoder turns a padded batch into nested tensors between its layers:
+    every entry point works on them or says plainly what it cannot do."""
+    model, x, pad = _encoder()
+    with torch.no_grad():
+        want = model(x, src_key_padding_mask=pad)
+    inputs = {"src": x, "src_key_padding_mask": pad}
+    with torch.no_grad(), hs.capture(model, "layers.0") as cap:
+        got = model(**inputs)
+    assert torch.equal(got, want)
+    nested = cap["layers.0"].output
+    assert nested.is_nested and [t.shape for t in nested.unbind()] == [(5, 8), (3, 8)]
+    with torch.no_grad(), hs.nonfinite(model) as report:
+        model(**inputs)
+    assert report.ok
+    with torch.no_grad(), hs.Monitor(model, "layers.0", every=1) as mon:
+        model(**inputs)
+        mon.step()
+    (record,) = [r for r in mon.records() if r["kind"] == "activation"]
+    assert record["norm"] == pytest.approx(float(nested.values().norm()), rel=1e-5)
+    s = hs.summary(model, inputs)
+    assert s.total_params == sum(p.numel() for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        store = hs.extract(
+            model, x, ["layers.0"], out=tmp_path / "f", reduce="token_mean", batch_size=2
+        )
+    assert store["layers.0"].shape == (2, 8)
