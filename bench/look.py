@@ -3,8 +3,8 @@ forward and peers (torchinfo, ``FlopCounterMode``, fvcore, thop).
 
 Cases: HF ResNet-50 and GPT-2 small as in capture.py, and ``LlamaForCausalLM(LlamaConfig())``
 (7B) built on ``meta``. Jobs: one timing process per case (same-round ratios, then each tool's
-FLOPs against an analytic count) and one fresh process that only summarises the meta Llama
-(its time and peak RSS). Method: bench/README.md.
+FLOPs against an analytic count, and the Python dispatch calls a summary makes) and one fresh
+process that only summarises the meta Llama (its time and peak RSS). Method: bench/README.md.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import copy
 import functools
 import resource
 import statistics
+import sys
 import time
 import warnings
 from typing import Any
@@ -91,7 +92,7 @@ class _Positional(nn.Module):
 def _hs(case: capture.Case) -> Any:
     import hookscope as hs
 
-    return hs.summary(case.model, *case.args, **case.kwargs)
+    return hs.summary(case.model, case.args, forward_kwargs=case.kwargs)
 
 
 def _torchinfo(case: capture.Case) -> Any:
@@ -165,6 +166,39 @@ def checks(case: capture.Case, flops: dict[str, Result], analytic: int | None) -
     return [{"what": w, "value": str(v), "ok": ok} for w, v, ok in rows]
 
 
+def dispatch_calls(case: capture.Case) -> Result:
+    """Python calls per summary (untimed, CPU): the operators of one plain forward (what a
+    dispatch mode watching every operator calls Python for), and the ``__torch_dispatch__``
+    calls of any mode during ``hs.summary`` (first and second call in this process)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+            Ops.n += 1
+            return func(*args, **(kw or {}))
+
+    with torch.no_grad(), Ops():
+        case.forward()
+    seen = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "__torch_dispatch__":
+            seen[0] += 1
+
+    calls = []
+    for _ in range(2):
+        seen[0] = 0
+        sys.setprofile(profile)
+        try:
+            _hs(case)
+        finally:
+            sys.setprofile(None)
+        calls.append(seen[0])
+    return {"ops": Ops.n, "hs_calls": calls}
+
+
 # -- workers -----------------------------------------------------------------------------------
 
 
@@ -182,12 +216,14 @@ def _timing(spec: Result) -> Result:
     if spec["model"] != "resnet50":
         analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
     flops, params = count_flops(case), sum(p.numel() for p in case.model.parameters())
+    dispatch = dispatch_calls(case)
     return {
         **spec,
         "case": f"{case.description}; {params / 1e6:.1f} M parameters",
         **{"samples": samples, "noise": noise, "skipped": skipped, "flops": flops},
         **{"analytic": analytic, "attention": attention},
         "checks": checks(case, flops, analytic),
+        "dispatch": dispatch,
         "peer_versions": {p: common._version(p) for p in PEERS},
     }
 
@@ -227,6 +263,10 @@ def _targets(timing: dict[str, Result], rss: Result | None) -> list[Target]:
         if model in timing:
             cell = common.paired(timing[model]["samples"], "hs", "plain")
             out.append(Target(what, TITLES[model], {SETTINGS["tuned"]: cell}, 1.15))
+            peer = common.paired(timing[model]["samples"], "hs", "torchinfo")
+            if peer is not None:  # the GPU issue's other bound: no slower than torchinfo
+                cells = {SETTINGS["tuned"]: peer}
+                out.append(Target("hs.summary ÷ torchinfo.summary", TITLES[model], cells, 1.0))
     values = {}  # DESIGN.md: a 7B Llama on meta in under 5 s and 1 GB, FLOPs within 1%
     if rss:
         values["hs.summary, first call in a fresh process, s"] = (rss["times_s"][0], 5.0)
@@ -246,7 +286,8 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
         "",
         "One malloc-tuned process per model runs every variant once per round, shuffled; ÷ plain "
         f"= median [q1{DASH}q3] of same-round ratios. hs.summary runs one forward under no_grad "
-        "in eval mode with module hooks and a dispatch-mode FLOP counter.",
+        "in eval mode with module hooks and a dispatch-mode FLOP counter, which is off during "
+        "leaf calls whose operators it already learned.",
         "",
     ]
     rows = []
@@ -263,6 +304,7 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
             f"* {TITLES[model]}: {run['case']}; {n} measured rounds (+1 warm-up) in "
             f"{run['noise']['rounds_s']:.0f} s, load average {lo:.1f}{DASH}{hi:.1f}."
         )
+    lines += _dispatch_lines(timing)
     if rss:
         t, call = rss["times_s"], f"input_size={tuple(rss['shape'])}, dtypes=[torch.long]"
         lines.append(
@@ -273,6 +315,29 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
             f"meta model), peak {rss['peak_mib']:.0f} MiB."
         )
     return [*lines, ""]
+
+
+def _dispatch_lines(timing: dict[str, Result]) -> list[str]:
+    """Python dispatch calls per summary against the operators of one forward (CPU)."""
+    rows = []
+    for model, run in timing.items():
+        if "dispatch" in run:
+            d = run["dispatch"]
+            first, second = d["hs_calls"]
+            share = f"{first / d['ops']:.2f}" if d["ops"] else DASH
+            rows.append([TITLES[model], str(d["ops"]), str(first), str(second), share])
+    if not rows:
+        return []
+    head = ["model", "operators in one forward", "hs.summary: 1st call", "2nd call", "1st ÷ ops"]
+    return [
+        "",
+        "Python calls made per operator (untimed, CPU): the operators one plain forward runs "
+        "(a TorchDispatchMode counting them: what a counter watching every operator calls "
+        "Python for), and the `__torch_dispatch__` calls of every dispatch mode during "
+        "`hs.summary` (`sys.setprofile`), in its first and second call in the process.",
+        "",
+        *common.table(head, rows),
+    ]
 
 
 def _flops_section(timing: dict[str, Result]) -> list[str]:
