@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import hookscope as hs
@@ -236,3 +237,33 @@ def test_value_dependent_leaf_calls_are_counted_operator_by_operator() -> None:
         2 * 4 * 4 * (1 + 2),
         2 * 4 * 4 * (3 + 4),
     ]
+
+
+class Passthrough(TorchDispatchMode):
+    """A dispatch mode of the model's own, pushed inside its forward."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+        return func(*args, **(kw or {}))
+
+
+def test_a_dispatch_mode_inside_the_forward_keeps_counts_exact() -> None:
+    """A learned leaf kind is not muted while another mode is innermost: it is counted
+    operator by operator then, never twice."""
+
+    class Inside(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.gates = nn.ModuleList([Gated() for _ in range(4)])
+
+        def forward(self, x: Tensor) -> Tensor:
+            for gate in self.gates[:2]:  # watched, then learned
+                x = gate(self.fc(x))
+            with Passthrough():
+                for gate in self.gates[2:]:  # known kinds, under the model's own mode
+                    x = gate(self.fc(x))
+            return x
+
+    s = hs.summary(Inside(), torch.randn(3, 8))
+    assert s.total_flops == 4 * 2 * 3 * 8 * 8
+    assert s.uncounted == {"aten.add": 4, "aten.mul": 4, "aten.sigmoid": 4}

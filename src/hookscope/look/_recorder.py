@@ -136,9 +136,8 @@ class Recorder(Session):
         known = self._profiles.get(key)
         if known is False:
             rec.key = key
-        elif isinstance(known, Profile):
-            rec.profile = known
-            rec.muted = self.counter.mute()
+        elif isinstance(known, Profile) and self.counter.mute():
+            rec.profile, rec.muted = known, True  # (if another mode is innermost: count it)
 
     def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
         rec = self._close(call)
