@@ -141,8 +141,23 @@ def _ragged(sizes: tuple[int, ...]) -> str:
 
 
 def format_shape(tree: ShapeTree, depth: int = 0) -> str:
-    """Compact notation: ``[8, 3, 224, 224]``, ``([2, 4], None)``, ``{logits: [2, 9]}``,
-    ``nested[2, (5|3), 8]``."""
+    """A shape tree in compact notation (containers past ``depth`` 3 are elided).
+
+    Args:
+        tree: a row's ``output``, or one of its ``inputs``.
+        depth: how deep ``tree`` already is (1 for a call argument).
+
+    Returns:
+        ``[8, 3, 224, 224]``, ``([2, 4], None)``, ``{logits: [2, 9]}``,
+        ``nested[2, (5|3), 8]``.
+
+    Example:
+        >>> from hookscope.look import NestedShape, format_shape
+        >>> format_shape({"logits": (2, 9), "past": [(2, 4), None]})
+        '{logits: [2, 9], past: ([2, 4], None)}'
+        >>> format_shape(NestedShape(((5, 8), (3, 8))))
+        'nested[2, (5|3), 8]'
+    """
     if isinstance(tree, tuple):
         return f"[{', '.join(map(str, tree))}]"
     if isinstance(tree, NestedShape):
