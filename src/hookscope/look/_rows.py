@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ._recorder import Record, Recorder
@@ -37,7 +38,9 @@ def _trainable(params: list[nn.Parameter]) -> str:
 
 def _type_name(module: nn.Module) -> str:
     # a TorchScript module's class is RecursiveScriptModule: name the class it came from
-    return str(getattr(module, "original_name", None) or type(module).__name__)
+    if isinstance(module, torch.jit.ScriptModule):
+        return str(module.original_name)
+    return type(module).__name__
 
 
 class _Params:

@@ -103,11 +103,13 @@ def summary(
         raise UsageError(f"summary() needs a torch.nn.Module, got {type(model).__name__}")
     _check_options(more, unknown, depth)
     root = unwrap(model)
-    args, kwargs = _call(root, inputs, input_size, dtypes, device, forward_kwargs)
-    if any(torch.nn.parameter.is_lazy(t) for t in (*root.parameters(), *root.buffers())):
+    tensors = [*root.parameters(), *root.buffers()]
+    args, kwargs = _call(inputs, input_size, dtypes, device, forward_kwargs, tensors)
+    if any(torch.nn.parameter.is_lazy(t) for t in tensors):
         model = copy.deepcopy(model)  # initialising lazy modules would change the user's
         root = unwrap(model)
-    args, kwargs = _prepare(root, args, kwargs, grad=grad)
+    meta = bool(tensors) and all(t.is_meta for t in tensors)
+    args, kwargs = _prepare(args, kwargs, meta=meta, grad=grad)
     recorder = Recorder(model, time=time)
     shown = bind_names(
         root, [Walk().tree(a) for a in args], {k: Walk().tree(v) for k, v in kwargs.items()}
@@ -144,14 +146,14 @@ def _check_options(more: tuple[Any, ...], unknown: dict[str, Any], depth: Any) -
 
 
 def _call(
-    root: nn.Module,
     inputs: Any,
     input_size: Any,
     dtypes: Sequence[torch.dtype] | None,
     device: torch.device | str | None,
     forward_kwargs: Mapping[str, Any] | None,
+    tensors: list[Tensor],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``(args, kwargs)`` for the model's call."""
+    """``(args, kwargs)`` for the model's call (``tensors``: the model's, for its device)."""
     if forward_kwargs is not None and not isinstance(forward_kwargs, Mapping):
         raise UsageError(f"forward_kwargs must be a mapping, got {type(forward_kwargs).__name__}")
     kwargs = dict(forward_kwargs or {})
@@ -161,7 +163,8 @@ def _call(
                 "give the model's inputs or input_size=, not both (keyword inputs such as "
                 "use_cache=False go in forward_kwargs=)"
             )
-        return _random_inputs(input_size, dtypes, device or _device(root)), kwargs
+        where = device or (tensors[0].device if tensors else torch.device("cpu"))
+        return _random_inputs(input_size, dtypes, where), kwargs
     if dtypes is not None or device is not None:
         raise UsageError("dtypes= and device= describe input_size=; pass input_size too")
     if inputs is None:
@@ -217,22 +220,10 @@ def _arguments(named: Mapping[str, ShapeTree]) -> str:
     return ", ".join(f"{k}={format_shape(v, 1)}" for k, v in named.items())
 
 
-def _device(root: nn.Module) -> torch.device:
-    for t in (*root.parameters(), *root.buffers()):
-        return t.device
-    return torch.device("cpu")
-
-
-def _on_meta(root: nn.Module) -> bool:
-    tensors = [*root.parameters(), *root.buffers()]
-    return bool(tensors) and all(t.is_meta for t in tensors)
-
-
 def _prepare(
-    root: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, grad: bool
+    args: tuple[Any, ...], kwargs: dict[str, Any], *, meta: bool, grad: bool
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Copies of the inputs (on ``meta`` for a meta model)."""
-    meta = _on_meta(root)
 
     def copy_(_: Any, t: Tensor) -> Tensor:
         out = t.detach().to("meta") if meta and not t.is_meta else t.detach().clone()
