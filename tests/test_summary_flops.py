@@ -267,3 +267,62 @@ def test_a_dispatch_mode_inside_the_forward_keeps_counts_exact() -> None:
     s = hs.summary(Inside(), torch.randn(3, 8))
     assert s.total_flops == 4 * 2 * 3 * 8 * 8
     assert s.uncounted == {"aten.add": 4, "aten.mul": 4, "aten.sigmoid": 4}
+
+
+def test_keyboard_interrupt_inside_a_muted_call_leaves_no_mode_behind() -> None:
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    seen: list[int] = []
+
+    class Flaky(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(1)
+            y = x * torch.sigmoid(x) + x
+            if len(seen) == 3:  # the third call: a learned kind, run with the counter off
+                raise KeyboardInterrupt
+            return y
+
+    model = nn.Sequential(Flaky(), Flaky(), Flaky())
+    with pytest.raises(KeyboardInterrupt):
+        hs.summary(model, torch.ones(2, 2))
+    assert _get_current_dispatch_mode() is None
+    s = hs.summary(model, torch.ones(2, 2))  # the next summary starts clean
+    assert [r.raised for r in s.rows] == [False] * 4
+    assert s.uncounted == {"aten.add": 3, "aten.mul": 3, "aten.sigmoid": 3}
+
+
+def test_exception_caught_after_a_muted_call_counts_what_follows() -> None:
+    seen: list[int] = []
+
+    class Picky(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(1)
+            y = x * torch.sigmoid(x) + x
+            if len(seen) == 3:  # the third call: a learned kind, run muted, raises
+                raise ValueError("no")
+            return y
+
+    class Parent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates = nn.ModuleList([Picky() for _ in range(3)])
+            self.w = nn.Parameter(torch.randn(4, 4))
+
+        def forward(self, x: Tensor) -> Tensor:
+            for gate in self.gates:
+                try:
+                    x = gate(x)
+                except ValueError:
+                    x = x @ self.w  # counted: the counter is on again
+            return x
+
+    with dispatch_calls() as calls:
+        s = hs.summary(Parent(), torch.ones(3, 4))
+    assert [(r.name, r.raised) for r in s.rows] == [
+        ("", False),
+        ("gates.0", False),
+        ("gates.1", False),
+        ("gates.2", True),
+    ]
+    assert calls[0] == 3 + 3 + 1  # two watched calls, then the muted one, then the matmul
+    assert s.rows[0].flops == s.total_flops == 2 * 3 * 4 * 4
