@@ -100,3 +100,9 @@ def test_shapes_are_data_until_rendered() -> None:
     assert row.output == {"a": (2, 5), "b": [(5,), None], "n": "int"}
     assert format_shape(row.output) == "{a: [2, 5], b: ([5], None), n: int}"
     assert row.inputs == {"x": (2, 5)}
+
+
+def test_max_width_is_checked() -> None:
+    s = hs.summary(nn.Linear(3, 2), torch.ones(1, 3))
+    with pytest.raises(hs.UsageError, match=r"max_width must be None or an int >= 40, got 10"):
+        s.to_text(max_width=10)

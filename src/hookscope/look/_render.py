@@ -224,7 +224,13 @@ def footer(summary: Summary) -> list[str]:
 def _wrapped(lines: list[str], width: int | None) -> list[str]:
     if width is None:
         return lines
-    return [w for line in lines for w in textwrap.wrap(line, width, subsequent_indent="  ")]
+    return [
+        w
+        for line in lines
+        for w in textwrap.wrap(
+            line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+        )
+    ]
 
 
 def _header(summary: Summary, notes: list[str]) -> list[str]:

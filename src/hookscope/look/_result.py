@@ -171,8 +171,19 @@ class Summary:
 
     def to_text(self, *, max_width: int | None = 120) -> str:
         """The plain-text table, at most ``max_width`` columns wide where the names allow it
-        (names wrap at dots, never inside a segment); ``None``: the full table."""
+        (names wrap at dots, never inside a segment); ``None``: the full table.
+
+        Raises:
+            UsageError: ``max_width`` is not None nor an int >= 40.
+        """
         from ._render import text
+
+        if max_width is not None and (
+            isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 40
+        ):
+            from ..errors import UsageError
+
+            raise UsageError(f"max_width must be None or an int >= 40, got {max_width!r}")
 
         return text(self, max_width=max_width)
 
