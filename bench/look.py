@@ -10,7 +10,10 @@ process that only summarises the meta Llama (its time and peak RSS). Method: ben
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import importlib
+import inspect
 import resource
 import statistics
 import sys
@@ -26,14 +29,25 @@ import capture
 from _common import DASH, SETTINGS, Config, Job, Plan, Ratio, Target, Variant
 
 Result = dict[str, Any]
-TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2", "llama": "Llama-7B (meta)"}
+TITLES = {
+    "resnet50": "ResNet-50",
+    "gpt2": "GPT-2",
+    "llama": "Llama-7B (meta)",
+    "resnet50_host": "ResNet-50, 1x64² (host-bound)",
+    "gpt2_host": "GPT-2, 1x16 (host-bound)",
+}
+# On a GPU the forward's kernels run while Python launches the next ones: what a summary adds
+# is host time. These cases keep the models and shrink the inputs so that, on the CPU too,
+# the forward costs little beside its Python: the nearest this machine gets to a GPU's host.
+HOST_BOUND = ("resnet50_host", "gpt2_host")
 PEERS = ("torchinfo", "fvcore", "thop")
-BUDGETS = {"resnet50": 60, "gpt2": 90, "llama": 20}  # seconds of rounds per timing process
+BUDGETS = {"resnet50": 60, "gpt2": 90, "llama": 20, "resnet50_host": 30, "gpt2_host": 30}
 LABELS = {
     "plain": "model(x) under no_grad",
     "hs": "hs.summary(model, x): shapes, params, FLOPs per call",
     "torchinfo": "torchinfo.summary(model, input_data=x, verbose=0)",
     "flopcounter": "with no_grad(), FlopCounterMode(display=False): model(x)",
+    "bl": "the baseline revision's hs.summary (--baseline)",
 }
 
 
@@ -41,6 +55,8 @@ LABELS = {
 
 
 def build_case(name: str, quick: bool) -> capture.Case:
+    if name in HOST_BOUND:
+        return _host_bound(name)
     if name != "llama":
         return capture.build_case(name, quick)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -55,6 +71,19 @@ def build_case(name: str, quick: bool) -> capture.Case:
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     what = f"LlamaForCausalLM({'small' if quick else 'LlamaConfig()'}) on meta, ids 1x{tokens}"
     return capture.Case("llama", model, (ids,), {}, [], "", "", 0, what)
+
+
+def _host_bound(name: str) -> capture.Case:
+    if name == "resnet50_host":
+        case = capture.build_case("resnet50", True)  # capture's quick input: 1x3x64x64
+        return dataclasses.replace(case, name=name)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    what = "GPT2LMHeadModel(GPT-2 small), ids 1x16"
+    return capture.Case(name, model, (ids,), {"use_cache": False}, [], "", "", 0, what)
 
 
 def analytic_flops(config: Any, batch: int, tokens: int) -> tuple[int, int]:
@@ -202,10 +231,34 @@ def dispatch_calls(case: capture.Case) -> Result:
 # -- workers -----------------------------------------------------------------------------------
 
 
+def _baseline(path: str | None) -> Any:
+    """``hs.summary`` of the revision under ``--baseline``, called as that revision takes it
+    (before ``forward_kwargs=``: the forward's keywords as its own)."""
+    if not path:
+        return None
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    bl = importlib.import_module("hookscope_baseline")
+    new = "forward_kwargs" in inspect.signature(bl.summary).parameters
+
+    def run(case: capture.Case) -> Any:
+        if new:
+            return bl.summary(case.model, case.args, forward_kwargs=case.kwargs)
+        return bl.summary(case.model, *case.args, **case.kwargs)
+
+    return run
+
+
 def _timing(spec: Result) -> Result:
     case, skipped = build_case(spec["model"], spec["quick"]), {}
     variants = [Variant("plain", LABELS["plain"], case.plain)]
-    for key, fn in {"hs": _hs, "torchinfo": _torchinfo, "flopcounter": _flopcounter}.items():
+    tools = {"hs": _hs, "torchinfo": _torchinfo, "flopcounter": _flopcounter}
+    try:
+        if (baseline := _baseline(spec.get("baseline"))) is not None:
+            tools["bl"] = baseline
+    except Exception as e:
+        skipped["bl"] = f"{type(e).__name__}: {str(e)[:140]}"
+    for key, fn in tools.items():
         try:
             fn(case)  # a peer that is not installed or cannot run here is left out
             variants.append(Variant(key, LABELS[key], functools.partial(fn, case)))
@@ -213,7 +266,7 @@ def _timing(spec: Result) -> Result:
             skipped[key] = f"{type(e).__name__}: {str(e)[:140]}"
     samples, noise = common.run_rounds(variants, Plan(**spec["plan"]), {})
     analytic = attention = None
-    if spec["model"] != "resnet50":
+    if not spec["model"].startswith("resnet50"):
         analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
     flops, params = count_flops(case), sum(p.numel() for p in case.model.parameters())
     dispatch = dispatch_calls(case)
@@ -249,7 +302,10 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out = common.timing_jobs("look", cfg, {m: BUDGETS[m] for m in TITLES})
+    cases = [m for m in TITLES if not (cfg.quick and m in HOST_BOUND)]  # quick: small already
+    out = common.timing_jobs("look", cfg, {m: BUDGETS[m] for m in cases})
+    for job in out:
+        job.spec["baseline"] = cfg.baseline
     spec = {"kind": "rss", "quick": cfg.quick, "repeats": 2 if cfg.quick else 5}
     return [*out, Job("look", "rss_llama", spec, "defaults")]
 
@@ -259,7 +315,7 @@ def jobs(cfg: Config) -> list[Job]:
 
 def _targets(timing: dict[str, Result], rss: Result | None) -> list[Target]:
     out, what = [], "summary with FLOPs: hs.summary ÷ plain forward"
-    for model in ("resnet50", "gpt2"):
+    for model in ("resnet50", "gpt2", *HOST_BOUND):
         if model in timing:
             cell = common.paired(timing[model]["samples"], "hs", "plain")
             out.append(Target(what, TITLES[model], {SETTINGS["tuned"]: cell}, 1.15))
@@ -267,6 +323,10 @@ def _targets(timing: dict[str, Result], rss: Result | None) -> list[Target]:
             if peer is not None:  # the GPU issue's other bound: no slower than torchinfo
                 cells = {SETTINGS["tuned"]: peer}
                 out.append(Target("hs.summary ÷ torchinfo.summary", TITLES[model], cells, 1.0))
+            before = common.paired(timing[model]["samples"], "hs", "bl")
+            if before is not None:
+                cells = {SETTINGS["tuned"]: before}
+                out.append(Target("hs.summary ÷ the baseline's", TITLES[model], cells, 1.0))
     values = {}  # DESIGN.md: a 7B Llama on meta in under 5 s and 1 GB, FLOPs within 1%
     if rss:
         values["hs.summary, first call in a fresh process, s"] = (rss["times_s"][0], 5.0)
@@ -294,6 +354,8 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
     for model, run in timing.items():
         for key, label in LABELS.items():
             ms, r = common.median(run["samples"], key), common.paired(run["samples"], key, "plain")
+            if ms is None and key not in run["skipped"]:
+                continue  # the baseline, without --baseline
             label = label if ms else f"not run: {run['skipped'].get(key, '?')}"
             ms_cell = f"{ms * 1e3:.0f}" if ms else DASH
             rows.append([f"{TITLES[model]}: `{key}`", label, ms_cell, r.cell() if r else DASH])
