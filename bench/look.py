@@ -216,16 +216,16 @@ def dispatch_calls(case: capture.Case) -> Result:
         if event == "call" and frame.f_code.co_name == "__torch_dispatch__":
             seen[0] += 1
 
-    calls = []
+    calls, rows = [], 0
     for _ in range(2):
         seen[0] = 0
         sys.setprofile(profile)
         try:
-            _hs(case)
+            rows = len(_hs(case).rows)
         finally:
             sys.setprofile(None)
         calls.append(seen[0])
-    return {"ops": Ops.n, "hs_calls": calls}
+    return {"ops": Ops.n, "hs_calls": calls, "module_calls": rows}
 
 
 # -- workers -----------------------------------------------------------------------------------
@@ -387,18 +387,26 @@ def _dispatch_lines(timing: dict[str, Result]) -> list[str]:
             d = run["dispatch"]
             first, second = d["hs_calls"]
             share = f"{first / d['ops']:.2f}" if d["ops"] else DASH
-            rows.append([TITLES[model], str(d["ops"]), str(first), str(second), share])
+            modules = str(d.get("module_calls", DASH))
+            rows.append([TITLES[model], modules, str(d["ops"]), str(first), str(second), share])
     if not rows:
         return []
-    head = ["model", "operators in one forward", "hs.summary: 1st call", "2nd call", "1st ÷ ops"]
+    head = ["model", "module calls", "operators", "hs.summary: 1st call", "2nd call", "1st ÷ ops"]
     return [
         "",
-        "Python calls made per operator (untimed, CPU): the operators one plain forward runs "
-        "(a TorchDispatchMode counting them: what a counter watching every operator calls "
-        "Python for), and the `__torch_dispatch__` calls of every dispatch mode during "
-        "`hs.summary` (`sys.setprofile`), in its first and second call in the process.",
+        "Python calls made per operator (untimed, CPU): the module calls of one forward, the "
+        "operators it runs (a TorchDispatchMode counting them: what a counter watching every "
+        "operator calls Python for), and the `__torch_dispatch__` calls of every dispatch mode "
+        "during `hs.summary` (`sys.setprofile`), in its first and second call in the process.",
         "",
         *common.table(head, rows),
+        "* Why the host-bound cases miss: a summary runs Python at every module call (the "
+        "core session's pre- and post-hook, the row, the input and output shapes) and, for "
+        "the operators of calls it has not learned (parents' own code, leaf kinds seen once or "
+        "running one operator), one dispatch-mode call per operator. Where the forward itself "
+        "is cheap (small inputs here; on a GPU, any forward whose kernels run while Python "
+        "launches the next) that Python is the cost, as torchinfo's hooks are; where the "
+        "forward computes, it disappears in it.",
     ]
 
 
