@@ -3,16 +3,20 @@ forward and peers (torchinfo, ``FlopCounterMode``, fvcore, thop).
 
 Cases: HF ResNet-50 and GPT-2 small as in capture.py, and ``LlamaForCausalLM(LlamaConfig())``
 (7B) built on ``meta``. Jobs: one timing process per case (same-round ratios, then each tool's
-FLOPs against an analytic count) and one fresh process that only summarises the meta Llama
-(its time and peak RSS). Method: bench/README.md.
+FLOPs against an analytic count, and the Python dispatch calls a summary makes) and one fresh
+process that only summarises the meta Llama (its time and peak RSS). Method: bench/README.md.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
+import importlib
+import inspect
 import resource
 import statistics
+import sys
 import time
 import warnings
 from typing import Any
@@ -25,14 +29,25 @@ import capture
 from _common import DASH, SETTINGS, Config, Job, Plan, Ratio, Target, Variant
 
 Result = dict[str, Any]
-TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2", "llama": "Llama-7B (meta)"}
+TITLES = {
+    "resnet50": "ResNet-50",
+    "gpt2": "GPT-2",
+    "llama": "Llama-7B (meta)",
+    "resnet50_host": "ResNet-50, 1x64² (host-bound)",
+    "gpt2_host": "GPT-2, 1x16 (host-bound)",
+}
+# On a GPU the forward's kernels run while Python launches the next ones: what a summary adds
+# is host time. These cases keep the models and shrink the inputs so that, on the CPU too,
+# the forward costs little beside its Python: the nearest this machine gets to a GPU's host.
+HOST_BOUND = ("resnet50_host", "gpt2_host")
 PEERS = ("torchinfo", "fvcore", "thop")
-BUDGETS = {"resnet50": 60, "gpt2": 90, "llama": 20}  # seconds of rounds per timing process
+BUDGETS = {"resnet50": 60, "gpt2": 90, "llama": 20, "resnet50_host": 30, "gpt2_host": 30}
 LABELS = {
     "plain": "model(x) under no_grad",
     "hs": "hs.summary(model, x): shapes, params, FLOPs per call",
     "torchinfo": "torchinfo.summary(model, input_data=x, verbose=0)",
     "flopcounter": "with no_grad(), FlopCounterMode(display=False): model(x)",
+    "bl": "the baseline revision's hs.summary (--baseline)",
 }
 
 
@@ -40,6 +55,8 @@ LABELS = {
 
 
 def build_case(name: str, quick: bool) -> capture.Case:
+    if name in HOST_BOUND:
+        return _host_bound(name)
     if name != "llama":
         return capture.build_case(name, quick)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,6 +71,19 @@ def build_case(name: str, quick: bool) -> capture.Case:
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     what = f"LlamaForCausalLM({'small' if quick else 'LlamaConfig()'}) on meta, ids 1x{tokens}"
     return capture.Case("llama", model, (ids,), {}, [], "", "", 0, what)
+
+
+def _host_bound(name: str) -> capture.Case:
+    if name == "resnet50_host":
+        case = capture.build_case("resnet50", True)  # capture's quick input: 1x3x64x64
+        return dataclasses.replace(case, name=name)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).eval()
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    what = "GPT2LMHeadModel(GPT-2 small), ids 1x16"
+    return capture.Case(name, model, (ids,), {"use_cache": False}, [], "", "", 0, what)
 
 
 def analytic_flops(config: Any, batch: int, tokens: int) -> tuple[int, int]:
@@ -91,7 +121,7 @@ class _Positional(nn.Module):
 def _hs(case: capture.Case) -> Any:
     import hookscope as hs
 
-    return hs.summary(case.model, *case.args, **case.kwargs)
+    return hs.summary(case.model, case.args, forward_kwargs=case.kwargs)
 
 
 def _torchinfo(case: capture.Case) -> Any:
@@ -165,13 +195,70 @@ def checks(case: capture.Case, flops: dict[str, Result], analytic: int | None) -
     return [{"what": w, "value": str(v), "ok": ok} for w, v, ok in rows]
 
 
+def dispatch_calls(case: capture.Case) -> Result:
+    """Python calls per summary (untimed, CPU): the operators of one plain forward (what a
+    dispatch mode watching every operator calls Python for), and the ``__torch_dispatch__``
+    calls of any mode during ``hs.summary`` (first and second call in this process)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kw: Any = None) -> Any:
+            Ops.n += 1
+            return func(*args, **(kw or {}))
+
+    with torch.no_grad(), Ops():
+        case.forward()
+    seen = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "__torch_dispatch__":
+            seen[0] += 1
+
+    calls, rows = [], 0
+    for _ in range(2):
+        seen[0] = 0
+        sys.setprofile(profile)
+        try:
+            rows = len(_hs(case).rows)
+        finally:
+            sys.setprofile(None)
+        calls.append(seen[0])
+    return {"ops": Ops.n, "hs_calls": calls, "module_calls": rows}
+
+
 # -- workers -----------------------------------------------------------------------------------
+
+
+def _baseline(path: str | None) -> Any:
+    """``hs.summary`` of the revision under ``--baseline``, called as that revision takes it
+    (before ``forward_kwargs=``: the forward's keywords as its own)."""
+    if not path:
+        return None
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    bl = importlib.import_module("hookscope_baseline")
+    new = "forward_kwargs" in inspect.signature(bl.summary).parameters
+
+    def run(case: capture.Case) -> Any:
+        if new:
+            return bl.summary(case.model, case.args, forward_kwargs=case.kwargs)
+        return bl.summary(case.model, *case.args, **case.kwargs)
+
+    return run
 
 
 def _timing(spec: Result) -> Result:
     case, skipped = build_case(spec["model"], spec["quick"]), {}
     variants = [Variant("plain", LABELS["plain"], case.plain)]
-    for key, fn in {"hs": _hs, "torchinfo": _torchinfo, "flopcounter": _flopcounter}.items():
+    tools = {"hs": _hs, "torchinfo": _torchinfo, "flopcounter": _flopcounter}
+    try:
+        if (baseline := _baseline(spec.get("baseline"))) is not None:
+            tools["bl"] = baseline
+    except Exception as e:
+        skipped["bl"] = f"{type(e).__name__}: {str(e)[:140]}"
+    for key, fn in tools.items():
         try:
             fn(case)  # a peer that is not installed or cannot run here is left out
             variants.append(Variant(key, LABELS[key], functools.partial(fn, case)))
@@ -179,15 +266,17 @@ def _timing(spec: Result) -> Result:
             skipped[key] = f"{type(e).__name__}: {str(e)[:140]}"
     samples, noise = common.run_rounds(variants, Plan(**spec["plan"]), {})
     analytic = attention = None
-    if spec["model"] != "resnet50":
+    if not spec["model"].startswith("resnet50"):
         analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
     flops, params = count_flops(case), sum(p.numel() for p in case.model.parameters())
+    dispatch = dispatch_calls(case)
     return {
         **spec,
         "case": f"{case.description}; {params / 1e6:.1f} M parameters",
         **{"samples": samples, "noise": noise, "skipped": skipped, "flops": flops},
         **{"analytic": analytic, "attention": attention},
         "checks": checks(case, flops, analytic),
+        "dispatch": dispatch,
         "peer_versions": {p: common._version(p) for p in PEERS},
     }
 
@@ -213,7 +302,10 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out = common.timing_jobs("look", cfg, {m: BUDGETS[m] for m in TITLES})
+    cases = [m for m in TITLES if not (cfg.quick and m in HOST_BOUND)]  # quick: small already
+    out = common.timing_jobs("look", cfg, {m: BUDGETS[m] for m in cases})
+    for job in out:
+        job.spec["baseline"] = cfg.baseline
     spec = {"kind": "rss", "quick": cfg.quick, "repeats": 2 if cfg.quick else 5}
     return [*out, Job("look", "rss_llama", spec, "defaults")]
 
@@ -223,10 +315,18 @@ def jobs(cfg: Config) -> list[Job]:
 
 def _targets(timing: dict[str, Result], rss: Result | None) -> list[Target]:
     out, what = [], "summary with FLOPs: hs.summary ÷ plain forward"
-    for model in ("resnet50", "gpt2"):
+    for model in ("resnet50", "gpt2", *HOST_BOUND):
         if model in timing:
             cell = common.paired(timing[model]["samples"], "hs", "plain")
             out.append(Target(what, TITLES[model], {SETTINGS["tuned"]: cell}, 1.15))
+            peer = common.paired(timing[model]["samples"], "hs", "torchinfo")
+            if peer is not None:  # the GPU issue's other bound: no slower than torchinfo
+                cells = {SETTINGS["tuned"]: peer}
+                out.append(Target("hs.summary ÷ torchinfo.summary", TITLES[model], cells, 1.0))
+            before = common.paired(timing[model]["samples"], "hs", "bl")
+            if before is not None:
+                cells = {SETTINGS["tuned"]: before}
+                out.append(Target("hs.summary ÷ the baseline's", TITLES[model], cells, 1.0))
     values = {}  # DESIGN.md: a 7B Llama on meta in under 5 s and 1 GB, FLOPs within 1%
     if rss:
         values["hs.summary, first call in a fresh process, s"] = (rss["times_s"][0], 5.0)
@@ -246,13 +346,16 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
         "",
         "One malloc-tuned process per model runs every variant once per round, shuffled; ÷ plain "
         f"= median [q1{DASH}q3] of same-round ratios. hs.summary runs one forward under no_grad "
-        "in eval mode with module hooks and a dispatch-mode FLOP counter.",
+        "in eval mode with module hooks and a dispatch-mode FLOP counter, which is off during "
+        "leaf calls whose operators it already learned.",
         "",
     ]
     rows = []
     for model, run in timing.items():
         for key, label in LABELS.items():
             ms, r = common.median(run["samples"], key), common.paired(run["samples"], key, "plain")
+            if ms is None and key not in run["skipped"]:
+                continue  # the baseline, without --baseline
             label = label if ms else f"not run: {run['skipped'].get(key, '?')}"
             ms_cell = f"{ms * 1e3:.0f}" if ms else DASH
             rows.append([f"{TITLES[model]}: `{key}`", label, ms_cell, r.cell() if r else DASH])
@@ -263,6 +366,7 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
             f"* {TITLES[model]}: {run['case']}; {n} measured rounds (+1 warm-up) in "
             f"{run['noise']['rounds_s']:.0f} s, load average {lo:.1f}{DASH}{hi:.1f}."
         )
+    lines += _dispatch_lines(timing)
     if rss:
         t, call = rss["times_s"], f"input_size={tuple(rss['shape'])}, dtypes=[torch.long]"
         lines.append(
@@ -273,6 +377,37 @@ def _timing_section(timing: dict[str, Result], rss: Result | None) -> list[str]:
             f"meta model), peak {rss['peak_mib']:.0f} MiB."
         )
     return [*lines, ""]
+
+
+def _dispatch_lines(timing: dict[str, Result]) -> list[str]:
+    """Python dispatch calls per summary against the operators of one forward (CPU)."""
+    rows = []
+    for model, run in timing.items():
+        if "dispatch" in run:
+            d = run["dispatch"]
+            first, second = d["hs_calls"]
+            share = f"{first / d['ops']:.2f}" if d["ops"] else DASH
+            modules = str(d.get("module_calls", DASH))
+            rows.append([TITLES[model], modules, str(d["ops"]), str(first), str(second), share])
+    if not rows:
+        return []
+    head = ["model", "module calls", "operators", "hs.summary: 1st call", "2nd call", "1st ÷ ops"]
+    return [
+        "",
+        "Python calls made per operator (untimed, CPU): the module calls of one forward, the "
+        "operators it runs (a TorchDispatchMode counting them: what a counter watching every "
+        "operator calls Python for), and the `__torch_dispatch__` calls of every dispatch mode "
+        "during `hs.summary` (`sys.setprofile`), in its first and second call in the process.",
+        "",
+        *common.table(head, rows),
+        "* Why the host-bound cases miss: a summary runs Python at every module call (the "
+        "core session's pre- and post-hook, the row, the input and output shapes) and, for "
+        "the operators of calls it has not learned (parents' own code, leaf kinds seen once or "
+        "running one operator), one dispatch-mode call per operator. Where the forward itself "
+        "is cheap (small inputs here; on a GPU, any forward whose kernels run while Python "
+        "launches the next) that Python is the cost, as torchinfo's hooks are; where the "
+        "forward computes, it disappears in it.",
+    ]
 
 
 def _flops_section(timing: dict[str, Result]) -> list[str]:

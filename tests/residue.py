@@ -118,15 +118,26 @@ class ModuleState:
 
 
 def _copy(t: Tensor) -> Tensor:
+    if torch.nn.parameter.is_lazy(t):  # no values yet: a lazy marker of its own
+        return torch.nn.parameter.UninitializedBuffer()
     return t.detach().clone() if not t.is_meta else t.detach()
+
+
+def _fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(t, FakeTensor)
 
 
 def _equal_or_none(a: Tensor | None, b: Tensor | None) -> bool:
     if a is None or b is None:
         return a is b
+    lazy = torch.nn.parameter.is_lazy
+    if lazy(a) or lazy(b):  # a lazy parameter must still be lazy (not initialised)
+        return lazy(a) and lazy(b)
     if (a.device, a.dtype, a.shape) != (b.device, b.dtype, b.shape):
         return False  # moved, cast or resized
-    if a.is_meta or torch.equal(a, b):  # meta tensors hold no values
+    if a.is_meta or _fake(a) or torch.equal(a, b):  # meta and fake tensors hold no values
         return True
     if not a.is_floating_point():
         return False

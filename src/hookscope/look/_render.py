@@ -1,16 +1,29 @@
 """Render a :class:`Summary`: a plain-text table (stable, for logs and golden files) and a
-``rich`` table (the ``rich`` extra)."""
+``rich`` table (the ``rich`` extra), both fitted to a width.
+
+Fitting (:func:`fit`) never truncates: it leaves out empty columns, states a dtype shared
+by every call above the table instead of in a column, then leaves out optional columns
+(inputs, own parameters, trainable, own FLOPs: in that order) while the table is too wide,
+names each row relative to its caller's name (the tree's indentation shows the rest) and
+wraps names at dots and shapes after their top-level commas. ``max_width=None`` is the full
+table: every column, full dotted names, one line per row.
+"""
 
 from __future__ import annotations
 
+import textwrap
+from dataclasses import dataclass
 from typing import Any
 
 from .._extras import require
 from ._result import Summary, SummaryRow
+from ._shapes import format_shape
 
-__all__ = ["columns", "footer", "rich_table", "si", "text"]
+__all__ = ["fit", "footer", "rich_renderable", "si", "text"]
 
 _SEP = "  "
+_RIGHT = ("Params", "FLOPs", "Time", "Peak")
+_OPTIONAL = ("Inputs", "Params", "Trainable", "FLOPs")  # left out in this order to fit
 
 
 def si(n: float, unit: str = "") -> str:
@@ -37,31 +50,158 @@ def _exact(n: int) -> str:
     return f"{n:,} ({si(n)})" if n >= 1000 else str(n)
 
 
-def _label(row: SummaryRow, model: str) -> str:
-    name = row.name or model
+@dataclass
+class Column:
+    """One column: its header and, per row, the lines of its cell."""
+
+    header: str
+    cells: list[list[str]]
+
+    @property
+    def right(self) -> bool:
+        return self.header.startswith(_RIGHT)
+
+    @property
+    def width(self) -> int:
+        return max([len(self.header), *(len(line) for cell in self.cells for line in cell)])
+
+
+def _label(summary: Summary, i: int, relative: bool) -> str:
+    row = summary.rows[i]
+    name = row.name or summary.model
+    if relative and row.parent is not None:
+        caller = summary.rows[row.parent].name
+        if caller and name.startswith(caller + "."):
+            name = name[len(caller) + 1 :]
     return f"{name} [{row.call}/{row.calls}]" if row.calls > 1 else name
 
 
-def columns(summary: Summary) -> list[tuple[str, list[str]]]:
-    """``[(header, cells)]``: the table's columns, cells as text, one per row."""
+def _output(row: SummaryRow) -> str:
+    if row.opaque:
+        return "(TorchScript: not hooked)"
+    return "(raised)" if row.raised else format_shape(row.output)
+
+
+def columns(summary: Summary, *, relative: bool = False) -> list[Column]:
+    """Every column of the full table, one line per cell."""
     rows = summary.rows
-    cols = [
-        ("Layer", [_label(r, summary.model) for r in rows]),
-        ("Type", [r.type for r in rows]),
-        ("Inputs", [", ".join(f"{k}={v}" for k, v in r.inputs.items()) for r in rows]),
-        ("Output", ["(raised)" if r.raised else r.output for r in rows]),
-        ("Dtype", [r.dtype or "" for r in rows]),
-        ("Params", [f"{r.params:,}" for r in rows]),
-        ("Params (all)", [f"{r.params_total:,}" for r in rows]),
-        ("Trainable", [r.trainable for r in rows]),
-        ("FLOPs", [si(r.flops) for r in rows]),
-        ("FLOPs (all)", [si(r.flops_total) for r in rows]),
-    ]
+    cols = {
+        "Layer": ["  " * r.depth + _label(summary, i, relative) for i, r in enumerate(rows)],
+        "Type": [r.type for r in rows],
+        "Inputs": [
+            ", ".join(f"{k}={format_shape(v, 1)}" for k, v in r.inputs.items()) for r in rows
+        ],
+        "Output": [_output(r) for r in rows],
+        "Dtype": [r.dtype or "" for r in rows],
+        "Params": [f"{r.params:,}" for r in rows],
+        "Params (all)": [f"{r.params_total:,}" for r in rows],
+        "Trainable": [r.trainable for r in rows],
+        "FLOPs": [si(r.flops) for r in rows],
+        "FLOPs (all)": [si(r.flops_total) for r in rows],
+    }
     if any(r.time_ms is not None for r in rows):
-        times = [f"{r.time_ms:.3g}" if r.time_ms is not None else "" for r in rows]
-        cols.append(("Time ms", times))
-        cols.append(("Peak mem", [_size(r.peak_bytes or 0) for r in rows]))
-    return cols
+        cols["Time ms"] = [f"{r.time_ms:.3g}" if r.time_ms is not None else "" for r in rows]
+        cols["Peak mem"] = [_size(r.peak_bytes or 0) for r in rows]
+    return [Column(h, [[c] for c in cells]) for h, cells in cols.items()]
+
+
+def _total(cols: list[Column], sep: int) -> int:
+    return sum(c.width for c in cols) + sep * (len(cols) - 1)
+
+
+def _wrap_name(name: str, width: int) -> list[str]:
+    """Split an indented dotted name into lines of at most ``width``, only after dots."""
+    indent = len(name) - len(name.lstrip(" "))
+    lines: list[str] = []
+    current = ""
+    for segment in name.replace(".", ".\0").split("\0"):
+        if current.strip() and len(current) + len(segment) > width:
+            lines.append(current)
+            current = " " * (indent + 2)
+        current += segment
+    return [*lines, current]
+
+
+def _pieces(shape: str) -> list[str]:
+    """A shape's text cut after each top-level comma (``{a: [1, 2], b: [3]}``: two pieces)."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(shape):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 1:
+            out.append(shape[start : i + 1])
+            start = i + 2
+    return [*out, shape[start:]]
+
+
+def _wrap_shape(shape: str, width: int) -> list[str]:
+    lines: list[str] = []
+    for piece in _pieces(shape):
+        if lines and len(lines[-1]) + 1 + len(piece) <= width:
+            lines[-1] += " " + piece
+        else:
+            lines.append(piece if not lines else " " + piece)
+    return lines
+
+
+def _take(cols: list[Column], header: str) -> Column | None:
+    for c in cols:
+        if c.header == header:
+            cols.remove(c)
+            return c
+    return None
+
+
+def _shrink(cols: list[Column], header: str, budget: int, wrap: Any) -> None:
+    """Wrap one column's cells to fit ``budget`` characters where they can break."""
+    col = next((c for c in cols if c.header == header), None)
+    if col is not None and budget < col.width:
+        col.cells = [[w for line in cell for w in wrap(line, budget)] for cell in col.cells]
+
+
+def _name_floor(col: Column) -> int:
+    """The narrowest Layer column that cuts no segment of a name (continuations indent 2)."""
+    floor = 0
+    for cell in col.cells:
+        indent = len(cell[0]) - len(cell[0].lstrip(" "))
+        for segment in cell[0].strip().split("."):
+            floor = max(floor, indent + 2 + len(segment) + 1)
+    return floor
+
+
+def fit(
+    summary: Summary, width: int | None, sep: int = len(_SEP)
+) -> tuple[list[Column], list[str]]:
+    """The columns to show at ``width`` (None: all) and the notes saying what moved where."""
+    cols = columns(summary)
+    if width is None:
+        return cols, []
+    cols = [c for c in cols if any(line for cell in c.cells for line in cell)]
+    if _total(cols, sep) <= width:
+        return cols, []
+    cols[0] = columns(summary, relative=True)[0]  # the tree's indentation names the caller
+    notes, left_out = [], []
+    dtype_cells = next((c.cells for c in cols if c.header == "Dtype"), [])
+    dtypes = {line for cell in dtype_cells for line in cell if line}
+    if _total(cols, sep) > width and len(dtypes) == 1 and _take(cols, "Dtype"):
+        notes.append(f"Dtype of every output: {dtypes.pop()}")
+    for header in _OPTIONAL:
+        if _total(cols, sep) <= width:
+            break
+        if _take(cols, header):
+            left_out.append(header)
+    rest = _total(cols[1:], sep) + sep
+    _shrink(cols, "Layer", max(width - rest, _name_floor(cols[0])), _wrap_name)
+    others = _total([c for c in cols if c.header != "Output"], sep) + sep
+    _shrink(cols, "Output", max(width - others, 24), _wrap_shape)
+    if left_out:
+        notes.append(
+            f"Names are relative to their caller; left out to fit {width} columns: "
+            f"{', '.join(left_out)} (everything: to_text(max_width=None))"
+        )
+    else:
+        notes.append("Names are relative to their caller (full names: to_text(max_width=None))")
+    return cols, notes
 
 
 def footer(summary: Summary) -> list[str]:
@@ -81,66 +221,79 @@ def footer(summary: Summary) -> list[str]:
     return lines
 
 
-def _wrap_name(name: str, width: int, indent: int) -> list[str]:
-    """Split a dotted name into lines of at most ``width`` characters, only after dots."""
-    lines: list[str] = []
-    current = ""
-    for segment in name.replace(".", ".\0").split("\0"):
-        if current and len(current) + len(segment) > width:
-            lines.append(current)
-            current = " " * (indent + 2)
-        current += segment
-    return [*lines, current]
-
-
-def text(summary: Summary, *, max_width: int | None = None) -> str:
-    """The plain-text table: header, one line per call (indented by depth), totals."""
-    cols = columns(summary)
-    names = ["  " * r.depth + cell for r, cell in zip(summary.rows, cols[0][1], strict=True)]
-    cols[0] = (cols[0][0], names)
-    widths = [max(len(h), *(len(c) for c in cells)) if cells else len(h) for h, cells in cols]
-    if max_width is not None:  # wrap names at dots; a segment is never cut
-        rest = sum(widths[1:]) + len(_SEP) * (len(widths) - 1)
-        pieces = (
-            2 * r.depth + 2 + len(part) + 1  # continuation indent, segment, its dot
-            for r, name in zip(summary.rows, cols[0][1], strict=True)
-            for part in name.split(".")
+def _wrapped(lines: list[str], width: int | None) -> list[str]:
+    if width is None:
+        return lines
+    return [
+        w
+        for line in lines
+        for w in textwrap.wrap(
+            line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
         )
-        segment = max(pieces, default=0)
-        widths[0] = min(widths[0], max(max_width - rest, segment))
-    right = {h for h, _ in cols if h.startswith(("Params", "FLOPs", "Time", "Peak"))}
+    ]
+
+
+def _header(summary: Summary, notes: list[str]) -> list[str]:
+    out = [f"{summary.model} summary", summary.units]
+    if summary.inputs:
+        shown = ", ".join(f"{k}={format_shape(v, 1)}" for k, v in summary.inputs.items())
+        out.append("Inputs: " + shown)
+    return out + notes
+
+
+def text(summary: Summary, *, max_width: int | None = 120) -> str:
+    """The plain-text table: header, one line per call (indented by depth), totals."""
+    cols, notes = fit(summary, max_width)
+    widths = [c.width for c in cols]
 
     def line(cells: list[str]) -> str:
         parts = [
-            c.rjust(w) if h in right else c.ljust(w)
-            for (h, _), c, w in zip(cols, cells, widths, strict=True)
+            cell.rjust(w) if c.right else cell.ljust(w)
+            for c, cell, w in zip(cols, cells, widths, strict=True)
         ]
         return _SEP.join(parts).rstrip()
 
-    out = [f"{summary.model} summary", summary.units]
-    if summary.inputs:
-        out.append("Inputs: " + ", ".join(f"{k}={v}" for k, v in summary.inputs.items()))
+    out = _wrapped(_header(summary, notes), max_width)
     rule = "-" * (sum(widths) + len(_SEP) * (len(cols) - 1))
-    out += ["", line([h for h, _ in cols]), rule]
-    for i, row in enumerate(summary.rows):
-        cells = [c[i] for _, c in cols]
-        first, *more = _wrap_name(cells[0], widths[0], 2 * row.depth)
-        out.append(line([first, *cells[1:]]))
-        out += [line([m] + [""] * (len(cols) - 1)) for m in more]
-    out += [rule, *footer(summary)]
+    out += ["", line([c.header for c in cols]), rule]
+    for i in range(len(summary.rows)):
+        cells = [c.cells[i] for c in cols]
+        for k in range(max(len(cell) for cell in cells)):
+            out.append(line([cell[k] if k < len(cell) else "" for cell in cells]))
+    out += [rule, *_wrapped(footer(summary), max_width)]
     return "\n".join(out) + "\n"
 
 
-def rich_table(summary: Summary) -> Any:
-    """A ``rich.table.Table`` of the summary (what ``rich.print(summary)`` shows)."""
+class _Rich:
+    """Built when rich draws it, for the console's width."""
+
+    def __init__(self, summary: Summary) -> None:
+        self.summary = summary
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        yield rich_table(self.summary, options.max_width)
+
+
+def rich_renderable(summary: Summary) -> Any:
+    """What ``rich.print(summary)`` draws (needs the ``rich`` extra)."""
+    require("rich.table", "rich", purpose="rendering a summary with rich")
+    return _Rich(summary)
+
+
+def rich_table(summary: Summary, width: int) -> Any:
+    """A ``rich.table.Table`` fitted to ``width``: type names and numbers never cut."""
     table_mod = require("rich.table", "rich", purpose="rendering a summary with rich")
-    table = table_mod.Table(
-        title=f"{summary.model} summary", caption="\n".join([summary.units, *footer(summary)])
-    )
-    cols = columns(summary)
-    for header, _ in cols:
-        right = header.startswith(("Params", "FLOPs", "Time", "Peak"))
-        table.add_column(header, justify="right" if right else "left", no_wrap=header == "Layer")
-    for i, row in enumerate(summary.rows):
-        table.add_row(*("  " * row.depth + c[i] if h == "Layer" else c[i] for h, c in cols))
+    # a rich cell takes its text, one space each side and a border (and one closing border)
+    cols, notes = fit(summary, width - 4, sep=3)
+    caption = "\n".join([summary.units, *notes, *footer(summary)])
+    table = table_mod.Table(title=f"{summary.model} summary", caption=caption)
+    for c in cols:
+        table.add_column(
+            c.header,
+            justify="right" if c.right else "left",
+            no_wrap=c.header != "Output",
+            min_width=c.width if c.header != "Output" else None,
+        )
+    for i in range(len(summary.rows)):
+        table.add_row(*("\n".join(c.cells[i]) for c in cols))
     return table

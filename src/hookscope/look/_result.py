@@ -8,76 +8,31 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
+from ._shapes import ShapeTree, tree_from_json, tree_to_json
 
-__all__ = ["UNITS", "Summary", "SummaryRow", "argument_shapes", "shapes"]
+__all__ = ["UNITS", "Summary", "SummaryRow"]
 
 UNITS = (
-    "FLOPs count matrix products, convolutions and attention at the operator level; "
+    "FLOPs count matrix products, convolutions and attention per operator; "
     "1 multiply-accumulate = 2 FLOPs, MACs = FLOPs / 2"
 )
-_SHOWN = 4  # container elements shown before "..."
-
-
-def shapes(obj: Any, depth: int = 0) -> str:
-    """Compact shape notation: ``[8, 3, 224, 224]``, ``([2, 4], None)``, ``{logits: [2, 9]}``.
-
-    A mapping of call arguments (``depth=0``) renders as ``x=[2, 4], mask=[2, 1]``, leaving
-    out arguments that hold no tensor (``None``, flags, numbers).
-    """
-    if isinstance(obj, Tensor):
-        return f"[{', '.join(map(str, obj.shape))}]"
-    if obj is None:
-        return "None"
-    kids = _children(obj)
-    if kids is None:
-        return type(obj).__name__
-    if depth >= 3:
-        return "(...)" if isinstance(obj, (tuple, list)) else "{...}"
-    parts = [
-        f"{k}: {shapes(v, depth + 1)}" if keyed else shapes(v, depth + 1)
-        for k, v, keyed in kids[:_SHOWN]
-    ]
-    if len(kids) > _SHOWN:
-        parts.append(f"... {len(kids)} in all")
-    body = ", ".join(parts)
-    if isinstance(obj, (tuple, list)):
-        return f"({body},)" if len(kids) == 1 else f"({body})"
-    return f"{{{body}}}"
-
-
-def argument_shapes(arguments: Mapping[str, Any]) -> dict[str, str]:
-    """``{name: shapes(value)}`` for the call arguments that hold at least one tensor."""
-    return {k: shapes(v, 1) for k, v in arguments.items() if _has_tensor(v)}
-
-
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, Tensor):
-        return True
-    kids = _children(obj)
-    return kids is not None and any(_has_tensor(v) for _, v, _ in kids)
-
-
-def _children(obj: Any) -> list[tuple[Any, Any, bool]] | None:
-    if isinstance(obj, (tuple, list)):
-        if hasattr(obj, "_fields"):  # namedtuple: show field names
-            return [(k, v, True) for k, v in zip(obj._fields, obj, strict=True)]
-        return [(i, v, False) for i, v in enumerate(obj)]
-    if isinstance(obj, Mapping):
-        return [(k, v, True) for k, v in obj.items()]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return [(f.name, getattr(obj, f.name), True) for f in dataclasses.fields(obj)]
-    return None
 
 
 @dataclass
 class SummaryRow:
     """One module call, in execution order.
 
+    Shapes are data (see ``hookscope.look._shapes``): ``output`` is the tuple of the output's
+    sizes for a tensor (``(8, 2048, 7, 7)``), a list / dict of those for nested outputs,
+    ``None`` where the call returned nothing (or raised); ``inputs`` maps each argument that
+    holds a tensor, named after ``forward``'s signature, to its shape tree.
+
     ``flops`` are the operators that ran in this call but in none of its sub-calls (self);
     ``flops_total`` includes the sub-calls. ``call`` / ``calls``: this is use ``call`` of
     ``calls`` uses of the module in the forward. ``params`` are the module's own parameters,
     ``params_total`` those under it (each tensor once). ``raised``: the call did not return.
+    ``opaque``: a TorchScript module, which runs in C++ where PyTorch calls no Python hook,
+    so its calls are not seen (its operators count in its caller); its parameters are listed.
     ``time_ms`` (inclusive) and ``peak_bytes`` (bytes allocated by operators during the call
     above what was live when it started) are set with ``time=True``; both are approximate.
     """
@@ -88,8 +43,8 @@ class SummaryRow:
     parent: int | None = None
     call: int = 1
     calls: int = 1
-    inputs: dict[str, str] = field(default_factory=dict)
-    output: str = ""
+    inputs: dict[str, ShapeTree] = field(default_factory=dict)
+    output: ShapeTree = None
     dtype: str | None = None
     params: int = 0
     params_total: int = 0
@@ -99,6 +54,7 @@ class SummaryRow:
     output_bytes: int = 0
     uncounted: dict[str, int] = field(default_factory=dict)
     raised: bool = False
+    opaque: bool = False
     time_ms: float | None = None
     peak_bytes: int | None = None
 
@@ -114,16 +70,33 @@ class SummaryRow:
     def reused(self) -> bool:
         return self.calls > 1
 
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["inputs"] = {k: tree_to_json(v) for k, v in self.inputs.items()}
+        out["output"] = tree_to_json(self.output)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SummaryRow:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        values["inputs"] = {k: tree_from_json(v) for k, v in data.get("inputs", {}).items()}
+        values["output"] = tree_from_json(data.get("output"))
+        return cls(**values)
+
 
 @dataclass(repr=False)
 class Summary:
     """A model's forward, one :class:`SummaryRow` per module call, and its totals.
 
-    ``str(summary)`` is a plain-text table; ``summary.to_json()`` / ``Summary.from_json``
-    round-trip; printing it with ``rich`` gives a rich table. Totals: parameters and their
-    bytes count each tensor once (tied weights once, as ``model.parameters()`` does);
-    ``output_bytes`` sums the outputs of calls with no sub-calls; ``uncounted`` lists the
-    operators that do arithmetic but have no FLOP formula, with their call counts.
+    ``str(summary)`` is a plain-text table at most 120 columns wide (names wrap at dots,
+    optional columns are left out when they do not fit); ``summary.to_text(max_width=None)``
+    is the full table, every column and full names. ``summary.to_json()`` /
+    ``Summary.from_json`` round-trip; printing it with ``rich`` gives a rich table fitted
+    to the console. Totals: parameters and their bytes count each tensor once (tied weights
+    once, as ``model.parameters()`` does); ``output_bytes`` sums the outputs of calls with
+    no sub-calls; ``uncounted`` lists the operators that do arithmetic but have no FLOP
+    formula, with their call counts.
     """
 
     model: str
@@ -134,7 +107,7 @@ class Summary:
     output_bytes: int
     total_flops: int
     uncounted: dict[str, int]
-    inputs: dict[str, str] = field(default_factory=dict)
+    inputs: dict[str, ShapeTree] = field(default_factory=dict)
     units: str = UNITS
 
     @property
@@ -157,15 +130,13 @@ class Summary:
             from ..errors import UsageError
 
             raise UsageError(f"depth must be an int >= 0, got {depth!r}")
-        keep: dict[int, int] = {}  # old index -> new index
         rows: list[SummaryRow] = []
         owner: list[int] = []  # old index -> new index of the row that absorbs it
-        for i, row in enumerate(self.rows):
+        for row in self.rows:
             if row.depth <= depth or row.parent is None:
-                keep[i] = len(rows)
                 parent = None if row.parent is None else owner[row.parent]
+                owner.append(len(rows))
                 rows.append(dataclasses.replace(row, parent=parent, uncounted=dict(row.uncounted)))
-                owner.append(keep[i])
             else:
                 target = owner[row.parent]
                 owner.append(target)
@@ -176,7 +147,10 @@ class Summary:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able data (``macs`` included for convenience)."""
-        out = dataclasses.asdict(self)
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        out["rows"] = [row.to_dict() for row in self.rows]
+        out["inputs"] = {k: tree_to_json(v) for k, v in self.inputs.items()}
+        out["uncounted"] = dict(self.uncounted)
         out["total_macs"] = self.total_macs
         return out
 
@@ -187,16 +161,29 @@ class Summary:
     def from_dict(cls, data: Mapping[str, Any]) -> Summary:
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in names}
-        values["rows"] = [SummaryRow(**row) for row in data["rows"]]
+        values["rows"] = [SummaryRow.from_dict(row) for row in data["rows"]]
+        values["inputs"] = {k: tree_from_json(v) for k, v in data.get("inputs", {}).items()}
         return cls(**values)
 
     @classmethod
     def from_json(cls, text: str) -> Summary:
         return cls.from_dict(json.loads(text))
 
-    def to_text(self, *, max_width: int | None = None) -> str:
-        """The plain-text table; names longer than fit in ``max_width`` wrap at dots."""
+    def to_text(self, *, max_width: int | None = 120) -> str:
+        """The plain-text table, at most ``max_width`` columns wide where the names allow it
+        (names wrap at dots, never inside a segment); ``None``: the full table.
+
+        Raises:
+            UsageError: ``max_width`` is not None nor an int >= 40.
+        """
         from ._render import text
+
+        if max_width is not None and (
+            isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 40
+        ):
+            from ..errors import UsageError
+
+            raise UsageError(f"max_width must be None or an int >= 40, got {max_width!r}")
 
         return text(self, max_width=max_width)
 
@@ -204,6 +191,7 @@ class Summary:
         return self.to_text()
 
     def __rich__(self) -> Any:
-        from ._render import rich_table
+        """What ``rich.print(summary)`` draws: a table fitted to the console's width."""
+        from ._render import rich_renderable
 
-        return rich_table(self)
+        return rich_renderable(self)

@@ -14,7 +14,6 @@ import datetime
 import html
 import math
 import os
-import re
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -32,7 +31,7 @@ from ..core import names as names_of
 from ..diagnose import Monitor, nonfinite
 from ..errors import NonFiniteError, UsageError
 from ..explain import GradCAM, overlay, target_scores
-from ..look import Summary, feature_grids, summary
+from ..look import Summary, feature_grids, format_shape, summary
 from . import _html
 from ._findings import Finding, activations, by_kind, findings, findings_html
 from ._plots import Panel, colour_scale, layer_plot
@@ -43,7 +42,6 @@ Section = tuple[str, str, str]
 """``(id, heading, body html)`` of an extra section (the demo adds its training results)."""
 
 _PURPOSE = "the HTML report"
-_SPATIAL = re.compile(r"^[\[(](\d+), (\d+), (\d+), (\d+)[\])]$")
 
 
 def report(
@@ -100,7 +98,7 @@ def report(
     require("matplotlib", "plots", purpose="plots in the HTML report")
     names = classes if classes is not None else _id2label(model)
 
-    shape = summary(model, *(inputs if isinstance(inputs, tuple) else (inputs,)))
+    shape = summary(model, inputs)
     records, nonfinite_found = _statistics(model, inputs, targets)
     types = names_of(model)
     found = findings(
@@ -289,7 +287,7 @@ def _summary_table(shape: Summary) -> str:
         [
             "\u2003" * row.depth + (row.name or "(model)"),
             row.type,
-            row.output,
+            format_shape(row.output),
             f"{row.params_total:,}",
             f"{row.flops_total:,}",
             f"{100 * row.flops_total / total:.1f}",
@@ -338,8 +336,8 @@ def _png(image: Tensor) -> bytes:
 def _last_spatial(shape: Summary) -> str | None:
     """The last layer (in execution order) whose output is ``(N, C, H, W)`` with H, W > 1."""
     for row in reversed(shape.rows[1:]):
-        m = _SPATIAL.match(row.output)
-        if m and int(m[3]) > 1 and int(m[4]) > 1:
+        out = row.output
+        if isinstance(out, tuple) and len(out) == 4 and out[2] > 1 and out[3] > 1:
             return row.name
     return None
 
