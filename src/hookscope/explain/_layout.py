@@ -3,7 +3,8 @@
 A CAM weights the channels of a layer's output and sums them over its positions, so it must
 know which axis holds the channels. hookscope decides it, in this order:
 
-1. ``reshape=`` given by the user: its result is ``(N, C, h, w)`` (or ``(N, C, L)``).
+1. ``reshape=`` given by the user: its result is ``(N, C, h, w)`` for an image, ``(N, C, L)``
+   for a 1-D signal.
 2. The layer's own type, where it fixes the layout: convolutions, batch / instance / group
    norms, pooling, channel dropout, upsampling and padding put channels first; ``nn.Linear``
    and a ``LayerNorm`` over one dimension act on the last axis, so channels are last.
@@ -86,7 +87,7 @@ def grid_for(
         UsageError: the layout is ambiguous or cannot be placed on the input.
     """
     if reshape is not None:
-        return _custom(reshape)
+        return _custom(reshape, line=len(size) == 1)
     side = _side(module)
     if len(shape) == 4 and len(size) == 2:
         return _four(shape, side, layer, size)
@@ -186,15 +187,18 @@ def _token_grid(tokens: int, size: tuple[int, ...]) -> tuple[int, tuple[int, int
     return None
 
 
-def _custom(reshape: Callable[[Tensor], Tensor]) -> Grid:
+def _custom(reshape: Callable[[Tensor], Tensor], line: bool) -> Grid:
+    want = 3 if line else 4
+
     def place(t: Tensor) -> Tensor:
         out = reshape(t)
-        if not isinstance(out, Tensor) or out.dim() not in (3, 4):
+        if not isinstance(out, Tensor) or out.dim() != want:
             got = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
-            raise UsageError(f"reshape= must return (N, C, h, w) or (N, C, L), got {got}")
-        return out[:, :, None] if out.dim() == 3 else out
+            shape = "(N, C, L) for a 1-D input" if line else "(N, C, h, w) for an image"
+            raise UsageError(f"reshape= must return {shape}, got {got}")
+        return out[:, :, None] if line else out
 
-    return Grid("reshape=", place, None)
+    return Grid("reshape=", place, None, line=line)
 
 
 def _same(t: Tensor) -> Tensor:
