@@ -11,8 +11,10 @@ compiled one, pytorch-grad-cam and Captum, and counts taken by the test itself (
 from __future__ import annotations
 
 import copy
+import gc
 import importlib.util
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,8 @@ REQUIRED: dict[str, Callable[[nn.Module], Any]] = {
 
 #: the model's calls, counted by the models themselves (not by a hook hookscope could see)
 CALLS: list[int] = []
+#: a tensor of each forward that only the autograd graph keeps (ReLU saves its result)
+SAVED: list[weakref.ref[Tensor]] = []
 
 
 class Block(nn.Module):
@@ -65,7 +69,10 @@ class Net(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.counted:
             CALLS.append(len(x))
-        h = self.block(self.relu(self.stem(x)))
+        r = self.relu(self.stem(x))
+        if self.counted:
+            SAVED.append(weakref.ref(r))
+        h = self.block(r)
         if isinstance(h, tuple):
             h = h[0]
         return self.head(self.act(h).mean((2, 3)))
@@ -113,6 +120,7 @@ def _count() -> Iterator[None]:
     CALLS.clear()
     yield
     CALLS.clear()
+    SAVED.clear()
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -227,6 +235,17 @@ def test_a_layer_returning_a_tuple_explains_its_tensor(name: str) -> None:
     assert plain.raw.abs().sum() > 0
     torch.testing.assert_close(tupled.raw, plain.raw, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(tupled.maps, plain.maps, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_nothing_of_the_forward_outlives_the_call(name: str) -> None:
+    """The forward's autograd graph (and what it saved) is freed when the call returns."""
+    info = METHODS[name]
+    method = build(info, Net(), **options(info))
+    exp = method(_x(), targets=[1, 2, 3])
+    gc.collect()
+    assert SAVED and all(ref() is None for ref in SAVED)
+    assert exp.raw.grad_fn is None and not exp.scores.requires_grad
 
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy")

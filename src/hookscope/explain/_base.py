@@ -165,9 +165,13 @@ class LayerMethod:
         tap.values = True
         inputs = with_grad(x, image)[0] if grad else x
         with torch.set_grad_enabled(grad):
-            with tap:
-                output = call_model(self.model, inputs)
-            act, edge, shape = tap.one()
+            try:
+                with tap:
+                    output = call_model(self.model, inputs)
+            except BaseException:
+                tap.seen = []  # what it holds keeps the forward's graph alive
+                raise
+            act, edge, shape = tap.take()
             s, index = target.score(output)
             grid = self._grid(shape, image)
             grads = grid.place(self._gradient(s, edge)) if grad else None

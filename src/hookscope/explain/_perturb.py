@@ -74,7 +74,7 @@ class Perturbation(LayerMethod):
         tap.values = False  # the shape is enough
         with run_eagerly(self.model), evaluating(tap), torch.no_grad(), tap:
             call_model(self.model, x)
-        shape = tap.one()[2]
+        shape = tap.take()[2]
         grid = self._grid(shape, image)
         if grid.channel_dim is not None:
             return shape[grid.channel_dim]

@@ -69,15 +69,17 @@ class Tap(_OneLayer):
         value = t.detach().clone() if self.values else None
         self.seen.append((value, edge, tuple(t.shape)))
 
-    def one(self) -> tuple[Tensor | None, Any, tuple[int, ...]]:
-        """What the layer's only call in the forward gave; refuses zero or several calls."""
-        if len(self.seen) != 1:
-            why = "did not run" if not self.seen else f"ran {len(self.seen)} times"
+    def take(self) -> tuple[Tensor | None, Any, tuple[int, ...]]:
+        """What the layer's only call in the forward gave, forgotten here (a gradient edge
+        keeps the forward's whole graph alive); refuses zero or several calls."""
+        seen, self.seen = self.seen, []
+        if len(seen) != 1:
+            why = "did not run" if not seen else f"ran {len(seen)} times"
             raise UsageError(
                 f"layer {self.name!r} {why} in the forward; a CAM needs a layer that runs "
                 "exactly once per forward"
             )
-        return self.seen[0]
+        return seen[0]
 
 
 class Ablate(_OneLayer):

@@ -39,8 +39,11 @@ class AblationCAM(Perturbation):
             session.change = lambda t: zeroed(t, ctx.grid, channels)
             return self._run(ctx, rows, ctx.image[rows])
 
-        with session:
-            s = self._scores(ctx, pairs_of(chosen), run).view(chosen.shape)
+        try:
+            with session:
+                s = self._scores(ctx, pairs_of(chosen), run).view(chosen.shape)
+        finally:
+            session.change = None  # it holds this batch's context
         base = ctx.scores[:, None]
         drop = (base - s) / (base + 1e-7)
         weights = torch.zeros(ctx.acts.shape[:2], dtype=ctx.acts.dtype, device=ctx.acts.device)
