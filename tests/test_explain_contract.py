@@ -330,6 +330,22 @@ def test_a_layer_that_does_not_reach_the_output_is_named(name: str, extra: dict[
         method(_x(), targets=[0, 1, 2])
 
 
+class Detached(Dead):
+    """The model cuts the graph before ``side``, which it then uses."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.side(torch.relu(self.stem(x)).detach())
+        return self.head(h.mean((2, 3)))
+
+
+@pytest.mark.parametrize(("name", "extra"), _gradient_layer_methods())
+def test_a_layer_cut_from_the_graph_says_why(name: str, extra: dict[str, Any]) -> None:
+    frozen = Detached().requires_grad_(False)
+    method = build(METHODS[name], frozen, "side", **extra)
+    with pytest.raises(hs.UsageError, match=r"'side''s output does not require grad \(nothing"):
+        method(_x(), targets=[0, 1, 2])
+
+
 # -- peers ---------------------------------------------------------------------------------
 
 

@@ -185,8 +185,9 @@ class LayerMethod:
         """d sum(scores) / d (layer output), by ``autograd.grad`` to the layer only."""
         if edge is None:
             raise UsageError(
-                f"layer {self.layer!r}'s output does not require grad (was the model run "
-                "under torch.inference_mode()?), so it has no gradient"
+                f"layer {self.layer!r}'s output does not require grad ({self._tap.why}), so it "
+                "has no gradient: run the method outside torch.inference_mode(), and check "
+                "that the model does not detach what reaches the layer"
             )
         grad = None
         if s.requires_grad:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import HookSet, ModuleCall, Session, leaves, map_tensors
+from ..core import HookSet, ModuleCall, Session, leaves, map_tensors, why_no_grad
 from ..errors import UsageError
 
 __all__ = ["Ablate", "Plain", "Tap", "first_float"]
@@ -58,6 +58,7 @@ class Tap(_OneLayer):
         super().__init__(model, layer, method)
         self.values = True
         self.seen: list[tuple[Tensor | None, Any, tuple[int, ...]]] = []
+        self.why = ""  # why the output has no gradient edge, when it has none
 
     def _new_pass(self) -> None:
         self.seen.clear()
@@ -65,6 +66,7 @@ class Tap(_OneLayer):
     def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
         t = first_float(output, self.name)
         edge = torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None
+        self.why = "" if t.requires_grad else why_no_grad()
         # a copy: the model may change its output in place later (ReLU(inplace=True))
         value = t.detach().clone() if self.values else None
         self.seen.append((value, edge, tuple(t.shape)))
