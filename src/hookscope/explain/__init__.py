@@ -1,10 +1,14 @@
-"""Explain: the CAM family of attribution maps, batched, for CNNs and vision transformers.
+"""Explain: the CAM family of attribution maps, batched, for CNNs, vision transformers and
+1-D signals.
 
-Faithfulness metrics live in ``hookscope.explain.metrics``.
+Every method is listed in :data:`METHODS` (a :class:`MethodInfo` each). A new CAM method is
+one file in ``methods/``: a :class:`LayerMethod` subclass whose ``combine(ctx)`` turns a
+:class:`Context` (activations, gradients, targets) into maps, and a ``register(MethodInfo(...))``
+call. Faithfulness metrics live in ``hookscope.explain.metrics``.
 """
 
 from . import metrics
-from ._base import Explanation, LayerMethod, normalize
+from ._base import Context, Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
@@ -27,6 +31,7 @@ __all__ = [
     "CAM",
     "METHODS",
     "AblationCAM",
+    "Context",
     "EigenCAM",
     "Explanation",
     "GradCAM",

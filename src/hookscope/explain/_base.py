@@ -1,20 +1,20 @@
 """The template every layer-attribution method (the CAM family) fills in.
 
-The base owns the forward (eval mode, restored after; gradients on even under ``no_grad``),
-the activation of the target layer, targets, batching, the gradient and post-processing. A
-method adds only :meth:`LayerMethod.combine`: activations ``(N, C, h, w)`` and gradients ->
-maps ``(N, h, w)``.
+The base owns the forward (eval mode, restored after; gradients on even under ``no_grad``
+when the method needs them), the layer's output (through a :class:`~._session.Tap`), where
+its channels are (``_layout``), targets, batching, the gradient and post-processing. A method
+adds only :meth:`LayerMethod.combine`, which gets everything it may use in a
+:class:`Context`: activations ``(N, C, h, w)`` and gradients -> maps ``(N, h, w)``.
 
 Gradients come from ``torch.autograd.grad`` to the layer only: the backward stops at the
-layer and no parameter's ``.grad`` is touched. The activation's gradient edge is taken in the
-forward hook, so an in-place change of the layer's output further on (``h += residual``) does
-not redirect the gradient to the changed tensor.
+layer and no parameter's ``.grad`` is touched. Nothing is read back from the device on the
+way (targets are checked on the host, see ``_targets``).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -22,19 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import HookSet, Layers, call_model, leaves, map_tensors, training_mode
+from ..core import call_model, leaves, map_tensors, run_eagerly, training_mode
 from ..errors import UsageError
-from ._targets import Target, scores
+from ._layout import Grid, grid_for, spatial_size
+from ._session import Tap
+from ._targets import Resolved, Target, resolve
 
-__all__ = ["Explanation", "LayerMethod", "normalize", "to_grid"]
+__all__ = ["Context", "Explanation", "LayerMethod", "normalize"]
 
 
 @dataclass(frozen=True)
 class Explanation:
     """Maps for a batch: ``raw`` at the layer's resolution ``(N, h, w)``, as the method defines
     it (ReLU where the paper applies one; signed otherwise), and ``maps`` upsampled to the
-    input's size ``(N, H, W)``; ``targets`` are the class indices used (None for callable
-    targets) and ``scores`` each sample's target score."""
+    input's size ``(N, H, W)`` (for a 1-D signal ``(N, L)`` and ``(N, L_in)``; input-space
+    methods give ``(N, C, H, W)`` for both); ``targets`` are the class indices used (None for
+    callable targets) and ``scores`` each sample's target score."""
 
     raw: Tensor
     maps: Tensor
@@ -60,47 +63,44 @@ def normalize(maps: Tensor, *, per: Literal["image", "batch"] = "image") -> Tens
     return out.reshape(maps.shape)
 
 
-def to_grid(act: Tensor, size: tuple[int, int] | None) -> Tensor:
-    """Layer output as ``(N, C, h, w)``: conv maps as they are; tokens ``(N, T, C)`` on the
-    patch grid of an input of ``size`` (H, W), leading CLS / distillation / register tokens
-    dropped; ``(N, h, w, C)`` channels-last maps (Swin, ConvNeXt stages) moved to channels
-    first."""
-    if act.dim() == 4:
-        if size is not None and act.shape[1] != act.shape[3]:
-            h, w = act.shape[1], act.shape[2]
-            if math.isclose(h / w, size[0] / size[1]) and act.shape[3] > act.shape[1]:
-                return act.permute(0, 3, 1, 2)  # channels last
-        return act
-    if act.dim() != 3:
-        raise UsageError(
-            f"the layer's output has shape {tuple(act.shape)}: CAMs need (N, C, h, w) maps or "
-            "(N, tokens, C) token sequences; pick another layer or pass reshape="
-        )
-    n, t, c = act.shape
-    grid = _token_grid(t, size)
-    if grid is None:
-        raise UsageError(
-            f"cannot place {t} tokens on a grid for an input of size {size}: pass reshape= "
-            "(a function (N, T, C) -> (N, C, h, w))"
-        )
-    prefix, (h, w) = grid
-    return act[:, prefix:].reshape(n, h, w, c).permute(0, 3, 1, 2)
+@dataclass(frozen=True)
+class Context:
+    """Everything :meth:`LayerMethod.combine` may use for one batch.
 
+    Attributes:
+        acts: the layer's output as maps ``(N, C, h, w)`` (1-D signals: ``h = 1``).
+        grads: the target scores' gradient w.r.t. it, same shape; None for gradient-free
+            methods.
+        targets: the class indices explained ``(N,)``; None for callable targets.
+        scores: each sample's target score ``(N,)``, detached.
+        inputs: the model's inputs as given.
+        image: the image tensor in them ``(N, C, H, W)`` (or ``(N, C, L)``).
+        target: the checked targets, to score the outputs of extra forwards.
+        grid: how the layer's output became ``acts`` (Ablation-CAM changes the output itself).
+    """
 
-def _token_grid(tokens: int, size: tuple[int, int] | None) -> tuple[int, tuple[int, int]] | None:
-    """(prefix tokens, (h, w)): the fewest leading tokens (CLS, distillation, registers) whose
-    removal leaves an h x w grid with the input's aspect ratio."""
-    for prefix in range(0, min(tokens, 9)):
-        rest = tokens - prefix
-        for h in range(1, rest + 1):
-            if rest % h:
-                continue
-            w = rest // h
-            if size is None and h == w:
-                return prefix, (h, w)
-            if size is not None and h * size[1] == w * size[0]:
-                return prefix, (h, w)
-    return None
+    acts: Tensor
+    grads: Tensor | None
+    targets: Tensor | None
+    scores: Tensor
+    inputs: Any
+    image: Tensor
+    target: Resolved
+    grid: Grid
+
+    @property
+    def gradient(self) -> Tensor:
+        """``grads``, for the methods that declare ``needs_grad`` (always computed then)."""
+        if self.grads is None:
+            raise RuntimeError("this method needs gradients: set needs_grad = True on it")
+        return self.grads
+
+    @property
+    def classes(self) -> Tensor:
+        """``targets``, for the methods that declare ``class_targets`` (never None then)."""
+        if self.targets is None:
+            raise RuntimeError("this method needs class targets: set class_targets = True")
+        return self.targets
 
 
 class LayerMethod:
@@ -108,15 +108,19 @@ class LayerMethod:
 
     Args:
         model: the model (left as found: eval mode during the call, restored after).
-        layer: one layer's name (or any selector matching exactly one layer).
-        reshape: turn the layer's output into ``(N, C, h, w)`` yourself (default: inferred,
-            see :func:`to_grid`).
+        layer: one layer's name (or any selector matching exactly one layer). The first
+            floating-point tensor it returns is explained (tuple and dict outputs work).
+        reshape: turn the layer's output into ``(N, C, h, w)`` yourself (default: decided
+            from the layer's type and the shapes, see ``hookscope.explain._layout``).
+
+    Raises:
+        UsageError: the selector matches no layer or several.
     """
 
     name: ClassVar[str] = ""
     relu: ClassVar[bool] = True  # the paper's ReLU on the weighted sum
     needs_grad: ClassVar[bool] = True
-    reference: ClassVar[str] = ""
+    class_targets: ClassVar[bool] = False  # only class indices make sense (CAM's weights)
 
     def __init__(
         self,
@@ -125,76 +129,102 @@ class LayerMethod:
         *,
         reshape: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
-        found = Layers(model).select(layer)
-        if len(found) != 1:
-            raise UsageError(
-                f"{type(self).__name__} explains one layer; {layer!r} matches {len(found)}: "
-                f"{sorted(found)[:5]}"
-            )
-        ((self.layer, self.module),) = found.items()
+        self._tap = Tap(model, layer, type(self).__name__)
+        self.layer, self.module = self._tap.name, self._tap.module
         self.model = model
         self.reshape = reshape
 
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         """Explain a batch ``x`` (a tensor, or a tuple / mapping of the model's inputs; the
-        first tensor is the image) for ``targets`` (see :mod:`._targets`)."""
-        image = _image(x)
-        acts, grads, s, index = self._forward(x, image, targets)
-        self.call = (x, image, targets, s.detach())  # for methods that run the model again
-        try:
-            cam = self.combine(acts, grads, index)
-        finally:
-            del self.call
+        first floating-point tensor is the image) for ``targets`` (see ``_targets``).
+
+        Raises:
+            UsageError: bad targets; a layer that does not run exactly once, whose layout
+                is ambiguous, or (gradient methods) that does not influence the target.
+        """
+        image = image_of(x)
+        target = resolve(targets, image.shape[0]).to(image.device)
+        if self.class_targets and target.fn is not None:
+            raise UsageError(
+                f"{type(self).__name__} explains classes: pass class indices as targets= "
+                "(or None for each image's top class), not a callable"
+            )
+        with run_eagerly(self.model), evaluating(self._tap):
+            ctx = self._forward(x, image, target)
+            cam = self.combine(ctx)
         if self.relu:
             cam = cam.clamp_min(0)
-        size = tuple(image.shape[-2:])
-        maps = F.interpolate(cam[:, None], size=size, mode="bilinear", align_corners=False)[:, 0]
-        return Explanation(cam, maps, index, s.detach(), self.name, self.layer)
+        return self._explanation(cam, ctx)
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        """The method itself: ``(N, C, h, w)`` activations and gradients -> ``(N, h, w)``."""
+    def combine(self, ctx: Context) -> Tensor:
+        """The method itself: ``ctx.acts`` (and ``ctx.grads``) -> maps ``(N, h, w)``."""
         raise NotImplementedError
 
-    def _forward(
-        self, x: Any, image: Tensor, targets: Target
-    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor | None]:
-        seen: list[tuple[Tensor, Any]] = []
+    def _forward(self, x: Any, image: Tensor, target: Resolved) -> Context:
+        tap, grad = self._tap, self.needs_grad
+        tap.values = True
+        inputs = with_grad(x, image)[0] if grad else x
+        with torch.set_grad_enabled(grad):
+            try:
+                with tap:
+                    output = call_model(self.model, inputs)
+            except BaseException:
+                tap.seen = []  # what it holds keeps the forward's graph alive
+                raise
+            act, edge, shape = tap.take()
+            s, index = target.score(output)
+            grid = self._grid(shape, image)
+            grads = grid.place(self._gradient(s, edge)) if grad else None
+        assert act is not None  # tap.values is set
+        return Context(grid.place(act), grads, index, s.detach(), x, image, target, grid)
 
-        def grab(module: nn.Module, args: Any, output: Any) -> None:
-            tensor = next((t for _, t in leaves(output)), None)
-            if tensor is None:
-                raise UsageError(f"layer {self.layer!r} returned no tensor to explain")
-            edge = torch.autograd.graph.get_gradient_edge(tensor) if tensor.requires_grad else None
-            seen.append((tensor.detach().clone(), edge))
+    def _grid(self, shape: tuple[int, ...], image: Tensor) -> Grid:
+        return grid_for(shape, self.module, self.layer, spatial_size(image), self.reshape)
 
-        hooks = HookSet()
-        try:
-            hooks.forward(self.module, grab)
-            with training_mode(self.model, False), torch.enable_grad():
-                output = call_model(self.model, _with_grad(x, image)[0])
-                if len(seen) != 1:
-                    raise UsageError(
-                        f"layer {self.layer!r} ran {len(seen)} times in one forward; a CAM needs "
-                        "a layer that runs once"
-                    )
-                s, index = scores(output, targets, image.shape[0])
-                grads = None
-                if self.needs_grad:
-                    if seen[0][1] is None:
-                        raise UsageError(
-                            f"layer {self.layer!r}'s output does not require grad (was the "
-                            "model run under torch.inference_mode()?), so it has no gradient"
-                        )
-                    (grads,) = torch.autograd.grad(s.sum(), inputs=[seen[0][1]])
-        finally:
-            hooks.close()
-        size = (image.shape[-2], image.shape[-1])
-        shape = self.reshape or (lambda t: to_grid(t, size))
-        acts = shape(seen[0][0])
-        return acts, None if grads is None else shape(grads.detach()), s, index
+    def _gradient(self, s: Tensor, edge: Any) -> Tensor:
+        """d sum(scores) / d (layer output), by ``autograd.grad`` to the layer only."""
+        if edge is None:
+            raise UsageError(
+                f"layer {self.layer!r}'s output does not require grad ({self._tap.why}), so it "
+                "has no gradient: run the method outside torch.inference_mode(), and check "
+                "that the model does not detach what reaches the layer"
+            )
+        grad = None
+        if s.requires_grad:
+            (grad,) = torch.autograd.grad(s.sum(), inputs=[edge], allow_unused=True)
+        if grad is None:
+            raise UsageError(
+                f"layer {self.layer!r} does not influence the target scores: its output never "
+                "reaches them (a branch whose result the model does not use, e.g. a last "
+                "stage the classifier does not read), so its gradient does not exist. "
+                "Explain a layer on the path from the input to the output"
+            )
+        return grad.detach()
+
+    def _explanation(self, cam: Tensor, ctx: Context) -> Explanation:
+        size = spatial_size(ctx.image)
+        grid = size if len(size) == 2 else (1, size[0])
+        maps = F.interpolate(cam[:, None], size=grid, mode="bilinear", align_corners=False)
+        maps = maps[:, 0]
+        if ctx.grid.line:  # 1-D: (N, 1, L) -> (N, L)
+            cam, maps = cam[:, 0], maps[:, 0]
+        return Explanation(cam, maps, ctx.targets, ctx.scores, self.name, self.layer)
 
 
-def _image(x: Any) -> Tensor:
+@contextlib.contextmanager
+def evaluating(session: Any) -> Iterator[None]:
+    """Eval mode for the call, every module's flag restored after; nothing to do (and no
+    pass over the modules) when every module is already in eval mode, the usual case."""
+    modules = [session.model, session.layers.root, *session.layers.modules.values()]
+    if not any(m.training for m in modules):
+        yield
+        return
+    with training_mode(session.model, False):
+        yield
+
+
+def image_of(x: Any) -> Tensor:
+    """The image in the inputs: ``x`` itself, or their first floating-point tensor."""
     if isinstance(x, Tensor):
         image = x
     else:
@@ -202,11 +232,14 @@ def _image(x: Any) -> Tensor:
         if image is None:
             raise UsageError("the inputs hold no floating-point image tensor to explain")
     if image.dim() < 3:
-        raise UsageError(f"expected a batch of images (N, C, H, W), got shape {tuple(image.shape)}")
+        raise UsageError(
+            f"expected a batch of images (N, C, H, W) or signals (N, C, L), got shape "
+            f"{tuple(image.shape)}"
+        )
     return image
 
 
-def _with_grad(x: Any, image: Tensor) -> tuple[Any, Tensor]:
+def with_grad(x: Any, image: Tensor) -> tuple[Any, Tensor]:
     """``(inputs, copy)``: the inputs with the image, wherever it sits in them, replaced by a
     copy that requires grad (the layer then has a gradient even when every parameter is
     frozen), and that copy."""

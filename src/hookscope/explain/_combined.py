@@ -12,7 +12,7 @@ from ..errors import UsageError
 from ._base import Explanation
 from ._input import GuidedBackprop
 from ._registry import MethodInfo, register
-from ._targets import Target
+from ._targets import Resolved, Target
 from .methods import GradCAM
 
 __all__ = ["GuidedGradCAM", "SmoothGrad"]
@@ -49,7 +49,7 @@ class SmoothGrad:
         if not isinstance(x, Tensor):
             raise UsageError("SmoothGrad adds noise to an image tensor: pass x as a tensor")
         first = self.method(x, targets=targets)
-        fixed = first.targets if first.targets is not None else targets
+        fixed = _same_targets(first, targets)
         span = (
             x.amax(dim=tuple(range(1, x.dim())), keepdim=True)
             - x.amin(dim=tuple(range(1, x.dim())), keepdim=True)
@@ -86,10 +86,16 @@ class GuidedGradCAM:
 
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         cam = self.gradcam(x, targets=targets)
-        fixed = cam.targets if cam.targets is not None else targets
+        fixed = _same_targets(cam, targets)
         guided = self.guided(x, targets=fixed)
         raw = guided.raw * cam.maps[:, None].to(guided.raw)
         return Explanation(raw, raw, cam.targets, cam.scores, "guided_gradcam", cam.layer)
+
+
+def _same_targets(first: Explanation, targets: Target) -> Any:
+    """What makes the next passes explain what the first one did: its class indices (no need
+    to check them again) or the same callable."""
+    return Resolved.fixed(first.targets) if first.targets is not None else targets
 
 
 register(
@@ -109,5 +115,6 @@ register(
         "layer",
         gradients=True,
         reference="Selvaraju et al., Grad-CAM, ICCV 2017 (Guided Grad-CAM)",
+        per_channel=True,
     )
 )

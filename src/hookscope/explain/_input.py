@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..core import call_model, training_mode
+from ..core import call_model, run_eagerly
 from ..errors import UsageError
-from ._base import Explanation, _image, _with_grad
+from ._base import Explanation, evaluating, image_of, with_grad
 from ._registry import MethodInfo, register
-from ._targets import Target, scores
+from ._session import Plain
+from ._targets import Target, resolve
 
 __all__ = ["GuidedBackprop", "InputMethod", "Saliency"]
 
@@ -76,15 +77,19 @@ class InputMethod:
     name: ClassVar[str] = ""
 
     def __init__(self, model: nn.Module) -> None:
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"expected a torch.nn.Module, got {type(model).__name__}")
+        self._session = Plain(model)  # refuses a non-module, and what no session can follow
         self.model = model
 
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
-        image = _image(x)
-        inputs, leaf = _with_grad(x, image)
-        with training_mode(self.model, False), torch.enable_grad(), self._mode() as mode:
-            s, index = scores(call_model(self.model, inputs), targets, image.shape[0])
+        """Explain a batch ``x`` (a tensor, or a tuple / mapping of the model's inputs; the
+        first floating-point tensor is the image) for ``targets`` (see ``_targets``)."""
+        image = image_of(x)
+        target = resolve(targets, image.shape[0]).to(image.device)
+        inputs, leaf = with_grad(x, image)
+        session = self._session
+        with run_eagerly(self.model), evaluating(session), session, torch.enable_grad():
+            with self._mode() as mode:
+                s, index = target.score(call_model(self.model, inputs))
             self._check(mode)
             (grad,) = torch.autograd.grad(s.sum(), leaf)
         raw = self.post(grad.detach())
@@ -144,6 +149,7 @@ register(
         "input",
         gradients=True,
         reference="Simonyan et al., Deep Inside Convolutional Networks, ICLR 2014",
+        per_channel=True,
     )
 )
 register(
@@ -153,5 +159,6 @@ register(
         "input",
         gradients=True,
         reference="Springenberg et al., Striving for Simplicity, ICLR 2015",
+        per_channel=True,
     )
 )

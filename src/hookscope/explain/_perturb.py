@@ -6,6 +6,7 @@ forwards are batched (``batch_size``), and a budget (``top_k`` channels per imag
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -13,12 +14,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._progress import progress, wanted
-from ..core import HookSet, call_model, leaves, map_tensors, training_mode
+from ..core import call_model, map_tensors, run_eagerly
 from ..errors import UsageError
-from ._base import LayerMethod, normalize
-from ._targets import Target, scores
+from ._base import Context, LayerMethod, evaluating, image_of, normalize
+from ._layout import spatial_size
+from ._targets import Resolved
 
-__all__ = ["Perturbation"]
+__all__ = ["Perturbation", "pairs_of", "upsampled_masks"]
 
 
 class Perturbation(LayerMethod):
@@ -62,78 +64,76 @@ class Perturbation(LayerMethod):
     def cost(self, x: Any) -> dict[str, int]:
         """``{"forwards": images run again, "calls": model calls}`` for this batch, found from
         the layer's channel count (one forward of the batch without gradients)."""
-        with torch.no_grad():
-            channels = self._channels(x)
-        n = self._batch(x)
+        image = image_of(x)
+        n, channels = image.shape[0], self._channels(x, image)
         k = min(self.top_k or channels, channels)
         return {"forwards": n * k, "calls": math.ceil(n * k / self.batch_size)}
 
-    def _channels(self, x: Any) -> int:
-        seen: list[int] = []
-        hooks = HookSet()
-        try:
-            hooks.forward(self.module, lambda m, a, out: seen.append(_first(out).shape[1]))
-            with training_mode(self.model, False):
-                call_model(self.model, x)
-        finally:
-            hooks.close()
-        return seen[0]
+    def _channels(self, x: Any, image: Tensor) -> int:
+        tap = self._tap
+        tap.values = False  # the shape is enough
+        with run_eagerly(self.model), evaluating(tap), torch.no_grad(), tap:
+            call_model(self.model, x)
+        shape = tap.take()[2]
+        grid = self._grid(shape, image)
+        if grid.channel_dim is not None:
+            return shape[grid.channel_dim]
+        return int(grid.place(torch.zeros((1, *shape[1:]))).shape[1])
 
-    @staticmethod
-    def _batch(x: Any) -> int:
-        return next(t for _, t in leaves(x)).shape[0]
-
-    def _chosen(self, acts: Tensor, grads: Tensor | None) -> Tensor:
+    def _chosen(self, ctx: Context) -> Tensor:
         """``(N, K)`` channel indices to explore per image."""
+        acts = ctx.acts
         k = min(self.top_k or acts.shape[1], acts.shape[1])
         weight = acts.mean((2, 3))
-        if grads is not None:
-            weight = weight * grads.mean((2, 3))
+        if ctx.grads is not None:
+            weight = weight * ctx.grads.mean((2, 3))
         return weight.topk(k, dim=1).indices
 
-    def _scores(self, targets: Target, index: Tensor | None, run: Any, pairs: Tensor) -> Tensor:
+    def _scores(self, ctx: Context, pairs: Tensor, run: Callable[[Tensor], Any]) -> Tensor:
         """Target scores of the perturbed forwards: ``pairs`` (M, 2) of (image, channel);
-        ``run(rows)`` runs the model for a chunk of those pairs."""
+        ``run(chunk)`` runs the model for a chunk of those pairs."""
         out = []
         with progress(len(pairs), type(self).__name__, self.progress) as advance:
             for chunk in torch.split(pairs, self.batch_size):
-                output = run(chunk)
-                sample = chunk[:, 0]
-                if callable(targets) and not isinstance(targets, Tensor):
-                    s, _ = scores(output, targets, len(chunk))
-                else:
-                    assert index is not None
-                    s, _ = scores(output, index[sample].tolist(), len(chunk))
+                rows = chunk[:, 0]
+                s, _ = _chunk_target(ctx, rows).score(run(chunk))
                 out.append(s.detach())
                 advance(len(chunk))
         return torch.cat(out)
 
-    def _run(self, x: Any, image: Tensor, rows: Tensor, images: Tensor) -> Any:
+    def _run(self, ctx: Context, rows: Tensor, images: Tensor) -> Any:
         """The model on ``images`` standing for samples ``rows`` of the batch: other batched
         inputs (masks, ids) are taken at the same rows."""
-        n = image.shape[0]
+        n = ctx.image.shape[0]
 
         def pick(_: Any, t: Tensor) -> Tensor:
-            if t is image:
+            if t is ctx.image:
                 return images
-            return t[rows] if t.dim() > 0 and t.shape[0] == n else t
+            return t[rows.to(t.device)] if t.dim() > 0 and t.shape[0] == n else t
 
-        with torch.no_grad(), training_mode(self.model, False):
-            return call_model(self.model, map_tensors(pick, x))
-
-
-def _first(out: Any) -> Tensor:
-    return next(t for _, t in leaves(out))
+        with torch.no_grad():
+            return call_model(self.model, map_tensors(pick, ctx.inputs))
 
 
-def _pairs(chosen: Tensor) -> Tensor:
+def _chunk_target(ctx: Context, rows: Tensor) -> Resolved:
+    """The targets of samples ``rows``: the classes the first pass explained, or the callable."""
+    if ctx.targets is not None:
+        return Resolved.fixed(ctx.targets[rows.to(ctx.targets.device)])
+    return Resolved(len(rows), fn=ctx.target.fn)
+
+
+def pairs_of(chosen: Tensor) -> Tensor:
+    """``(N * K, 2)`` (image, channel) pairs of the ``(N, K)`` chosen channels."""
     n, k = chosen.shape
     sample = torch.arange(n, device=chosen.device).repeat_interleave(k)
     return torch.stack([sample, chosen.reshape(-1)], 1)
 
 
-def upsampled_masks(acts: Tensor, size: tuple[int, int]) -> Tensor:
-    """Activations upsampled to the input's size, each channel min-max scaled to 0..1."""
+def upsampled_masks(acts: Tensor, image: Tensor) -> Tensor:
+    """Maps ``(M, h, w)`` upsampled to the input's positions ``(M, *spatial)``, each min-max
+    scaled to 0..1."""
+    size = spatial_size(image)
+    grid = size if len(size) == 2 else (1, size[0])
     # align_corners=True, as the Score-CAM authors' code and pytorch-grad-cam upsample
-    up = F.interpolate(acts, size=size, mode="bilinear", align_corners=True)
-    return normalize(up.flatten(0, 1)).reshape(up.shape)  # one scale per (image, channel)
+    up = F.interpolate(acts[:, None], size=grid, mode="bilinear", align_corners=True)[:, 0]
+    return normalize(up).reshape(len(acts), *size)

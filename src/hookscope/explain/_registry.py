@@ -26,6 +26,9 @@ class MethodInfo:
         perturbation: it runs extra forwards (``cost()``, ``batch_size=``, ``top_k=``).
         requires: constructor keywords that have no default (CAM's ``fc``).
         reference: the paper it implements.
+        per_channel: its ``maps`` are ``(N, C, H, W)``, one per input channel (saliency,
+            guided backpropagation, Guided Grad-CAM), rather than one ``(N, H, W)`` map per
+            image; a wrapper's are those of the method it wraps.
     """
 
     name: str
@@ -35,6 +38,7 @@ class MethodInfo:
     perturbation: bool = False
     requires: tuple[str, ...] = ()
     reference: str = ""
+    per_channel: bool = False
 
 
 #: name -> :class:`MethodInfo`, filled as the method modules are imported

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from ..core import call_model, training_mode
 from ..errors import UsageError
-from ._targets import Target, class_index, logits_of
+from ._targets import Target, logits_of, resolve
 
 __all__ = ["Curve", "average_drop", "deletion", "insertion", "pointing_game"]
 
@@ -46,7 +46,7 @@ def _score(
         return targets(out).detach().float()
     logits = logits_of(out)
     values = logits.softmax(1) if prob else logits
-    index = class_index(targets, n, logits.shape[1], logits.device)[rows.to(logits.device)]
+    index = resolve(targets, n).indices(logits.shape[1], logits.device)[rows.to(logits.device)]
     return values.gather(1, index[:, None])[:, 0].float()
 
 

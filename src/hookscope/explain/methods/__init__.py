@@ -1,4 +1,4 @@
-"""One file per method; importing this package fills :data:`hookscope.explain._base.METHODS`."""
+"""One file per method; importing this package fills :data:`hookscope.explain.METHODS`."""
 
 from .ablationcam import AblationCAM
 from .cam import CAM

@@ -1,5 +1,11 @@
 """Ablation-CAM (Desai & Ramaswamy, 2020): each channel weighted by the relative drop of the
-score when that channel of the layer's output is set to zero."""
+score when that channel of the layer's output is set to zero.
+
+The channel is zeroed in the layer's own output, whatever its structure (a tuple or dict is
+rebuilt around the changed tensor) and layout (channels first or last; for token sequences
+the channel is zeroed in every token, prefix tokens included, as pytorch-grad-cam's ViT
+ablation does).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...core import HookSet
-from .._perturb import Perturbation, _first, _pairs
+from .._base import Context
+from .._layout import Grid, positions
+from .._perturb import Perturbation, pairs_of
 from .._registry import MethodInfo, register
+from .._session import Ablate
 
 
 class AblationCAM(Perturbation):
@@ -18,33 +26,45 @@ class AblationCAM(Perturbation):
 
     name = "ablationcam"
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        x, image, spec, base = self.call
-        chosen = self._chosen(acts, grads)
-        pairs = _pairs(chosen)
+    def __init__(self, model: nn.Module, layer: Any, **kwargs: Any) -> None:
+        super().__init__(model, layer, **kwargs)
+        self._ablate = Ablate(model, self.layer, type(self).__name__)
+
+    def combine(self, ctx: Context) -> Tensor:
+        chosen = self._chosen(ctx)
+        session = self._ablate
 
         def run(chunk: Tensor) -> object:
             rows, channels = chunk[:, 0], chunk[:, 1]
+            session.change = lambda t: zeroed(t, ctx.grid, channels)
+            return self._run(ctx, rows, ctx.image[rows])
 
-            def ablate(module: nn.Module, args: Any, out: Any) -> Any:
-                t = _first(out).clone()
-                dim = 1 if t.dim() == 4 and t.shape[1] == acts.shape[1] else t.dim() - 1
-                index = torch.arange(len(t), device=t.device)
-                t.movedim(dim, 1)[index, channels.to(t.device)] = 0
-                return t if isinstance(out, Tensor) else out
+        try:
+            with session:
+                s = self._scores(ctx, pairs_of(chosen), run).view(chosen.shape)
+        finally:
+            session.change = None  # it holds this batch's context
+        base = ctx.scores[:, None]
+        drop = (base - s) / (base + 1e-7)
+        weights = torch.zeros(ctx.acts.shape[:2], dtype=ctx.acts.dtype, device=ctx.acts.device)
+        weights.scatter_(1, chosen, drop.to(ctx.acts.dtype))
+        return (weights[:, :, None, None] * ctx.acts).sum(1)
 
-            hooks = HookSet()
-            try:
-                hooks.forward(self.module, ablate)
-                return self._run(x, image, rows, image[rows])
-            finally:
-                hooks.close()
 
-        s = self._scores(spec, targets, run, pairs).view(chosen.shape)
-        drop = (base[:, None] - s) / (base[:, None] + 1e-7)
-        weights = torch.zeros(acts.shape[:2], dtype=acts.dtype, device=acts.device)
-        weights.scatter_(1, chosen, drop.to(acts.dtype))
-        return (weights[:, :, None, None] * acts).sum(1)
+def zeroed(t: Tensor, grid: Grid, channels: Tensor) -> Tensor:
+    """A copy of the layer's tensor ``t`` (M samples) with channel ``channels[i]`` of sample
+    ``i`` set to zero."""
+    rows = torch.arange(len(t), device=t.device)
+    channels = channels.to(t.device)
+    if grid.channel_dim is not None:
+        out = t.clone()
+        out.movedim(grid.channel_dim, 1)[rows, channels] = 0
+        return out
+    # a reshape= given by the user: zero where it reads each channel from (flat offsets)
+    where = positions(grid, tuple(t.shape)).to(t.device)
+    out = t.clone(memory_format=torch.contiguous_format)
+    out.view(len(t), -1)[rows[:, None], where[channels]] = 0
+    return out
 
 
 register(

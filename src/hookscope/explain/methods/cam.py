@@ -9,9 +9,8 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from ...core import Layers
 from ...errors import UsageError
-from .._base import LayerMethod
+from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
 
 
@@ -20,19 +19,22 @@ class CAM(LayerMethod):
 
     name = "cam"
     needs_grad = False
+    class_targets = True
 
     def __init__(self, model: nn.Module, layer: Any, *, fc: Any, **kwargs: Any) -> None:
         super().__init__(model, layer, **kwargs)
-        ((self.fc_name, fc_module),) = Layers(model).select(fc).items()
+        found = self._tap.layers.select(fc)
+        if len(found) != 1:
+            raise UsageError(f"fc={fc!r} matches {len(found)} layers; CAM needs the one head")
+        ((self.fc_name, fc_module),) = found.items()
         if not isinstance(fc_module, nn.Linear):
             raise UsageError(
                 f"fc={fc!r} is a {type(fc_module).__name__}; CAM needs the nn.Linear head"
             )
         self.fc = fc_module
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        if targets is None:
-            raise UsageError("CAM weights come from a class's row of fc: give class targets")
+    def combine(self, ctx: Context) -> Tensor:
+        acts, targets = ctx.acts, ctx.classes
         weight = self.fc.weight.detach()
         if weight.shape[1] != acts.shape[1]:
             raise UsageError(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base import LayerMethod
+from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
 
 
@@ -21,7 +21,8 @@ class EigenCAM(LayerMethod):
     relu = False
     needs_grad = False
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
+    def combine(self, ctx: Context) -> Tensor:
+        acts = ctx.acts
         n, c, h, w = acts.shape
         x = acts.reshape(n, c, h * w).transpose(1, 2).double()  # (N, hw, C)
         x = x - x.mean(1, keepdim=True)

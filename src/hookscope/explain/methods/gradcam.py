@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._base import LayerMethod
+from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
 
 
@@ -21,9 +21,8 @@ class GradCAM(LayerMethod):
 
     name = "gradcam"
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        assert grads is not None
-        return (grads.mean((2, 3), keepdim=True) * acts).sum(1)
+    def combine(self, ctx: Context) -> Tensor:
+        return (ctx.gradient.mean((2, 3), keepdim=True) * ctx.acts).sum(1)
 
 
 register(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._base import LayerMethod
+from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
 
 
@@ -16,8 +16,8 @@ class GradCAMPlusPlus(LayerMethod):
 
     name = "gradcam++"
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        assert grads is not None
+    def combine(self, ctx: Context) -> Tensor:
+        acts, grads = ctx.acts, ctx.gradient
         g2, g3 = grads.pow(2), grads.pow(3)
         total = acts.sum((2, 3), keepdim=True)
         alpha = g2 / (2 * g2 + total * g3 + 1e-6)  # the epsilon of pytorch-grad-cam

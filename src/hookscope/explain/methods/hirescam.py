@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._base import LayerMethod
+from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
 
 
@@ -13,9 +13,8 @@ class HiResCAM(LayerMethod):
 
     name = "hirescam"
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        assert grads is not None
-        return (grads * acts).sum(1)
+    def combine(self, ctx: Context) -> Tensor:
+        return (ctx.gradient * ctx.acts).sum(1)
 
 
 register(

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .._perturb import Perturbation, _pairs, upsampled_masks
+from .._base import Context
+from .._perturb import Perturbation, pairs_of, upsampled_masks
 from .._registry import MethodInfo, register
 
 
@@ -23,20 +24,18 @@ class ScoreCAM(Perturbation):
 
     name = "scorecam"
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        x, image, spec, _ = self.call
-        masks = upsampled_masks(acts, (image.shape[-2], image.shape[-1]))
-        chosen = self._chosen(acts, grads)
-        pairs = _pairs(chosen)
+    def combine(self, ctx: Context) -> Tensor:
+        chosen = self._chosen(ctx)
 
         def run(chunk: Tensor) -> object:
             rows, channels = chunk[:, 0], chunk[:, 1]
-            return self._run(x, image, rows, image[rows] * masks[rows, channels][:, None])
+            masks = upsampled_masks(ctx.acts[rows, channels], ctx.image)
+            return self._run(ctx, rows, ctx.image[rows] * masks[:, None])
 
-        s = self._scores(spec, targets, run, pairs).view(chosen.shape)
-        weights = torch.zeros(acts.shape[:2], dtype=acts.dtype, device=acts.device)
-        weights.scatter_(1, chosen, s.softmax(1).to(acts.dtype))
-        return (weights[:, :, None, None] * acts).sum(1)
+        s = self._scores(ctx, pairs_of(chosen), run).view(chosen.shape)
+        weights = torch.zeros(ctx.acts.shape[:2], dtype=ctx.acts.dtype, device=ctx.acts.device)
+        weights.scatter_(1, chosen, s.softmax(1).to(ctx.acts.dtype))
+        return (weights[:, :, None, None] * ctx.acts).sum(1)
 
 
 register(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .._base import LayerMethod
+from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
 
 
@@ -13,10 +13,10 @@ class XGradCAM(LayerMethod):
 
     name = "xgradcam"
 
-    def combine(self, acts: Tensor, grads: Tensor | None, targets: Tensor | None) -> Tensor:
-        assert grads is not None
+    def combine(self, ctx: Context) -> Tensor:
+        acts = ctx.acts
         share = acts / (acts.sum((2, 3), keepdim=True) + 1e-7)
-        return ((share * grads).sum((2, 3), keepdim=True) * acts).sum(1)
+        return ((share * ctx.gradient).sum((2, 3), keepdim=True) * acts).sum(1)
 
 
 register(
