@@ -140,20 +140,31 @@ def test_an_interrupt_writes_every_finished_block_then_resume_equals_a_clean_run
 def test_memory_holds_a_bounded_number_of_blocks_however_slow_the_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    buffers: set[int] = set()
+    forwards, lag, buffers = [0], [], set()
+
+    class Counted(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            forwards[0] += 1
+            return super().forward(x)
+
+    model = Counted(*_mlp())
 
     def slow(array: Any, value: Any) -> None:
         if array.basename == "1":
-            buffers.add(value.__array_interface__["data"][0])  # which host buffer is written
+            buffers.add(value.__array_interface__["data"][0])  # which host memory is written
+            lag.append(forwards[0] - len(lag))  # blocks computed but not yet written
             time.sleep(0.05)
 
-    model = _mlp()
-    with _writes(monkeypatch, slow):
-        store = hs.extract(model, X, ["1"], out=tmp_path / "f", batch_size=5, chunk=5)
-    assert (
-        len(buffers) <= 3
-    )  # 20 blocks through 3 reused buffers: one filled, one queued, one written
-    np.testing.assert_allclose(store.to_numpy("1"), _hand(model, X, "1"), atol=1e-6)
+    with _writes(monkeypatch, slow):  # blocks of 2 batches: copied into reused buffers
+        copied = hs.extract(model, X, ["1"], out=tmp_path / "c", batch_size=5, chunk=10)
+    assert len(buffers) <= 3  # 10 blocks, 3 buffers: one filled, one queued, one written
+    forwards[0], lag[:] = 0, []
+    with _writes(monkeypatch, slow):  # blocks of 1 batch: the forward's own tensors, held
+        held = hs.extract(model, X, ["1"], out=tmp_path / "h", batch_size=5, chunk=5)
+    assert len(lag) == 20 and max(lag) <= 4  # the forwards wait for the writes: never far ahead
+    want = _hand(model, X, "1")
+    for store in (copied, held):
+        np.testing.assert_allclose(store.to_numpy("1"), want, atol=1e-6)
 
 
 def test_a_loader_batch_spanning_many_blocks(tmp_path: Path) -> None:
@@ -184,3 +195,68 @@ def test_codecs(tmp_path: Path) -> None:
         hs.UsageError, match=r"codec='snappy': use one of \['none', 'lz4', 'zstd'\]"
     ):
         hs.extract(model, X, ["1"], out=tmp_path / "bad", codec="snappy")
+
+
+@pytest.mark.mutates_model  # Static writes its outputs into its own tensor
+def test_rows_kept_without_a_copy_are_the_rows_computed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of one batch keep the forward's own tensors. Not when the forward changes them
+    after the hook (an in-place ReLU), nor when the model writes every output into storage of
+    its own (as static-memory code does), which the next forward overwrites while the writer
+    still holds the previous rows (slowed down here)."""
+    torch.manual_seed(0)
+    inplace = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    store = hs.extract(inplace, X, ["0", "2"], out=tmp_path / "i", batch_size=10, chunk=10)
+    np.testing.assert_array_equal(store.to_numpy("0") < 0, _hand(inplace, X, "0") < 0)
+    np.testing.assert_allclose(store.to_numpy("0"), _hand(inplace, X, "0"), atol=1e-6)
+
+    class Static(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 8)
+            self.out = torch.zeros(10, 8)  # a plain attribute: not a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # made for batches of 10
+            self.out.copy_(self.lin(x))
+            return self.out
+
+    static = nn.Sequential(Static(), nn.ReLU())
+    want = np.concatenate([_hand(static, X[i : i + 10], "0.lin") for i in range(0, 100, 10)])
+    with _writes(monkeypatch, lambda array, value: time.sleep(0.02)):
+        store = hs.extract(static, X, ["0"], out=tmp_path / "s", batch_size=10, chunk=10)
+    np.testing.assert_allclose(store.to_numpy("0"), want, atol=1e-6)
+
+
+def test_large_rows_are_stored_a_batch_at_a_time_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of 256 KiB, batches of 64: the default chunk is one batch (at most 16 MiB per layer
+    and chunk), and on the CPU each block writes the tensor the layer returned."""
+    made: list[int] = []
+
+    class Wide(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = x.repeat(1, 65536 // x.shape[1])
+            made.append(out.data_ptr())
+            return out
+
+    model = nn.Sequential(nn.Linear(6, 8), Wide(), nn.ReLU())
+    written: list[int] = []
+
+    def spy(array: Any, value: Any) -> None:
+        if array.basename == "1":
+            written.append(value.__array_interface__["data"][0])
+
+    x = torch.randn(130, 6, generator=torch.Generator().manual_seed(0))
+    with _writes(monkeypatch, spy):
+        store = hs.extract(model, x, ["1"], out=tmp_path / "f", batch_size=64)
+    assert store.meta["chunk"] == 64 and store["1"].chunks == (64, 65536)
+    assert written == made[1:]  # made[0]: the forward of sample 0 that sized the chunk
+    want = store.to_numpy("1")
+    np.testing.assert_allclose(want, _hand(model, x, "1"), atol=1e-6)
+    small = hs.extract(model, x, ["0"], out=tmp_path / "g", batch_size=32)
+    assert small.meta["chunk"] == 256  # small rows: about 256 samples a chunk
+    zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False
+    again = hs.extract(model, x, ["1"], out=tmp_path / "f", batch_size=64, resume=True)
+    assert again.meta["chunk"] == 64 and np.array_equal(again.to_numpy("1"), want)

@@ -5,6 +5,7 @@ forwards in this thread, the writes in another: ``_writer``) or on Ray Data (``_
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -78,8 +79,9 @@ def extract(
         dtype: storage dtype (e.g. ``torch.float16``); default: as computed (bfloat16, which
             NumPy lacks, is stored as float32).
         device: where inputs go (default: the model's parameters' device).
-        chunk: samples per stored chunk and per committed block (default: ``batch_size``
-            rounded up to a multiple of it near 256). Memory holds three blocks.
+        chunk: samples per stored chunk and per committed block (default: a multiple of
+            ``batch_size`` near 256 samples, fewer for large rows: at most 16 MiB per layer, at
+            least one batch; a resumed store's own). Memory holds about three blocks.
         stop: end each forward after the last selected layer.
         tokenizer: for a list of strings (padding and truncation per batch).
         transform: for an image folder: PIL image -> tensor (default: RGB in 0..1).
@@ -137,14 +139,17 @@ def extract(
             "image folder or list of strings), not a one-pass iterable"
         )
     job = Job(model, src, layers, batch_size, reduce, _dtype(dtype), device, stop)
-    size = chunk or batch_size * max(1, round(256 / batch_size))
+    size = chunk or (Store.chunk_of(out) if resume else None)
+    # sample 0's rows: Ray makes the arrays from them; their size sets the default chunk
+    shapes = job.probe(strict=True) if engine == "ray" else {} if size else job.probe()
+    size = size or _chunk(batch_size, shapes)
     meta = _meta(job, size, codec)
     store, done = Store.open(out, meta, overwrite=overwrite, resume=resume)
     try:
         if engine == "ray":
             from ._ray import run_ray
 
-            rows = run_ray(job, store, done, size, factory, workers, progress, codec)
+            rows = run_ray(job, store, done, size, factory, workers, progress, codec, shapes)
         else:
             rows = _run_local(job, store, done, size, progress, codec)
     except KeyboardInterrupt as e:
@@ -172,6 +177,20 @@ def _check(
         raise UsageError("resume=True and overwrite=True contradict each other: choose one")
     check_reduce(reduce)
     check_codec(codec)
+
+
+#: The default chunk holds about 256 samples, and at most this many bytes per layer.
+_CHUNK_BYTES = 16 * 2**20
+
+
+def _chunk(batch_size: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+    """The default chunk: whole batches, about 256 samples, fewer where rows are large (so
+    that a block of large maps is one batch, which the CPU stores without copying it)."""
+    batches = max(1, round(256 / batch_size))
+    row = max((math.prod(r) * d.itemsize for r, d in shapes.values()), default=0)
+    if row:
+        batches = max(1, min(batches, _CHUNK_BYTES // (batch_size * row)))
+    return batch_size * batches
 
 
 def _meta(job: Job, chunk: int, codec: Any) -> dict[str, Any]:

@@ -14,45 +14,46 @@ from ..core import unwrap
 
 __all__ = ["fingerprint", "probe"]
 
-#: Weights of the position-sensitive sum: frac(i * golden ratio), the same on every device.
-_GOLDEN = 0.6180339887498949
-_SLICE = 1 << 22  # elements per step: bounds the float64 temporaries (32 MiB)
+_SLICE = 1 << 20  # elements per weighted sum
 
 
 def fingerprint(model: nn.Module) -> str:
     """A hash of the parameters' and buffers' names, shapes, dtypes and values.
 
-    Values enter through three sums per tensor (of ``x``, of ``x²`` and of ``x`` weighted by a
-    fixed pseudo-random weight per position, so a permutation of the values changes it),
-    computed in float64 on the tensor's device and read with one host transfer for the whole
-    model. Sums are rounded to 10 significant digits: the same weights give the same
-    fingerprint even where a device sums in another order. Wrappers (``torch.compile``,
-    DataParallel) are seen through, so a compiled model resumes its eager twin's store.
+    Values enter through weighted sums: each run of up to 2**20 values of a tensor, dotted
+    with fixed pseudo-random weights (``frac(i * golden ratio)``, one per position), so that a
+    change of values, or a permutation of them, changes the result. That costs one read of the
+    weights, on their device (as a plain sum would); the sums are read with one host transfer
+    for the whole model and rounded to 7 significant digits (float32's). Wrappers
+    (``torch.compile``, DataParallel) are seen through, so a compiled model resumes its eager
+    twin's store.
     """
     root = unwrap(model)
     tensors = [(n, t) for n, t in root.state_dict(keep_vars=True).items() if isinstance(t, Tensor)]
     h = hashlib.sha256()
     for name, t in tensors:
         h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
-    valued = [t for _, t in tensors if t.numel() and not t.is_meta]
+    valued = [t.detach() for _, t in tensors if t.numel() and not t.is_meta]
     if valued:
         device = valued[0].device
+        weights: dict[torch.device, Tensor] = {}
         with torch.no_grad():
-            sums = torch.cat([_sums(t).to(device) for t in valued])
+            sums = torch.cat([_sums(t, weights).to(device) for t in valued])
         values = sums.tolist()  # the one read from the device
-        h.update(repr([float(f"{v:.10g}") for v in values]).encode())
+        h.update(repr([float(f"{v:.7g}") for v in values]).encode())
     return h.hexdigest()[:16]
 
 
-def _sums(t: Tensor) -> Tensor:
-    flat = (torch.view_as_real(t) if t.is_complex() else t).detach().reshape(-1)
-    total = torch.zeros(3, dtype=torch.float64, device=flat.device)
-    for start in range(0, flat.numel(), _SLICE):
-        x = flat[start : start + _SLICE].to(torch.float64)
-        w = torch.arange(start + 1, start + 1 + x.numel(), dtype=torch.float64, device=x.device)
-        w = torch.frac(w * _GOLDEN)
-        total += torch.stack([x.sum(), torch.dot(x, x), torch.dot(x, w)])
-    return total
+def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
+    """One weighted sum per run of ``_SLICE`` values of ``t`` (float32)."""
+    if t.device not in weights:
+        i = torch.arange(1, _SLICE + 1, dtype=torch.float64, device=t.device)
+        weights[t.device] = torch.frac(i * 0.6180339887498949).float()
+    w = weights[t.device]
+    flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    return torch.stack([torch.dot(x, w[: len(x)]) for x in flat.split(_SLICE)])
 
 
 def probe(first: Any) -> str | None:

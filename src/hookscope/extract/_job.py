@@ -2,6 +2,13 @@
 rows copied straight from its hook into the host buffers of the blocks they belong to (one
 copy; pinned and non-blocking from CUDA, so the forwards never wait for the host).
 
+On the CPU, where a block is exactly one batch, the rows are not copied at all: the block holds
+the tensor itself, as a hand-written loop that saves each output would. That is safe when
+nothing changes it later: it is not the model's own storage (a parameter, a buffer, a tensor
+attribute), and its version counter is checked after the forward: a layer whose output the
+forward changed in place after the hook (an in-place ReLU downstream) has that batch run again,
+copied from then on.
+
 Shared by both engines: the local one hands the finished blocks to a writer thread, a Ray
 actor writes the block it was given.
 """
@@ -107,6 +114,9 @@ class Job:
         self._pinned = pinned(self.device)
         self._open: dict[int, Block] = {}
         self._size = 1
+        self._held: list[tuple[str, Tensor, int]] = []  # (layer, rows, version) of this forward
+        self._copied: set[str] = set()  # layers whose outputs the forward changes later
+        self._owned: set[int] | None = None  # storages the model holds (see _can_hold)
         self._places: list[_Place] = []
         self._mask: Tensor | None = None
         self._span = (0, 0)
@@ -122,6 +132,25 @@ class Job:
 
         for name, (row, dtype) in stored.items():
             self.shapes[name] = (row, torch.from_numpy(np.zeros(0, dtype)).dtype)
+
+    def probe(self, strict: bool = False) -> Shapes:
+        """Row shapes and dtypes from sample 0 alone; ``{}`` for a source without samples, or
+        (unless ``strict``) a model that fails on one sample (one made for a fixed batch
+        size): the batches then say what is wrong."""
+        first = self.src.first()
+        if first is None:
+            return {}
+        kept, self.shapes = self.shapes, {}
+        try:
+            with self.running():
+                self._forward(first, 1, [], 0)
+            return self.shapes
+        except Exception:
+            if strict:
+                raise
+            return {}
+        finally:
+            self.shapes = kept
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
@@ -193,7 +222,8 @@ class Job:
     def _finished(self, block: Block) -> Block:
         del self._open[block.index]
         for name in self.names:  # every layer has rows, even where no sample could be read
-            self._buffer(block, name)
+            if name not in block.held:
+                self._buffer(block, name)
         if self._pinned:
             block.event = torch.cuda.current_stream(self.device).record_event()
         return block
@@ -220,6 +250,14 @@ class Job:
                 raise
         finally:
             self._places, self._mask = [], None
+            held, self._held = self._held, []
+        changed = {name for name, rows, version in held if rows._version != version}
+        if changed:  # changed in place after the hook: this batch again, those layers copied
+            self._copied |= changed
+            for p in places:
+                p.block.held.clear()
+            self._forward(x, n, places, start)
+            return
         if missing := self.tap.missing():
             raise CaptureError(
                 f"layer(s) {missing} did not run during the forward of samples {start}.."
@@ -249,7 +287,34 @@ class Job:
                 "sample one shape), or make inputs one size (a tokenizer's "
                 "padding='max_length', a transform that resizes)"
             )
+        if self._can_hold(name, rows):
+            self._places[0].block.held[name] = rows
+            self._held.append((name, rows, rows._version))
+            return
         for p in self._places:
             buffer = self._buffer(p.block, name)
             target = buffer[p.at : p.at + p.count]
             target.copy_(rows[p.src : p.src + p.count], non_blocking=self._pinned)
+
+    def _can_hold(self, name: str, rows: Tensor) -> bool:
+        """Whether a block may keep ``rows`` itself (see the module's docstring)."""
+        if len(self._places) != 1 or name in self._copied or rows.device.type != "cpu":
+            return False
+        p = self._places[0]
+        if p.at or p.src or p.count != len(rows) or p.count != p.block.capacity:
+            return False
+        if rows.is_inference():  # no version counter (under torch.inference_mode)
+            return False
+        if self._owned is None:
+            self._owned = _storages(self.model)
+        return rows.untyped_storage().data_ptr() not in self._owned
+
+
+def _storages(model: nn.Module) -> set[int]:
+    """Storages the model keeps between forwards: parameters, buffers, tensor attributes."""
+    found = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    for module in model.modules():
+        found |= {
+            v.untyped_storage().data_ptr() for v in vars(module).values() if isinstance(v, Tensor)
+        }
+    return found

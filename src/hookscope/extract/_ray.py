@@ -68,20 +68,18 @@ def _nothing(n: int = 1) -> None:
 
 def run_ray(
     job: Any, store: Store, done: set[int], chunk: int, factory: Any, workers: int,
-    bar: bool | None, codec: Any,
+    bar: bool | None, codec: Any, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> int:  # fmt: skip
-    """Every block not done, on a Ray actor pool; returns the number of samples."""
+    """Every block not done, on a Ray actor pool; returns the number of samples. The arrays
+    are made here from ``shapes`` (sample 0's rows), before any actor writes."""
     ray = require("ray", "ray", purpose="engine='ray'")
     require("ray.data", "ray", purpose="engine='ray'")
     n = len(job.src)
     pending = [k for k in range(math.ceil(n / chunk)) if k not in done]
     if not pending:
         return n
-    job.expect(store.row_shapes())
-    with job.running():  # shapes and dtypes of every layer's rows, from one sample
-        for first in job.blocks(1, (0).__eq__, dict, _nothing):
-            store.ensure({k: (tuple(a.shape[1:]), a.dtype) for k, a in first.arrays().items()},
-                         n, chunk, codec)  # fmt: skip
+    as_numpy = {k: (row, torch.empty(0, dtype=d).numpy().dtype) for k, (row, d) in shapes.items()}
+    store.ensure(as_numpy, n, chunk, codec)
     payload = {
         "model": _dumps(factory if factory is not None else job.model),
         "factory": factory is not None,

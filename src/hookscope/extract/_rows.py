@@ -84,7 +84,12 @@ class Rows:
                 f"reduce={_spelled(self.reduce)} returned {type(value).__name__} for layer "
                 f"{name!r}; it must return a tensor with one row per sample"
             )
-        if name not in self._checked and not isinstance(self.reduce, str) and t.dim():
+        if (
+            name not in self._checked
+            and not isinstance(self.reduce, str)
+            and t.dim()
+            and len(t) > 1
+        ):
             self._checked.add(name)
             self._per_sample(name, t, value)
         return value

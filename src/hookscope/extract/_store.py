@@ -99,6 +99,14 @@ class Store:
         group = zarr.open_group(str(path), mode="w", attributes={META: {**meta, "complete": False}})
         return cls(path, group), set()
 
+    @staticmethod
+    def chunk_of(path: str | os.PathLike[str]) -> int | None:
+        """The chunk of the store at ``path``, if there is one (resuming keeps it)."""
+        try:
+            return int(zarr_module().open_group(str(path), mode="r").attrs[META]["chunk"])
+        except Exception:  # no store there (yet): Store.open says what is wrong
+            return None
+
     def done_blocks(self) -> set[int]:
         if "done" not in self.group:
             return set()

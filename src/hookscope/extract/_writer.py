@@ -36,6 +36,7 @@ class Block:
         self.ids: list[str] = []
         self.errors: list[str] = []
         self.bad: list[int] = []  # rows of samples that could not be read: NaN
+        self.held: dict[str, Tensor] = {}  # rows kept as the forward gave them (no copy)
         self.event: Any = None  # a CUDA event recorded after the block's last copy
 
     @property
@@ -53,9 +54,10 @@ class Block:
     def arrays(self) -> dict[str, Any]:
         """The rows as NumPy arrays (views of the buffers), unreadable samples' rows NaN."""
         out = {}
-        for name, buffer in self.buffers.items():
+        for name, buffer in {**self.buffers, **self.held}.items():
             rows = buffer[: self.rows]
             if self.bad:
+                rows = rows.clone() if name in self.held else rows  # never the model's inputs
                 rows[self.bad] = float("nan") if rows.is_floating_point() else 0
             out[name] = rows.numpy()
         return out
