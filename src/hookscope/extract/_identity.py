@@ -53,7 +53,8 @@ def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
     flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.float()
-    return torch.stack([torch.dot(x, w[: len(x)]) for x in flat.split(_SLICE)])
+    runs = [flat[i : i + _SLICE] for i in range(0, flat.numel(), _SLICE)]
+    return torch.stack([torch.dot(x, w[: len(x)]) for x in runs])
 
 
 def probe(first: Any) -> str | None:
