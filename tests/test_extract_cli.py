@@ -78,8 +78,15 @@ def test_ctrl_c_keeps_finished_blocks_and_resume_finishes_them(
 ) -> None:
     model, data = files
     out = tmp_path / "s"
-    child = subprocess.Popen(_command(model, data, out), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=_env())  # fmt: skip
+    # the console script's entry, with Python's own SIGINT handler even where the shell that
+    # runs the tests ignores SIGINT (a background job does, and children inherit it)
+    entry = (
+        "import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from hookscope.show import main; main(sys.argv[1:])"
+    )
+    args = [sys.executable, "-c", entry, *_command(model, data, out)[3:]]
+    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=_env())  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while _done(out) < 2 and child.poll() is None and time.monotonic() < deadline:
