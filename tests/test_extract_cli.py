@@ -147,6 +147,7 @@ def test_the_progress_bar_moves_per_batch(tmp_path: Path, files: tuple[str, Path
     assert len({c for c in counts if c % 16}) >= 2, counts  # counts between two blocks
 
 
+@pytest.mark.slow
 def test_messages_use_the_flags_and_usage_problems_exit_2(
     tmp_path: Path, files: tuple[str, Path]
 ) -> None:
