@@ -129,7 +129,7 @@ def test_extract_command(tmp_path: Path) -> None:
         hs.open_features(tmp_path / "s").to_numpy("3"), want.numpy(), rtol=1e-6, atol=1e-6
     )
     again = run(*args)
-    assert again.exit_code == 2 and "resume=True" in again.output
+    assert again.exit_code == 2 and "--resume" in again.output
     from PIL import Image
 
     (tmp_path / "imgs").mkdir()

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -324,10 +325,53 @@ def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
             engine="ray", resume=True,
         )  # fmt: skip
         _assert_same(again, local)
+        # a model class the workers cannot import (a file on no path of theirs): sent by value
+        hidden = _hidden_module(tmp_path)
+        model = hidden.build()
+        local = hs.extract(model, data, ["body.0"], out=tmp_path / "h_local", chunk=16)
+        remote = hs.extract(model, data, ["body.0"], out=tmp_path / "h_ray", chunk=16,
+                            engine="ray")  # fmt: skip
+        _assert_same(remote, local)
+        factory = hs.extract(hidden.build, data, ["body.0"], out=tmp_path / "h_factory",
+                             chunk=16, engine="ray")  # fmt: skip
+        _assert_same(factory, local)
     finally:
         ray.shutdown()
+        sys.modules.pop("hidden_models", None)
     with pytest.raises(hs.UsageError, match="address by index"):
         hs.extract(model, iter([X]), ["6"], out=tmp_path / "it", engine="ray")
+
+
+_HIDDEN = textwrap.dedent(
+    """
+    import torch, torch.nn as nn
+
+    class Hidden(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+
+        def forward(self, x):
+            return self.body(x).mean((2, 3))
+
+    def build():
+        torch.manual_seed(0)
+        return Hidden()
+    """
+)
+
+
+def _hidden_module(folder: Path) -> Any:
+    """A module imported from a file that Ray's workers have on no path of theirs."""
+    import importlib.util
+
+    (folder / "hidden_models.py").write_text(_HIDDEN)
+    spec = importlib.util.spec_from_file_location("hidden_models", folder / "hidden_models.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["hidden_models"] = module  # as `import hidden_models` would, from the driver
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_bad_arguments(tmp_path: Path) -> None:

@@ -6,11 +6,19 @@ it, so a block Ray runs twice (a retried task) writes the same rows twice and no
 duplicated; the resume rule is the local engine's. The arrays are created here, before any actor
 starts, from a forward of one sample. Actors use this process's thread count, so every block is
 computed exactly as the local engine computes it: the stores are equal bit for bit.
+
+The model (or its factory) travels pickled. Ray's workers import the modules that classes and
+functions come from; a module that is not part of an installed distribution (``__main__``, a
+file next to a script, a notebook's helpers) is pickled by value instead, so the actors need
+not find it on their path.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
 import math
+import sys
 from typing import Any
 
 import torch
@@ -28,46 +36,56 @@ class _Worker:
     the blocks of a Ray batch."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
-        from ._extract import Job
+        from ._job import Job
 
         torch.set_num_threads(payload["threads"])
-        model = payload["model"]
+        model = _loads(payload["model"])
         model = model() if payload["factory"] else model
         if not isinstance(model, nn.Module):
             raise TypeError(f"the model factory returned {type(model).__name__}")
         self.job = Job(model, *payload["job"])
-        self.chunk, self.n = payload["chunk"], payload["n"]
+        self.job.expect(payload["shapes"])
+        self.chunk = payload["chunk"]
         self.store = Store(
             payload["path"], zarr_module().open_group(str(payload["path"]), mode="r+")
         )
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        for block in batch["block"].tolist():
-            start = block * self.chunk
-            values, ids, errors = self.job.block(start, min(start + self.chunk, self.n))
-            self.store.write(block, start, values, ids, errors)
-        return {"block": batch["block"], "rows": [len(ids)] * len(batch["block"])}
+        rows = []
+        with self.job.running():
+            for index in batch["block"].tolist():
+                for block in self.job.blocks(self.chunk, index.__eq__, dict, _nothing):
+                    block.wait()
+                    self.store.write(block.index, block.start, block.arrays(), block.ids,
+                                     block.errors)  # fmt: skip
+                    rows.append(block.rows)
+        return {"block": batch["block"], "rows": rows}
+
+
+def _nothing(n: int = 1) -> None:
+    return None
 
 
 def run_ray(
     job: Any, store: Store, done: set[int], chunk: int, factory: Any, workers: int,
-    bar: bool | None,
+    bar: bool | None, codec: Any, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> int:  # fmt: skip
-    """Every block not done, on a Ray actor pool; returns the number of samples."""
+    """Every block not done, on a Ray actor pool; returns the number of samples. The arrays
+    are made here from ``shapes`` (sample 0's rows), before any actor writes."""
     ray = require("ray", "ray", purpose="engine='ray'")
     require("ray.data", "ray", purpose="engine='ray'")
     n = len(job.src)
-    values, _, _ = job.block(0, 1)  # shapes and dtypes of every layer's rows
-    store.ensure(values, n, chunk)
     pending = [k for k in range(math.ceil(n / chunk)) if k not in done]
     if not pending:
         return n
+    as_numpy = {k: (row, torch.empty(0, dtype=d).numpy().dtype) for k, (row, d) in shapes.items()}
+    store.ensure(as_numpy, n, chunk, codec)
     payload = {
-        "model": factory if factory is not None else job.model,
+        "model": _dumps(factory if factory is not None else job.model),
         "factory": factory is not None,
-        "job": (job.src, job.names, job.batch_size, job.reduce, job.dtype, job.device, job.stop),
+        "job": job.spec(),
+        "shapes": store.row_shapes(),
         "chunk": chunk,
-        "n": n,
         "path": store.path,
         "threads": torch.get_num_threads(),
     }
@@ -86,3 +104,36 @@ def run_ray(
         for row in mapped.iter_rows():
             advance(int(row["rows"]))
     return n
+
+
+def _dumps(obj: Any) -> bytes:
+    """``obj`` pickled by Ray's cloudpickle, modules outside installed packages by value."""
+    cloudpickle: Any = importlib.import_module("ray.cloudpickle")
+    local = _local_modules()
+    registered = set(cloudpickle.list_registry_pickle_by_value())
+    added = [m for m in local if m.__name__ not in registered]
+    for module in added:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return bytes(cloudpickle.dumps(obj))
+    finally:
+        for module in added:  # the registry is global: leave it as found
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def _loads(data: bytes) -> Any:
+    return importlib.import_module("ray.cloudpickle").loads(data)
+
+
+def _local_modules() -> list[Any]:
+    """Imported modules that no installed distribution provides (a script's neighbours, a
+    notebook's helpers): the model's classes, and what they use, may come from them.
+    ``__main__`` is left out (cloudpickle pickles it by value already), and hookscope too:
+    the workers run it, so they must import it anyway."""
+    known = set(importlib.metadata.packages_distributions())
+    known |= set(sys.stdlib_module_names) | set(sys.builtin_module_names) | {"hookscope"}
+    return [
+        module
+        for name, module in list(sys.modules.items())
+        if module is not None and name != "__main__" and name.split(".")[0] not in known
+    ]

@@ -44,7 +44,23 @@ class FeatureStore:
         return self.group[layer]
 
     def __len__(self) -> int:
-        return int(self.group["ids"].shape[0])
+        return int(self.group["ids"].shape[0]) if "ids" in self.group else 0
+
+    @property
+    def complete(self) -> bool:
+        """Whether the run that writes it has finished."""
+        return bool(self.meta.get("complete"))
+
+    @property
+    def stored(self) -> int:
+        """How many samples are in finished blocks (all of them once complete); the others
+        read as NaN until a resumed run writes them."""
+        if self.complete:
+            return len(self)
+        if "done" not in self.group:
+            return 0
+        n, chunk = len(self), int(self.meta["chunk"])
+        return sum(min(chunk, n - int(k) * chunk) for k in self.group["done"][:].nonzero()[0])
 
     @property
     def ids(self) -> list[str]:

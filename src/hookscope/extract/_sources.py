@@ -1,11 +1,12 @@
 """What ``hs.extract`` reads: every kind of input, seen as numbered samples.
 
-A :class:`Source` has ``len(source)`` samples (``None`` when an iterable does not say) and
-``source.batch(start, stop)`` returning ``(ids, inputs, ok)`` for samples ``start..stop-1``:
-their ids, the model's inputs for them (a tensor, or a mapping of keyword arguments) and which
-of them could be read (a file that cannot be decoded keeps its place, marked not ok).
-Index-addressable sources (tensors, arrays, datasets, folders, texts) jump to any sample,
-which resuming and Ray need; plain iterables are read in order.
+An addressable :class:`Source` (tensors, arrays, datasets, folders, texts) has ``len(source)``
+samples and ``source.batch(start, stop)`` returning ``(ids, inputs, ok)`` for samples
+``start..stop-1``: their ids, the model's inputs for them (a tensor, or a mapping of keyword
+arguments) and which of them could be read (a file that cannot be decoded keeps its place,
+marked not ok). It jumps to any sample, which resuming and Ray need. A plain iterable (a
+DataLoader) is :class:`Batches`: read in order, its own batches used as they come, so that a
+``collate_fn`` that pads each batch to its longest sample keeps working.
 """
 
 from __future__ import annotations
@@ -46,6 +47,12 @@ class Source:
     def errors(self) -> dict[str, str]:
         """``{id: reason}`` of the samples that could not be read so far."""
         return {}
+
+    def first(self) -> Any:
+        """The model's input for sample 0 alone (a batch of one), or None if there is none."""
+        if not len(self):
+            return None
+        return self.batch(0, 1)[1]
 
 
 class Tensors(Source):
@@ -96,7 +103,8 @@ class Dataset(Source):
 
 
 class Batches(Source):
-    """Any iterable of batches (a DataLoader): read in order, ids are running indices."""
+    """Any iterable of batches (a DataLoader): read once, in order; its batches are used as
+    they come (``batch_size=`` does not apply) and samples are numbered from 0."""
 
     addressable = False
 
@@ -104,8 +112,7 @@ class Batches(Source):
         self.data = data
         self.description = f"batches from {type(data).__name__}"
         self._iter: Iterator[Any] | None = None
-        self._at = 0
-        self._pending: list[Any] = []  # samples read but not handed out yet
+        self._head: list[Any] = []  # batches read ahead by first()
 
     def __len__(self) -> int:
         n = self.length()
@@ -114,31 +121,40 @@ class Batches(Source):
         return n
 
     def length(self) -> int | None:
-        dataset = getattr(self.data, "dataset", None)  # a DataLoader
+        """A DataLoader's dataset length (a hint: ``drop_last`` or a sampler may differ)."""
+        dataset = getattr(self.data, "dataset", None)
         if dataset is not None and hasattr(dataset, "__len__"):
             return len(dataset)
         return None
 
-    def batch(self, start: int, stop: int) -> Batch:
+    def first(self) -> Any:
+        if not self._head:
+            batch = self._next()
+            if batch is None:
+                return None
+            self._head.append(batch)
+        x = self._head[0]
+        return {k: v[:1] for k, v in x.items()} if isinstance(x, Mapping) else x[:1]
+
+    def stream(self) -> Iterator[tuple[int, list[str], Any, list[bool]]]:
+        """``(first index, ids, inputs, ok)`` for each batch, from the start."""
+        start = 0
+        while True:
+            batch = self._head.pop(0) if self._head else self._next()
+            if batch is None:
+                return
+            n = _count(batch)
+            if n:
+                yield start, [str(i) for i in range(start, start + n)], batch, [True] * n
+            start += n
+
+    def _next(self) -> Any:
         if self._iter is None:
             self._iter = iter(self.data)
-        while self._at + len(self._pending) < stop:
-            try:
-                rows = _rows(_input_of(next(self._iter)))
-            except StopIteration:
-                break
-            self._pending.extend(rows)
-        skip = start - self._at  # resuming: samples before start are read and dropped
-        if skip > 0:
-            del self._pending[:skip]
-            self._at = start
-        take = self._pending[: stop - start]
-        del self._pending[: len(take)]
-        self._at += len(take)
-        if not take:
-            return [], None, []
-        ids = [str(i) for i in range(start, start + len(take))]
-        return ids, _collate(take), [True] * len(take)
+        try:
+            return _as_batch(_input_of(next(self._iter)))
+        except StopIteration:
+            return None
 
 
 class Images(Source):
@@ -261,18 +277,26 @@ def _input_of(item: Any) -> Any:
     return item
 
 
-def _rows(batch: Any) -> list[Any]:
-    """A batch split into per-sample items (tensors or mappings of tensors)."""
+def _as_batch(batch: Any) -> Any:
+    """A loader's batch as a tensor or a mapping (NumPy arrays become tensors)."""
     if isinstance(batch, Tensor):
-        return list(batch.unbind(0))
+        return batch
     if isinstance(batch, Mapping):
-        n = len(next(iter(batch.values())))
-        return [{k: v[i] for k, v in batch.items()} for i in range(n)]
+        return {k: _tensor(v) if type(v).__module__ == "numpy" else v for k, v in batch.items()}
     if type(batch).__module__ == "numpy":
-        return list(torch.from_numpy(batch).unbind(0))
+        return torch.from_numpy(batch)
     raise UsageError(
         f"a batch must be a tensor, an array or a mapping of tensors, got {type(batch).__name__}"
     )
+
+
+def _count(batch: Any) -> int:
+    if isinstance(batch, Mapping):
+        sized = [v for v in batch.values() if isinstance(v, Tensor) and v.dim()]
+        if not sized:
+            raise UsageError("a batch given as a mapping needs at least one tensor (its samples)")
+        return len(sized[0])
+    return len(batch)
 
 
 def _collate(items: list[Any]) -> Any:
@@ -283,7 +307,8 @@ def _collate(items: list[Any]) -> Any:
     except RuntimeError as e:
         raise UsageError(
             f"samples of different shapes cannot form a batch ({e}); give transform= that "
-            "resizes them (images), or batch_size=1"
+            "resizes them (images), or a DataLoader whose collate_fn pads each batch (with "
+            "reduce='token_mean', or a reduce giving every sample one shape)"
         ) from None
 
 

@@ -6,8 +6,10 @@ Layout: one array per layer (samples along axis 0, ``dimension_names`` for xarra
 boolean per block of ``chunk`` samples. A block's rows are written first (each zarr chunk file
 is written to a temporary name and renamed, so a chunk is whole or absent), and only then its
 ``done`` entry: a block is finished exactly when ``done`` says so, never because chunk files
-exist. Resuming recomputes every block not marked done, overwriting whatever it left.
-Metadata lives in the group's attributes under ``"hookscope"``.
+exist. ``done`` is also created last, so a store without it has nothing finished and its
+arrays are made again. Resuming recomputes every block not marked done, overwriting whatever
+it left. Metadata lives in the group's attributes under ``"hookscope"``, written with the group
+itself (one file, replaced atomically).
 """
 
 from __future__ import annotations
@@ -15,23 +17,49 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from .._extras import require
 from ..errors import UsageError
 
-__all__ = ["META", "Store"]
+__all__ = ["CODECS", "IDENTITY", "META", "Codec", "Store", "check_codec", "zarr_module"]
 
 META = "hookscope"
 _RESERVED = ("ids", "errors", "done")
 #: What must be the same to resume a store (the rest of the metadata may differ).
-IDENTITY = ("model", "fingerprint", "layers", "reduce", "dtype", "chunk", "batch_size", "input")
+IDENTITY = (
+    "model", "fingerprint", "layers", "reduce", "dtype", "chunk", "batch_size", "input", "probe",
+)  # fmt: skip
+_LABELS = {"probe": "the first sample's model input (transform, image size, tokenizer, order)"}
+Codec = Literal["none", "lz4", "zstd"]
+CODECS = ("none", "lz4", "zstd")
+#: ``{layer: (row shape, numpy dtype)}``
+Shapes = Mapping[str, tuple[tuple[int, ...], Any]]
 
 
 def zarr_module() -> Any:
     return require("zarr", "zarr", purpose="writing and reading feature stores")
+
+
+def check_codec(codec: Any) -> None:
+    if isinstance(codec, str) and codec not in CODECS:
+        raise UsageError(f"codec={codec!r}: use one of {list(CODECS)} or zarr codec objects")
+
+
+def _compressors(codec: Any) -> Any:
+    """zarr's ``compressors=`` for the layer arrays."""
+    if codec is None or codec == "none":
+        return None  # float features rarely shrink much, and writing is the cost to avoid
+    from zarr.codecs import BloscCodec, ZstdCodec
+
+    if codec == "lz4":  # byte shuffle + lz4: fast, and small for maps full of ReLU zeros
+        return BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
+    if codec == "zstd":
+        return ZstdCodec(level=3)
+    return codec
 
 
 class Store:
@@ -39,6 +67,8 @@ class Store:
 
     def __init__(self, path: Path, group: Any) -> None:
         self.path, self.group = path, group
+        self._arrays: dict[str, Any] = {}
+        self._ready = False  # the arrays exist (checked once)
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -65,52 +95,77 @@ class Store:
             store = cls(path, group)
             return store, store.done_blocks()
         if path.exists():
-            if not (path / "zarr.json").is_file():
-                raise UsageError(
-                    f"overwrite=True would delete {str(path)!r}, which is not a zarr store; "
-                    "choose another path"
-                )
-            shutil.rmtree(path)
-        group = zarr.open_group(str(path), mode="w")
-        group.attrs[META] = {**meta, "complete": False}
+            _remove(path)
+        group = zarr.open_group(str(path), mode="w", attributes={META: {**meta, "complete": False}})
         return cls(path, group), set()
+
+    @staticmethod
+    def chunk_of(path: str | os.PathLike[str]) -> int | None:
+        """The chunk of the store at ``path``, if there is one (resuming keeps it)."""
+        try:
+            return int(zarr_module().open_group(str(path), mode="r").attrs[META]["chunk"])
+        except Exception:  # no store there (yet): Store.open says what is wrong
+            return None
 
     def done_blocks(self) -> set[int]:
         if "done" not in self.group:
             return set()
         return {int(i) for i in self.group["done"][:].nonzero()[0]}
 
-    # -- writing ------------------------------------------------------------------------------
-    def ensure(self, features: Mapping[str, Any], rows: int, chunk: int) -> None:
-        """Create the arrays on first use (shapes from ``features``, one block's worth) or grow
-        them to ``rows`` samples (a source that did not say its length)."""
-        blocks = math.ceil(rows / chunk)
+    def row_shapes(self) -> dict[str, tuple[tuple[int, ...], Any]]:
+        """``{layer: (row shape, dtype)}`` of the arrays a resumed store already has."""
         if "done" not in self.group:
-            for name, value in features.items():
-                if name in _RESERVED:
-                    raise UsageError(f"a layer may not be called {name!r} in a feature store")
-                dims = ["sample", *(f"{name}_{i}" for i in range(1, value.ndim))]
-                self.group.create_array(
-                    name,
-                    shape=(rows, *value.shape[1:]),
-                    chunks=(chunk, *value.shape[1:]),
-                    dtype=value.dtype,
-                    fill_value=_fill(value.dtype),
-                    dimension_names=dims,
-                )
-            for name in ("ids", "errors"):
-                self.group.create_array(
-                    name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"]
-                )
-            self.group.create_array(
-                "done", shape=(blocks,), chunks=(1,), dtype=bool, fill_value=False,
-                dimension_names=["block"],
-            )  # fmt: skip
-        elif self.group["ids"].shape[0] < rows:
-            for name in (*features, "ids", "errors"):
-                array = self.group[name]
+            return {}
+        meta = self.group.attrs[META]
+        return {
+            name: (tuple(a.shape[1:]), a.dtype)
+            for name in meta["layers"]
+            if (a := self._array(name)) is not None
+        }
+
+    def _array(self, name: str) -> Any:
+        if name not in self._arrays:
+            if name not in self.group:
+                return None
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
+
+    # -- writing ------------------------------------------------------------------------------
+    def ensure(self, shapes: Shapes, rows: int, chunk: int, codec: Any = "none") -> None:
+        """Create the arrays on first use (``done`` last) or grow them to ``rows`` samples (a
+        source that did not say its length)."""
+        if not self._ready:
+            if "done" not in self.group:
+                self._create(shapes, rows, chunk, codec)
+            self._ready = True
+        if self._array("ids").shape[0] < rows:
+            for name in (*shapes, "ids", "errors"):
+                array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
-            self.group["done"].resize((blocks,))
+            self._array("done").resize((math.ceil(rows / chunk),))
+
+    def _create(self, shapes: Shapes, rows: int, chunk: int, codec: Any) -> None:
+        # overwrite=True: arrays left by a run killed before ``done`` existed hold nothing done
+        compressors = _compressors(codec)
+        for name, (row, dtype) in shapes.items():
+            if name in _RESERVED:
+                raise UsageError(f"a layer may not be called {name!r} in a feature store")
+            dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
+            self.group.create_array(
+                name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
+                fill_value=_fill(dtype), dimension_names=dims, compressors=compressors,
+                overwrite=True,
+            )  # fmt: skip
+        for name in ("ids", "errors"):
+            self.group.create_array(
+                name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"],
+                overwrite=True,
+            )  # fmt: skip
+        self.group.create_array(
+            "done", shape=(max(1, math.ceil(rows / chunk)),), chunks=(1,), dtype=bool,
+            fill_value=False, dimension_names=["block"], overwrite=True,
+        )  # fmt: skip
+        self._arrays.clear()
 
     def write(
         self, block: int, start: int, features: Mapping[str, Any], ids: list[str],
@@ -119,34 +174,54 @@ class Store:
         """Rows ``start ..`` of every array, then the block's ``done`` entry."""
         stop = start + len(ids)
         for name, value in features.items():
-            self.group[name][start:stop] = value
-        self.group["ids"][start:stop] = _strings(ids)
-        self.group["errors"][start:stop] = _strings(errors)
-        self.group["done"][block] = True
+            self._array(name)[start:stop] = value
+        self._array("ids")[start:stop] = _strings(ids)
+        self._array("errors")[start:stop] = _strings(errors)
+        self._array("done")[block] = True
 
     def finish(self, rows: int, meta: dict[str, Any], features: list[str]) -> None:
-        """Trim to ``rows`` samples and mark the store complete in its metadata."""
-        if "ids" in self.group and self.group["ids"].shape[0] != rows:
+        """Trim to ``rows`` samples and mark the store complete in its metadata. A source with
+        no samples gives arrays of no rows (of shape ``(0,)``: no sample gave their shape)."""
+        import numpy as np
+
+        if "done" not in self.group:
+            self._create({n: ((), np.dtype("float32")) for n in features}, 0, 1, "none")
+        if self._array("ids").shape[0] != rows:
             for name in (*features, "ids", "errors"):
-                array = self.group[name]
+                array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
         errors = {}
-        if "errors" in self.group and rows:
-            reasons = self.group["errors"][:]
-            ids = self.group["ids"][:]
+        if rows:
+            reasons = self._array("errors")[:]
+            ids = self._array("ids")[:]
             errors = {str(ids[i]): str(reasons[i]) for i in reasons.nonzero()[0]}
         old = dict(self.group.attrs[META])
         self.group.attrs[META] = {
             **old, **meta, "samples": rows, "errors": errors, "complete": True,
-            "arrays": {n: {"shape": list(self.group[n].shape), "dtype": str(self.group[n].dtype)}
+            "arrays": {n: {"shape": list(self._array(n).shape), "dtype": str(self._array(n).dtype)}
                        for n in features},
         }  # fmt: skip
+
+
+def _remove(path: Path) -> None:
+    """Delete an old store: renamed first (one atomic step), so that a kill during the deletion
+    leaves no half store at ``path``."""
+    if not (path / "zarr.json").is_file():
+        raise UsageError(
+            f"overwrite=True would delete {str(path)!r}, which is not a zarr store; "
+            "choose another path"
+        )
+    trash = path.with_name(f".{path.name}.deleting-{uuid.uuid4().hex[:8]}")
+    path.rename(trash)
+    shutil.rmtree(trash)
 
 
 def _check_same(old: Mapping[str, Any], new: Mapping[str, Any], path: Path) -> None:
     differ = [k for k in IDENTITY if old.get(k) != new.get(k)]
     if differ:
-        what = "; ".join(f"{k}: stored {old.get(k)!r}, now {new.get(k)!r}" for k in differ)
+        what = "; ".join(
+            f"{_LABELS.get(k, k)}: stored {old.get(k)!r}, now {new.get(k)!r}" for k in differ
+        )
         raise UsageError(
             f"cannot resume {str(path)!r}: the run differs from the one that made it ({what}). "
             "Use the same settings, or overwrite=True to start again"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -326,8 +327,13 @@ def nan(o: dict[str, Any]) -> None:
 @click.option("--layer", "layers", multiple=True, required=True, help="A layer (repeatable).")
 @click.option("--out", required=True, help="The store's folder (Zarr).")
 @click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--reduce", type=click.Choice(["spatial_mean", "token_mean", "batch_mean"]))
+@click.option("--chunk", type=int, help="Samples per stored chunk and kept block [about 256].")
+@click.option("--reduce", type=click.Choice(["spatial_mean", "token_mean"]))
 @click.option("--store-dtype", help="Storage dtype, e.g. float16.")
+@click.option(
+    "--codec", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
+    help="Compression of the feature arrays.",
+)  # fmt: skip
 @click.option("--image-size", type=int, default=224, show_default=True, help="Images: resize to.")
 @click.option(
     "--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True
@@ -339,26 +345,25 @@ def nan(o: dict[str, Any]) -> None:
 @_with_options
 def extract_(o: dict[str, Any]) -> None:
     """Write LAYERs' outputs for DATA (an image folder, a .npy file, or a .txt file of one text
-    per line for a HF model directory) to a Zarr store."""
+    per line for a HF model directory) to a Zarr store.
+
+    Ctrl-C keeps every finished block (exit status 130); --resume then finishes the store."""
     from ..extract import extract
-    from ._load import image_transform, texts
 
     model, _ = _load(o, inputs=False)
-    data: Any = o["data"]
-    tokenizer, transform = None, None
-    if data.endswith(".npy"):
-        import numpy as np
-
-        data = np.load(data, mmap_mode="r")  # never pickled objects: allow_pickle stays False
-    elif data.endswith(".txt"):
-        data, tokenizer = texts(o["model"], data)
-    else:
-        transform = image_transform(o["model"], o["image_size"])
-    store = extract(
-        model, data, list(o["layers"]), out=o["out"], batch_size=o["batch_size"],
-        reduce=o["reduce"], dtype=o["store_dtype"], tokenizer=tokenizer, transform=transform,
-        on_error=o["on_error"], resume=o["resume"], overwrite=o["overwrite"], engine=o["engine"],
-    )  # fmt: skip
+    data, tokenizer, transform = _extract_data(o)
+    try:
+        store = extract(
+            model, data, list(o["layers"]), out=o["out"], batch_size=o["batch_size"],
+            chunk=o["chunk"], reduce=o["reduce"], dtype=o["store_dtype"], tokenizer=tokenizer,
+            transform=transform, on_error=o["on_error"], resume=o["resume"],
+            overwrite=o["overwrite"], engine=o["engine"], codec=o["codec"],
+        )  # fmt: skip
+    except UsageError as e:
+        raise UsageError(_as_flags(str(e))) from None
+    except KeyboardInterrupt:
+        click.echo(_interrupted(o["out"]), err=True)
+        raise click.exceptions.Exit(130) from None  # the shell's status for SIGINT
     if o["as_json"]:
         _echo_json(store.meta)
         return
@@ -366,6 +371,64 @@ def extract_(o: dict[str, Any]) -> None:
     click.echo(f"{len(store)} samples -> {store.path}: {shapes}")
     if store.errors:
         click.echo(f"{len(store.errors)} unreadable (rows are NaN): {', '.join(store.errors)}")
+
+
+def _extract_data(o: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """``extract``'s DATA: (samples, tokenizer, image transform)."""
+    from ._load import image_transform, texts
+
+    data: str = o["data"]
+    try:
+        if data.endswith(".npy"):
+            return _npy(data), None, None
+        if data.endswith(".txt"):
+            lines, tokenizer = texts(o["model"], data)
+            return lines, tokenizer, None
+    except FileNotFoundError:
+        raise UsageError(f"no such file: {data!r}") from None
+    return data, None, image_transform(o["model"], o["image_size"])
+
+
+def _npy(path: str) -> Any:
+    import numpy as np
+
+    try:
+        return np.load(path, mmap_mode="r")  # allow_pickle stays False: never pickled objects
+    except ValueError as e:  # not an array file, or an array of pickled objects
+        raise UsageError(f"cannot read {path!r} as a NumPy array: {e}") from None
+
+
+#: hs.extract's messages name its Python arguments; the command's users know its flags.
+_FLAGS = (
+    (r"\bresume=True\b", "--resume"),
+    (r"\boverwrite=True\b", "--overwrite"),
+    (r"\bon_error='(\w+)'", r"--on-error \1"),
+    (r"\breduce='(\w+)'", r"--reduce \1"),
+    (r"\bengine='(\w+)'", r"--engine \1"),
+    (r"\bcodec=", "--codec "),
+    (r"\bbatch_size\b", "--batch-size"),
+    (r"\bchunk must\b", "--chunk must"),
+    (r"^dtype\b", "--store-dtype"),
+)
+
+
+def _as_flags(message: str) -> str:
+    for pattern, flag in _FLAGS:
+        message = re.sub(pattern, flag, message)
+    return message
+
+
+def _interrupted(out: str) -> str:
+    from ..extract import open_features
+
+    try:
+        store = open_features(out, partial=True)
+    except UsageError:
+        return "interrupted before anything was stored"
+    return (
+        f"interrupted: {store.stored} of {len(store)} samples are stored in {out}; run the "
+        "same command with --resume to finish"
+    )
 
 
 @cli.command("report")

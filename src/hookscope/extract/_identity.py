@@ -1,0 +1,77 @@
+"""What a store remembers of the run that made it, so that a resume with another model or other
+inputs is refused: a fingerprint of the model's weights and a probe of its first input."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core import unwrap
+
+__all__ = ["fingerprint", "probe"]
+
+_SLICE = 1 << 20  # elements per weighted sum
+
+
+def fingerprint(model: nn.Module) -> str:
+    """A hash of the parameters' and buffers' names, shapes, dtypes and values.
+
+    Values enter through weighted sums: each run of up to 2**20 values of a tensor, dotted
+    with fixed pseudo-random weights (``frac(i * golden ratio)``, one per position), so that a
+    change of values, or a permutation of them, changes the result. That costs one read of the
+    weights, on their device (as a plain sum would); the sums are read with one host transfer
+    for the whole model and rounded to 7 significant digits (float32's). Wrappers
+    (``torch.compile``, DataParallel) are seen through, so a compiled model resumes its eager
+    twin's store.
+    """
+    root = unwrap(model)
+    tensors = [(n, t) for n, t in root.state_dict(keep_vars=True).items() if isinstance(t, Tensor)]
+    h = hashlib.sha256()
+    for name, t in tensors:
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype};".encode())
+    valued = [t.detach() for _, t in tensors if t.numel() and not t.is_meta]
+    if valued:
+        device = valued[0].device
+        weights: dict[torch.device, Tensor] = {}
+        with torch.no_grad():
+            sums = torch.cat([_sums(t, weights).to(device) for t in valued])
+        values = sums.tolist()  # the one read from the device
+        h.update(repr([float(f"{v:.7g}") for v in values]).encode())
+    return h.hexdigest()[:16]
+
+
+def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
+    """One weighted sum per run of ``_SLICE`` values of ``t`` (float32)."""
+    if t.device not in weights:
+        i = torch.arange(1, _SLICE + 1, dtype=torch.float64, device=t.device)
+        weights[t.device] = torch.frac(i * 0.6180339887498949).float()
+    w = weights[t.device]
+    flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    if flat.dtype != torch.float32:
+        flat = flat.float()
+    runs = [flat[i : i + _SLICE] for i in range(0, flat.numel(), _SLICE)]
+    return torch.stack([torch.dot(x, w[: len(x)]) for x in runs])
+
+
+def probe(first: Any) -> str | None:
+    """A digest of one sample's model input (a tensor or a mapping of them): its dtype, shape
+    and bytes. It changes with the transform, the image size, the tokenizer or the order."""
+    if first is None:
+        return None
+    items = sorted(first.items()) if isinstance(first, Mapping) else [("", first)]
+    h = hashlib.sha256()
+    shapes = []
+    for key, value in items:
+        if isinstance(value, Tensor):
+            t = value.detach().cpu().contiguous()
+            shapes.append(f"{key}{'=' if key else ''}{str(t.dtype).replace('torch.', '')}"
+                          f"{list(t.shape)}")  # fmt: skip
+            h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            h.update(f"{key}:{value!r};".encode())
+    return f"{' '.join(shapes)} {h.hexdigest()[:12]}".strip()

@@ -1,0 +1,156 @@
+"""A layer's output as one row per sample, as the store keeps it.
+
+The output's first tensor is reduced (a built-in name or a function, which must work per
+sample: the store has one row per sample), a nested tensor (``TransformerEncoder``'s fast
+path over padded inputs) is reduced sample by sample or padded back to the inputs' length,
+and the result is cast to the storage dtype. Anything that would store wrong rows is refused:
+a first dimension that is not the batch's samples, a reduce that mixes samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+
+__all__ = ["REDUCES", "Rows", "check_reduce", "keep_mask"]
+
+REDUCES: dict[str, Callable[[Tensor], Tensor]] = {
+    "spatial_mean": lambda t: t.mean(dim=tuple(range(2, t.ndim))) if t.ndim > 2 else t,
+    "token_mean": lambda t: t.mean(dim=1) if t.ndim > 2 else t,
+}
+
+
+def check_reduce(reduce: Any) -> None:
+    """Refuse, before anything runs, a reduce that cannot give one row per sample."""
+    if reduce == "batch_mean":
+        raise UsageError(
+            "reduce='batch_mean' averages the samples of a batch together, and a feature store "
+            "keeps one row per sample: use reduce='spatial_mean' or 'token_mean', a function "
+            "that keeps dim 0 (the samples), or hs.features for a batch mean"
+        )
+    if isinstance(reduce, str) and reduce not in REDUCES:
+        raise UsageError(f"reduce={reduce!r}: use one of {sorted(REDUCES)} or a function")
+    if reduce is not None and not isinstance(reduce, str) and not callable(reduce):
+        raise UsageError(f"reduce must be a name or a function Tensor -> Tensor, not {reduce!r}")
+
+
+def keep_mask(inputs: Any) -> Tensor | None:
+    """``(N, T)``, true where a token counts: a tokenizer's ``attention_mask``, or the
+    negation of ``TransformerEncoder``'s ``src_key_padding_mask`` (true at padding)."""
+    if not isinstance(inputs, Mapping):
+        return None
+    mask = inputs.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        return mask.bool()
+    padding = inputs.get("src_key_padding_mask")
+    if isinstance(padding, Tensor) and padding.dim() == 2:
+        return ~padding.bool()
+    return None
+
+
+class Rows:
+    """``rows(name, output, n, mask)``: the ``(n, ...)`` tensor to store for a batch of ``n``."""
+
+    def __init__(self, reduce: Any, dtype: torch.dtype | None) -> None:
+        self.reduce, self.dtype = reduce, dtype
+        self._fn = REDUCES[reduce] if isinstance(reduce, str) else reduce
+        self._checked: set[str] = set()  # layers whose reduce was checked on one sample
+
+    def __call__(self, name: str, t: Tensor, n: int, mask: Tensor | None) -> Tensor:
+        if t.is_nested:
+            t = self._nested(name, t, mask)
+        elif self._fn is not None:
+            t = self._reduced(name, t, mask)
+        self._check(name, t, n)
+        t = t.detach()
+        dtype = self.dtype or (torch.float32 if t.dtype == torch.bfloat16 else t.dtype)
+        return t if t.dtype == dtype else t.to(dtype)  # bfloat16 (no NumPy type): float32
+
+    def _reduced(self, name: str, t: Tensor, mask: Tensor | None) -> Tensor:
+        if isinstance(self.reduce, str) and not t.is_floating_point():
+            return t  # as in hs.capture: built-in reductions keep integer tensors (ids, masks)
+        if self.reduce == "token_mean" and mask is not None and _per_token(mask, t):
+            m = mask.to(t.dtype).unsqueeze(-1)  # padding excluded from the mean
+            return (t * m).sum(1) / m.sum(1).clamp(min=1e-9)
+        assert self._fn is not None
+        value = self._fn(t)
+        if not isinstance(value, Tensor):
+            raise UsageError(
+                f"reduce={_spelled(self.reduce)} returned {type(value).__name__} for layer "
+                f"{name!r}; it must return a tensor with one row per sample"
+            )
+        if (
+            name not in self._checked
+            and not isinstance(self.reduce, str)
+            and t.dim()
+            and len(t) > 1
+        ):
+            self._checked.add(name)
+            self._per_sample(name, t, value)
+        return value
+
+    def _per_sample(self, name: str, t: Tensor, value: Tensor) -> None:
+        """A function given one sample must give one row of the batch's shape: this catches
+        ``t.mean(0)`` even where the batch size equals another dimension."""
+        one = self._fn(t[:1]) if self._fn is not None else t[:1]
+        if not isinstance(one, Tensor) or tuple(one.shape) != (1, *value.shape[1:]):
+            got = tuple(one.shape) if isinstance(one, Tensor) else type(one).__name__
+            raise UsageError(
+                f"reduce={_spelled(self.reduce)} does not work per sample on layer {name!r}: "
+                f"a batch of {len(t)} gave {tuple(value.shape)} but one sample gave {got}, "
+                f"not {(1, *value.shape[1:])}. A reduce must keep dim 0 (the samples), e.g. "
+                "lambda t: t.mean(dim=(2, 3)); t.mean(0) averages samples together"
+            )
+
+    def _nested(self, name: str, t: Tensor, mask: Tensor | None) -> Tensor:
+        """Per sample: each one reduced alone, or (no reduce) padded with zeros to the
+        inputs' length, as ``TransformerEncoder`` pads its own output."""
+        parts = t.unbind()
+        if self._fn is None:
+            length = mask.shape[1] if mask is not None and len(mask) == len(parts) else None
+            size = None
+            if length is not None and parts and all(p.dim() and len(p) <= length for p in parts):
+                size = (len(parts), length, *parts[0].shape[1:])
+            padded: Tensor = torch.nested.to_padded_tensor(t, 0.0, size)
+            return padded
+        rows = [self._reduced(name, p.unsqueeze(0), None) for p in parts]
+        shapes = {tuple(r.shape) for r in rows}
+        if len(shapes) > 1:
+            raise UsageError(
+                f"layer {name!r} returns a nested tensor (samples of different lengths) and "
+                f"reduce={_spelled(self.reduce)} leaves them different ({sorted(shapes)}): use "
+                "reduce='token_mean' (each sample's mean over its own tokens) or a function "
+                "giving every sample one shape"
+            )
+        return torch.cat(rows)
+
+    def _check(self, name: str, t: Tensor, n: int) -> None:
+        if t.dim() >= 1 and t.shape[0] == n:
+            return
+        if self._fn is not None:
+            raise UsageError(
+                f"reduce={_spelled(self.reduce)} returned shape {tuple(t.shape)} for layer "
+                f"{name!r} on a batch of {n} samples: a reduce must keep dim 0 (the samples), "
+                "since the store keeps one row per sample"
+            )
+        raise UsageError(
+            f"layer {name!r} returned shape {tuple(t.shape)} for a batch of {n} samples: its "
+            "first dimension is not the samples (e.g. a sequence-first RNN), so it has no row "
+            "per sample. Pass a reduce= function that puts the samples first, e.g. "
+            "lambda t: t.transpose(0, 1), or choose another layer"
+        )
+
+
+def _per_token(mask: Tensor, t: Tensor) -> bool:
+    return t.dim() == 3 and tuple(mask.shape) == tuple(t.shape[:2])
+
+
+def _spelled(reduce: Any) -> str:
+    if callable(reduce) and not isinstance(reduce, str):
+        return str(getattr(reduce, "__qualname__", type(reduce).__name__))
+    return repr(reduce)

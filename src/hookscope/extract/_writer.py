@@ -1,0 +1,164 @@
+"""Blocks of rows on their way to the store, and the thread that writes them while the next
+forwards run.
+
+A :class:`Block` holds ``chunk`` rows per layer in host buffers (pinned on CUDA, so the copies
+from the device do not wait) that the forwards fill, then goes to the :class:`Writer`'s small
+queue. The writer thread waits for the block's copies, writes its rows and then its ``done``
+entry (the store's ledger: see ``_store``), one block after another, and hands the buffers
+back for a later block: memory holds at most ``depth + 2`` blocks. An error in the thread is
+raised in the caller at its next hand-over (or when the writer closes); when the caller stops
+early (an exception, Ctrl-C) the blocks already queued, which are finished, are still written.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._store import Store
+
+__all__ = ["Block", "Writer"]
+
+_POLL = 0.1  # seconds between looks at the writer thread while waiting for it
+
+
+class Block:
+    """Samples ``start ..`` of block ``index``: rows per layer (host buffers of at least
+    ``capacity`` rows), ids, reasons of unreadable samples and where they are."""
+
+    def __init__(self, index: int, start: int, capacity: int, buffers: dict[str, Tensor]) -> None:
+        self.index, self.start, self.capacity, self.buffers = index, start, capacity, buffers
+        self.ids: list[str] = []
+        self.errors: list[str] = []
+        self.bad: list[int] = []  # rows of samples that could not be read: NaN
+        self.held: dict[str, Tensor] = {}  # rows kept as the forward gave them (no copy)
+        self.event: Any = None  # a CUDA event recorded after the block's last copy
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def full(self) -> bool:
+        return self.rows >= self.capacity
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+    def arrays(self) -> dict[str, Any]:
+        """The rows as NumPy arrays (views of the buffers), unreadable samples' rows NaN."""
+        out = {}
+        for name, buffer in {**self.buffers, **self.held}.items():
+            rows = buffer[: self.rows]
+            if self.bad:
+                rows = rows.clone() if name in self.held else rows  # never the model's inputs
+                rows[self.bad] = float("nan") if rows.is_floating_point() else 0
+            out[name] = rows.numpy()
+        return out
+
+
+class Writer:
+    """Write blocks in order on a background thread (see the module's docstring); use as a
+    context manager, which waits for the queued blocks on exit."""
+
+    def __init__(self, store: Store, chunk: int, rows: int | None, codec: Any, depth: int = 1):
+        self._store, self._chunk, self._rows, self._codec = store, chunk, rows, codec
+        self._queue: queue.Queue[Block | None] = queue.Queue(maxsize=depth)
+        self._free: queue.Queue[dict[str, Tensor]] = queue.Queue()
+        self._sets, self._max_sets = 0, depth + 2
+        self._held = 0  # sets the caller holds (being filled)
+        self._error: BaseException | None = None
+        self._abandon = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hookscope-extract", daemon=True)
+
+    def __enter__(self) -> Writer:
+        self._thread.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            self._hand(None, check=False)  # the queued blocks are finished: write them, stop
+            while self._thread.is_alive():
+                self._thread.join(_POLL)
+        except BaseException:
+            self._abandon.set()  # a second Ctrl-C: stop after the block being written
+            raise
+        if self._error is not None and self._error is not ev:
+            if ev is None:
+                raise self._error
+            ev.add_note(f"hookscope.extract: writing also failed: {self._error!r}")
+
+    def buffers(self) -> dict[str, Tensor]:
+        """Buffers for a new block: a set handed back by the writer, or a new (empty) one
+        while fewer than ``depth + 2`` exist (or the caller holds them all: a batch spanning
+        several blocks); otherwise waits for the writer to hand one back."""
+        while True:
+            try:
+                found = (
+                    self._free.get(timeout=_POLL) if self._waiting() else self._free.get_nowait()
+                )
+            except queue.Empty:
+                if self._waiting():
+                    self._check()
+                    continue
+                self._sets += 1
+                found = {}
+            self._held += 1
+            return found
+
+    def _waiting(self) -> bool:
+        return self._sets >= self._max_sets and self._held < self._sets
+
+    def put(self, block: Block) -> None:
+        """Queue a finished block (waits while the queue is full)."""
+        self._held -= 1
+        self._hand(block)
+
+    def _hand(self, item: Block | None, check: bool = True) -> None:
+        while True:
+            if check:
+                self._check()
+            try:
+                self._queue.put(item, timeout=_POLL)
+                return
+            except queue.Full:
+                continue
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if not self._thread.is_alive():
+            raise RuntimeError("hookscope.extract's writer thread is gone")
+
+    def _loop(self) -> None:
+        while True:
+            block = self._queue.get()
+            if block is None:
+                return
+            if self._error is None and not self._abandon.is_set():
+                try:
+                    self._write(block)
+                except BaseException as e:  # raised in the caller (see _check)
+                    self._error = e
+            self._free.put(block.buffers)
+
+    def _write(self, block: Block) -> None:
+        block.wait()
+        arrays = block.arrays()
+        shapes = {n: (tuple(a.shape[1:]), a.dtype) for n, a in arrays.items()}
+        end = block.start + block.rows
+        self._store.ensure(shapes, max(self._rows or 0, end), self._chunk, self._codec)
+        self._store.write(block.index, block.start, arrays, block.ids, block.errors)
+
+
+def pinned(device: torch.device) -> bool:
+    """Whether host buffers for copies from ``device`` are pinned (non-blocking copies)."""
+    return device.type == "cuda"

@@ -1,0 +1,262 @@
+"""hs.extract's pipeline: the forwards run while another thread writes the finished blocks.
+Progress counts samples as they are computed; an error while writing reaches the caller (and
+the blocks written before it stay done); an interruption (Ctrl-C inside a forward) still writes
+every finished block, and resuming then equals an uninterrupted run; memory holds a bounded
+number of blocks however slow the writes; the codec is chosen per store. Oracles: hand-written
+forward hooks, an uninterrupted run, the store's own ledger read with plain zarr."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+zarr = pytest.importorskip("zarr")
+from zarr.core.array import Array  # noqa: E402
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+X = torch.randn(100, 6, generator=torch.Generator().manual_seed(3))
+
+
+def _hand(model: nn.Module, x: torch.Tensor, name: str) -> np.ndarray:
+    seen: list[torch.Tensor] = []
+    handle = dict(model.named_modules())[name].register_forward_hook(
+        lambda m, a, o: seen.append(o.detach().clone())
+    )
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    return seen[0].numpy()
+
+
+def _done(out: Path) -> list[bool]:
+    return [bool(v) for v in zarr.open_group(str(out), mode="r")["done"][:]]
+
+
+@contextmanager
+def _writes(monkeypatch: pytest.MonkeyPatch, fn: Callable[[Any, Any], None]) -> Iterator[None]:
+    """Call ``fn(key, value)`` before every write of zarr array data (in whatever thread)."""
+    real = Array.__setitem__
+
+    def spy(self: Any, key: Any, value: Any) -> None:
+        fn(self, value)
+        real(self, key, value)
+
+    monkeypatch.setattr(Array, "__setitem__", spy)
+    yield
+    monkeypatch.setattr(Array, "__setitem__", real)
+
+
+def test_progress_counts_samples_as_they_are_computed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = importlib.import_module("hookscope.extract._extract")  # hs.extract is the function
+    calls: list[tuple[Any, ...]] = []
+
+    @contextmanager
+    def recorder(total: int | None, description: str, setting: bool | None) -> Iterator[Any]:
+        calls.append(("total", total))
+        yield lambda n=1: calls.append(("advance", n))
+
+    monkeypatch.setattr(module, "progress", recorder)
+    hs.extract(_mlp(), X[:70], ["1"], out=tmp_path / "f", batch_size=16, chunk=32)
+    assert calls == [("total", 70)] + [("advance", n) for n in (16, 16, 16, 16, 6)]
+    zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False
+    calls.clear()
+    hs.extract(_mlp(), X[:70], ["1"], out=tmp_path / "f", batch_size=16, chunk=32, resume=True)
+    assert calls == [("total", 32), ("advance", 16), ("advance", 16)]  # only what is left
+
+
+def test_an_error_while_writing_reaches_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes: list[str] = []
+
+    def disk_full(array: Any, value: Any) -> None:
+        if array.basename == "1":
+            writes.append(threading.current_thread().name)
+            if len(writes) == 3:
+                raise OSError(28, "No space left on device (raised by the test)")
+
+    model, out = _mlp(), tmp_path / "f"
+    with _writes(monkeypatch, disk_full), pytest.raises(OSError, match="No space left"):
+        hs.extract(model, X, ["1"], out=out, batch_size=10, chunk=20)
+    assert set(writes) == {"hookscope-extract"}  # written by the writer thread...
+    assert _done(out) == [True, True, False, False, False]  # ...the blocks before the error kept
+    assert not any(t.name == "hookscope-extract" for t in threading.enumerate())
+    with pytest.raises(hs.UsageError, match="unfinished"):
+        hs.open_features(out)
+    store = hs.extract(model, X, ["1"], out=out, batch_size=10, chunk=20, resume=True)
+    np.testing.assert_allclose(store.to_numpy("1"), _hand(model, X, "1"), atol=1e-6)
+
+
+def test_an_interrupt_writes_every_finished_block_then_resume_equals_a_clean_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _mlp()
+    clean = hs.extract(model, X, ["1", "2"], out=tmp_path / "clean", batch_size=10, chunk=20)
+    calls = [0]
+
+    def ctrl_c(module: nn.Module, args: Any, output: Any) -> None:  # as if SIGINT came now
+        calls[0] += 1
+        if calls[0] == 8:  # blocks 0..2 finished (batches 1..6), block 3 half done
+            raise KeyboardInterrupt
+
+    out = tmp_path / "f"
+    handle = model[0].register_forward_hook(ctrl_c)
+    slow = lambda array, value: time.sleep(0.2)  # noqa: E731 - the writer lags behind
+    try:
+        with _writes(monkeypatch, slow), pytest.raises(KeyboardInterrupt) as caught:
+            hs.extract(model, X, ["1", "2"], out=out, batch_size=10, chunk=20)
+    finally:
+        handle.remove()
+    assert "resume=True" in str(caught.value.__notes__)
+    assert _done(out) == [True, True, True, False, False]
+    partial = hs.open_features(out, partial=True)
+    assert not partial.complete and partial.stored == 60
+    again = hs.extract(model, X, ["1", "2"], out=out, batch_size=10, chunk=20, resume=True)
+    for layer in ("1", "2"):
+        assert np.array_equal(again.to_numpy(layer), clean.to_numpy(layer))
+
+
+def test_memory_holds_a_bounded_number_of_blocks_however_slow_the_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forwards, lag, buffers = [0], [], set()
+
+    class Counted(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            forwards[0] += 1
+            return super().forward(x)
+
+    model = Counted(*_mlp())
+
+    def slow(array: Any, value: Any) -> None:
+        if array.basename == "1":
+            buffers.add(value.__array_interface__["data"][0])  # which host memory is written
+            lag.append(forwards[0] - len(lag))  # blocks computed but not yet written
+            time.sleep(0.05)
+
+    with _writes(monkeypatch, slow):  # blocks of 2 batches: copied into reused buffers
+        copied = hs.extract(model, X, ["1"], out=tmp_path / "c", batch_size=5, chunk=10)
+    assert len(buffers) <= 3  # 10 blocks, 3 buffers: one filled, one queued, one written
+    forwards[0], lag[:] = 0, []
+    with _writes(monkeypatch, slow):  # blocks of 1 batch: the forward's own tensors, held
+        held = hs.extract(model, X, ["1"], out=tmp_path / "h", batch_size=5, chunk=5)
+    assert len(lag) == 20 and max(lag) <= 4  # the forwards wait for the writes: never far ahead
+    want = _hand(model, X, "1")
+    for store in (copied, held):
+        np.testing.assert_allclose(store.to_numpy("1"), want, atol=1e-6)
+
+
+def test_a_loader_batch_spanning_many_blocks(tmp_path: Path) -> None:
+    model = _mlp()
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X), batch_size=25)
+    store = hs.extract(model, loader, ["1"], out=tmp_path / "f", chunk=4)  # 7 blocks per batch
+    np.testing.assert_allclose(store.to_numpy("1"), _hand(model, X, "1"), atol=1e-6)
+    assert store.ids == [str(i) for i in range(100)] and len(_done(tmp_path / "f")) == 25
+
+
+def test_codecs(tmp_path: Path) -> None:
+    from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
+
+    model = _mlp()
+    want = _hand(model, X, "1")
+    kinds = {"none": (), "lz4": (BloscCodec,), "zstd": (ZstdCodec,), "gzip": (GzipCodec,)}
+    for name, types in kinds.items():
+        codec = GzipCodec(level=1) if name == "gzip" else name
+        store = hs.extract(model, X, ["1"], out=tmp_path / name, codec=codec)
+        compressors = zarr.open_group(str(tmp_path / name), mode="r")["1"].compressors
+        assert tuple(type(c) for c in compressors) == types
+        assert np.array_equal(
+            store.to_numpy("1"), hs.open_features(tmp_path / "none").to_numpy("1")
+        )
+        np.testing.assert_allclose(store.to_numpy("1"), want, atol=1e-6)
+        assert store.meta["codec"] == (name if name != "gzip" else repr(codec))
+    with pytest.raises(
+        hs.UsageError, match=r"codec='snappy': use one of \['none', 'lz4', 'zstd'\]"
+    ):
+        hs.extract(model, X, ["1"], out=tmp_path / "bad", codec="snappy")
+
+
+@pytest.mark.mutates_model  # Static writes its outputs into its own tensor
+def test_rows_kept_without_a_copy_are_the_rows_computed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks of one batch keep the forward's own tensors. Not when the forward changes them
+    after the hook (an in-place ReLU), nor when the model writes every output into storage of
+    its own (as static-memory code does), which the next forward overwrites while the writer
+    still holds the previous rows (slowed down here)."""
+    torch.manual_seed(0)
+    inplace = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    store = hs.extract(inplace, X, ["0", "2"], out=tmp_path / "i", batch_size=10, chunk=10)
+    np.testing.assert_array_equal(store.to_numpy("0") < 0, _hand(inplace, X, "0") < 0)
+    np.testing.assert_allclose(store.to_numpy("0"), _hand(inplace, X, "0"), atol=1e-6)
+
+    class Static(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(6, 8)
+            self.out = torch.zeros(10, 8)  # a plain attribute: not a buffer
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # made for batches of 10
+            self.out.copy_(self.lin(x))
+            return self.out
+
+    static = nn.Sequential(Static(), nn.ReLU())
+    want = np.concatenate([_hand(static, X[i : i + 10], "0.lin") for i in range(0, 100, 10)])
+    with _writes(monkeypatch, lambda array, value: time.sleep(0.02)):
+        store = hs.extract(static, X, ["0"], out=tmp_path / "s", batch_size=10, chunk=10)
+    np.testing.assert_allclose(store.to_numpy("0"), want, atol=1e-6)
+
+
+def test_large_rows_are_stored_a_batch_at_a_time_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows of 256 KiB, batches of 64: the default chunk is one batch (at most 16 MiB per layer
+    and chunk), and on the CPU each block writes the tensor the layer returned."""
+    made: list[int] = []
+
+    class Wide(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = x.repeat(1, 65536 // x.shape[1])
+            made.append(out.data_ptr())
+            return out
+
+    model = nn.Sequential(nn.Linear(6, 8), Wide(), nn.ReLU())
+    written: list[int] = []
+
+    def spy(array: Any, value: Any) -> None:
+        if array.basename == "1":
+            written.append(value.__array_interface__["data"][0])
+
+    x = torch.randn(130, 6, generator=torch.Generator().manual_seed(0))
+    with _writes(monkeypatch, spy):
+        store = hs.extract(model, x, ["1"], out=tmp_path / "f", batch_size=64)
+    assert store.meta["chunk"] == 64 and store["1"].chunks == (64, 65536)
+    assert written == made[1:]  # made[0]: the forward of sample 0 that sized the chunk
+    want = store.to_numpy("1")
+    np.testing.assert_allclose(want, _hand(model, x, "1"), atol=1e-6)
+    small = hs.extract(model, x, ["0"], out=tmp_path / "g", batch_size=32)
+    assert small.meta["chunk"] == 256  # small rows: about 256 samples a chunk
+    zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False
+    again = hs.extract(model, x, ["1"], out=tmp_path / "f", batch_size=64, resume=True)
+    assert again.meta["chunk"] == 64 and np.array_equal(again.to_numpy("1"), want)

@@ -1,0 +1,304 @@
+"""hs.extract never stores wrong rows silently, and works where it used to crash: per-sample
+shapes that vary between batches (refused), reduces that drop the samples' axis (refused), a
+resume with permuted weights or another image transform (refused), a DataLoader that pads each
+batch, an empty dataset, a kill between the creation of two arrays, nested tensors (a padded
+TransformerEncoder in eval), a torch.compile'd model that already ran. Oracles: each sample run
+alone through the model by hand (no padding, no hookscope), hand-written forward hooks, and an
+uninterrupted run in a child process."""
+
+from __future__ import annotations
+
+import copy
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+
+zarr = pytest.importorskip("zarr")
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+X = torch.randn(40, 3, 10, 10, generator=torch.Generator().manual_seed(1))
+
+
+def _hand(model: nn.Module, x: Tensor, name: str) -> Tensor:
+    """One forward with a plain forward hook keeping a copy of ``name``'s output."""
+    seen: list[Tensor] = []
+    handle = dict(model.named_modules())[name].register_forward_hook(
+        lambda m, a, o: seen.append(o.detach().clone())
+    )
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+# -- token models: a tokenizer padding each batch to its longest, an embedding + projection ------
+
+
+class _Tokenizer:
+    """Words -> ids, each batch padded to its longest text (as HF tokenizers do)."""
+
+    def __call__(self, texts: list[str], **kwargs: object) -> dict[str, Tensor]:
+        rows = [[sum(map(ord, w)) % 60 + 1 for w in t.split()] for t in texts]
+        return _pad([torch.tensor(r) for r in rows])
+
+
+def _pad(seqs: list[Tensor]) -> dict[str, Tensor]:
+    longest = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+    mask = torch.zeros(len(seqs), longest, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+class _TokenModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.proj = nn.Embedding(64, 8), nn.Linear(8, 8)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.proj(self.emb(input_ids))
+
+
+def _alone(model: _TokenModel, ids: Tensor) -> Tensor:
+    """The oracle: one unpadded sequence through the model by hand, averaged over its tokens."""
+    with torch.no_grad():
+        return model.proj(model.emb(ids[None]))[0].mean(0)
+
+
+def test_varying_per_sample_shapes_are_refused_not_truncated(tmp_path: Path) -> None:
+    """Texts padded per batch: 5 tokens in the first block, 1 in the next (which used to be
+    broadcast into the first block's shape silently), or 3 within one block (a crash)."""
+    model, tok = _TokenModel(), _Tokenizer()
+    texts = ["a b c d e"] * 4 + ["a"] * 4
+    for chunk in (4, 8):
+        with pytest.raises(
+            hs.UsageError, match=r"rows of shape \(1, 8\) .* per-sample shapes vary"
+        ):
+            hs.extract(model, texts, ["proj"], out=tmp_path / f"c{chunk}", tokenizer=tok,
+                       batch_size=4, chunk=chunk)  # fmt: skip
+        with pytest.raises(hs.UsageError, match="unfinished"):
+            hs.open_features(tmp_path / f"c{chunk}")
+    store = hs.extract(model, texts, ["proj"], out=tmp_path / "mean", tokenizer=tok,
+                       batch_size=4, chunk=4, reduce="token_mean")  # fmt: skip
+    want = torch.stack([_alone(model, _Tokenizer()([t])["input_ids"][0]) for t in texts])
+    np.testing.assert_allclose(store.to_numpy("proj"), want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_reduce_that_drops_the_samples_axis_is_refused(tmp_path: Path) -> None:
+    model = _cnn()
+    with pytest.raises(hs.UsageError, match="batch_mean' averages the samples"):
+        hs.extract(model, X, ["1"], out=tmp_path / "a", reduce="batch_mean")
+    assert not (tmp_path / "a").exists()  # refused before anything was written
+    # t.mean(0) of a batch of 8 with 8 channels keeps 8 rows: only a per-sample check sees it
+    for reduce in (lambda t: t.mean(0), lambda t: t.sum()):
+        with pytest.raises(hs.UsageError, match=r"keep dim 0 \(the samples\)"):
+            hs.extract(model, X, ["1"], out=tmp_path / "b", reduce=reduce, batch_size=8,
+                       overwrite=True)  # fmt: skip
+    store = hs.extract(model, X, ["1"], out=tmp_path / "c", reduce=lambda t: t.amax(dim=(2, 3)))
+    want = _hand(model, X, "1").amax(dim=(2, 3))
+    assert np.array_equal(store.to_numpy("1"), want.numpy())
+
+
+def test_resume_refuses_permuted_weights_and_accepts_the_same_weights(tmp_path: Path) -> None:
+    model, out = _cnn(), tmp_path / "f"
+    hs.extract(model, X, ["6"], out=out, chunk=16, batch_size=8)
+    zarr.open_group(str(out), mode="r+")["done"][1] = False  # a block still to do
+    permuted = copy.deepcopy(model)
+    with torch.no_grad():  # same values, other places: same sum and sum of squares
+        w = permuted[2].weight
+        w.copy_(w.reshape(-1).flip(0).reshape(w.shape))
+    assert not torch.equal(_hand(permuted, X, "6"), _hand(model, X, "6"))
+    with pytest.raises(hs.UsageError, match="fingerprint: stored"):
+        hs.extract(permuted, X, ["6"], out=out, chunk=16, batch_size=8, resume=True)
+    again = hs.extract(copy.deepcopy(model), X, ["6"], out=out, chunk=16, batch_size=8,
+                       resume=True)  # fmt: skip
+    np.testing.assert_allclose(again.to_numpy("6"), _hand(model, X, "6").numpy(), atol=1e-6)
+
+
+def test_a_dataloader_that_pads_each_batch(tmp_path: Path) -> None:
+    """Batches of 7 padded to their own longest, blocks of 8: batches straddle blocks."""
+    model = _TokenModel()
+    g = torch.Generator().manual_seed(0)
+    seqs = [
+        torch.randint(1, 60, (int(n),), generator=g)
+        for n in torch.randint(2, 12, (30,), generator=g)
+    ]
+    loader = lambda: torch.utils.data.DataLoader(seqs, batch_size=7, collate_fn=_pad)  # noqa: E731
+    store = hs.extract(model, loader(), ["proj"], out=tmp_path / "f", reduce="token_mean", chunk=8)
+    want = torch.stack([_alone(model, s) for s in seqs])
+    np.testing.assert_allclose(store.to_numpy("proj"), want.numpy(), rtol=1e-6, atol=1e-6)
+    assert store.ids == [str(i) for i in range(30)]
+    zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False  # rows 8..15: 2 batches
+    again = hs.extract(model, loader(), ["proj"], out=tmp_path / "f", reduce="token_mean",
+                       chunk=8, resume=True)  # fmt: skip
+    assert np.array_equal(again.to_numpy("proj"), store.to_numpy("proj"))
+    with pytest.raises(hs.UsageError, match="reduce='token_mean'"):
+        hs.extract(model, loader(), ["proj"], out=tmp_path / "g", chunk=8)
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dataset", "loader", "list"])
+def test_an_empty_dataset_gives_an_empty_store(tmp_path: Path, kind: str) -> None:
+    empty = torch.empty(0, 3, 10, 10)
+    data = {
+        "tensor": empty,
+        "dataset": torch.utils.data.TensorDataset(empty),
+        "loader": torch.utils.data.DataLoader(torch.utils.data.TensorDataset(empty)),
+        "list": [],
+    }[kind]
+    store = hs.extract(_cnn(), data, ["1", "6"], out=tmp_path / "f")
+    assert len(store) == 0 and store.ids == [] and store.meta["samples"] == 0
+    assert store.complete and store.to_numpy("6").shape[0] == 0
+    again = hs.extract(_cnn(), data, ["1", "6"], out=tmp_path / "f", resume=True)
+    assert len(again) == 0
+
+
+_KILLED = textwrap.dedent(
+    """
+    import os, signal, sys, torch, torch.nn as nn, zarr
+    import hookscope as hs
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(100, 6, generator=torch.Generator().manual_seed(3))
+    kill_at, made = int(sys.argv[2]), [0]
+    create = zarr.Group.create_array
+    def dying(self, *args, **kwargs):  # the test's own kill, between two array creations
+        made[0] += 1
+        if made[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return create(self, *args, **kwargs)
+    zarr.Group.create_array = dying
+    hs.extract(model, x, ["0", "2"], out=sys.argv[1], batch_size=10, chunk=20,
+               resume=sys.argv[3] == "resume")
+    """
+)
+
+
+def _killed(out: Path, kill_at: int, resume: bool) -> int:
+    args = [sys.executable, "-c", _KILLED, str(out), str(kill_at), "resume" if resume else "new"]
+    return subprocess.run(args, capture_output=True, timeout=120, check=False).returncode
+
+
+@pytest.mark.slow
+def test_a_kill_between_creating_the_arrays_then_resume(tmp_path: Path) -> None:
+    assert _killed(tmp_path / "clean", 0, resume=False) == 0
+    clean = hs.open_features(tmp_path / "clean")
+    for kill_at in (2, 4):  # after the first layer's array; after "ids", before "done"
+        out = tmp_path / f"k{kill_at}"
+        assert _killed(out, kill_at, resume=False) == -signal.SIGKILL
+        assert _killed(out, 0, resume=True) == 0
+        store = hs.open_features(out)
+        for layer in ("0", "2"):
+            assert np.array_equal(store.to_numpy(layer), clean.to_numpy(layer))
+
+
+def test_resume_checks_the_image_transform_and_size(tmp_path: Path) -> None:
+    pytest.importorskip("PIL")
+    from PIL import Image
+
+    (tmp_path / "imgs").mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        pixels = rng.integers(0, 255, (20, 20, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(tmp_path / "imgs" / f"{i}.png")
+
+    def resized(side: int) -> object:
+        return lambda im: torch.from_numpy(np.array(im.resize((side, side)))).permute(2, 0, 1) / 255
+
+    model, out = _cnn(), tmp_path / "f"
+    hs.extract(model, tmp_path / "imgs", ["6"], out=out, transform=resized(12), chunk=4)
+    for other in (resized(16), lambda im: resized(12)(im.rotate(90))):
+        with pytest.raises(hs.UsageError, match="the first sample's model input"):
+            hs.extract(model, tmp_path / "imgs", ["6"], out=out, transform=other, chunk=4,
+                       resume=True)  # fmt: skip
+    hs.extract(model, tmp_path / "imgs", ["6"], out=out, transform=resized(12), chunk=4,
+               resume=True)  # the same transform (another function object) resumes  # fmt: skip
+
+
+# -- nested tensors ------------------------------------------------------------------------------
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+
+
+class _Padded(torch.utils.data.Dataset[dict[str, Tensor]]):
+    """Sequences of 1..9 tokens right-padded to 9, with TransformerEncoder's padding mask."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(12, 9, 16, generator=g)
+        self.lengths = [9, 4, 1, 7, 9, 2, 5, 3, 8, 6, 9, 4]
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        return {"src": self.x[i], "src_key_padding_mask": torch.arange(9) >= self.lengths[i]}
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")
+def test_nested_tensor_outputs_of_a_padded_transformer_encoder(tmp_path: Path) -> None:
+    enc, data = _encoder(), _Padded()
+    with torch.no_grad():  # the oracle: each sequence alone, unpadded, through layer 0 by hand
+        alone = [enc.layers[0](data.x[i, :n][None])[0] for i, n in enumerate(data.lengths)]
+    store = hs.extract(enc, data, ["layers.0"], out=tmp_path / "m", reduce="token_mean",
+                       batch_size=4)  # fmt: skip
+    want = torch.stack([a.mean(0) for a in alone])
+    np.testing.assert_allclose(store.to_numpy("layers.0"), want.numpy(), atol=1e-5)
+    padded = hs.extract(enc, data, ["layers.0"], out=tmp_path / "p", batch_size=4).to_numpy(
+        "layers.0"
+    )
+    assert padded.shape == (12, 9, 16)  # padded back to the inputs' length, as torch pads
+    for i, n in enumerate(data.lengths):
+        np.testing.assert_allclose(padded[i, :n], alone[i].numpy(), atol=1e-5)
+        assert not padded[i, n:].any()
+    with pytest.raises(hs.UsageError, match=r"nested tensor .* different"):
+        hs.extract(enc, data, ["layers.0"], out=tmp_path / "s", reduce="spatial_mean")
+
+
+# -- torch.compile -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_dynamo() -> object:
+    torch._dynamo.reset()
+    yield None
+    torch._dynamo.reset()
+
+
+def test_a_compiled_model_that_already_ran_gives_the_eager_features(
+    tmp_path: Path, fresh_dynamo: object
+) -> None:
+    net = _cnn()
+    eager = hs.extract(net, X, ["1", "6"], out=tmp_path / "eager", batch_size=16)
+    compiled = torch.compile(_cnn(), backend="eager")
+    compiled(X[:2])  # its compiled code ran: hooks added now would be ignored by that code
+    store = hs.extract(compiled, X, ["1", "6"], out=tmp_path / "c", batch_size=16)
+    for layer in ("1", "6"):
+        assert np.array_equal(store.to_numpy(layer), eager.to_numpy(layer))
+        np.testing.assert_allclose(store.to_numpy(layer), _hand(net, X, layer).numpy(), atol=1e-6)
+    # the same weights: the compiled model resumes the eager model's store
+    hs.extract(compiled, X, ["1", "6"], out=tmp_path / "eager", batch_size=16, resume=True)
