@@ -133,13 +133,13 @@ class Capture(OpSession):
             detach=detach,
             max_bytes=max_bytes,
         )
-        if has_ops(layers):
+        if has_ops(layers):  # operation selectors ("layer::op"): see _ops
             chosen = select_ops(self._layers, layers)
             self._sites = {n: _Site(n, m, self._store, op) for n, (m, op) in chosen.items()}
+            self._ops = self._op_watch()
         else:
             selected = self._layers.select(layers)
             self._sites = {n: _Site(n, m, self._store) for n, m in selected.items()}
-        self._ops = self._op_watch()  # operation sites, or None
         self._records = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads = inputs, grads
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
@@ -189,9 +189,9 @@ class Capture(OpSession):
             self._drop_open(site)
         self._close_ops()
 
-    def _op_watch(self) -> OpWatch | None:
+    def _op_watch(self) -> OpWatch:
         plan = op_plan((site.op, site) for site in self._sites.values())
-        return OpWatch(self, plan, functools.partial(capture_op, self)) if plan else None
+        return OpWatch(self, plan, functools.partial(capture_op, self))
 
     def open(self) -> Capture:
         """Install the hooks (``with`` does this); pair with :meth:`close`."""

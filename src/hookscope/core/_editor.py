@@ -99,15 +99,19 @@ class Editor(OpSession):
                 plan.setdefault(name, []).extend(_as_edits(value))
                 where[name] = found
         self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}
-        for layer in self._plan.values():
-            if layer.op is not None:
-                check_edits(layer.op, layer.on_in + layer.on_out + layer.params)
-        plan_ops = op_plan((layer.op, layer) for layer in self._plan.values())
-        self._ops = OpWatch(self, plan_ops, functools.partial(edit_op, self)) if plan_ops else None
+        if any(op is not None for _, op in where.values()):
+            self._ops = self._op_watch()
         self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
         self._calls: dict[str, int] = {}  # call index per layer in this pass
         self._replay = Replay()
         self._unknown: dict[tuple[str, int], int] = {}  # replays of unknown checkpoints
+
+    def _op_watch(self) -> OpWatch:
+        for layer in self._plan.values():
+            if layer.op is not None:
+                check_edits(layer.op, layer.on_in + layer.on_out + layer.params)
+        plan = op_plan((layer.op, layer) for layer in self._plan.values())
+        return OpWatch(self, plan, functools.partial(edit_op, self))
 
     def open(self) -> Editor:
         """Install the edits (``with`` does this); pair with :meth:`close`."""
