@@ -553,3 +553,67 @@ def test_gradient_edit_of_attention_weights() -> None:
     assert grad is not None
     assert torch.equal(grad[:32], torch.zeros_like(grad[:32]))  # q and k reach out via P only
     assert grad[32:].abs().sum() > 0  # v does not
+
+
+# -- the engine's hazards -------------------------------------------------------------------------
+def test_recursive_and_nested_selected_calls_keep_their_own_operations() -> None:
+    class Tree(nn.Module):
+        """Calls itself ``depth`` times: every level's own softmax is its own."""
+
+        def forward(self, x: Tensor, depth: int = 2) -> Tensor:
+            y = torch.softmax(x, -1)
+            return y if depth == 0 else self(y * 2, depth - 1) + torch.softmax(y, -1)
+
+    net, x = nn.Sequential(Tree()), torch.randn(2, 3)
+    with hs.capture(net, ["0::softmax#1", "0::softmax#2", "0::mul"]) as cap:
+        net(x)
+    first = [x.softmax(-1)]
+    for _ in range(2):
+        first.append((first[-1] * 2).softmax(-1))
+    # in the order they ran: level 0's first softmax, then level 1's, then level 2's
+    got = [c.output for c in cap["0::softmax#1"].calls]
+    for a, b in zip(got, first, strict=True):
+        torch.testing.assert_close(a, b)
+    assert cap["0::softmax#2"].count == 2 and cap["0::mul"].count == 2  # levels 0 and 1
+
+
+def test_deepcopy_inside_a_selected_call() -> None:
+    copies: list[nn.Module] = []
+
+    class Copier(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            copies.append(__import__("copy").deepcopy(net))
+            return torch.softmax(x, -1)
+
+    net, x = nn.Sequential(nn.Linear(3, 3), Copier()), torch.randn(2, 3)
+    with hs.capture(net, "1::softmax") as cap:
+        net(x)
+    torch.testing.assert_close(cap["1::softmax"].output, net[0](x).softmax(-1))
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in copies[0].modules())
+    with hs.capture(copies[0], "1::softmax") as again:  # the copy works on its own
+        copies[0](x)
+    torch.testing.assert_close(again["1::softmax"].output, cap["1::softmax"].output)
+
+
+def test_grad_modes_and_failing_edits() -> None:
+    net = attention_net()
+    ref = replica(net)
+    ref(X)
+    assert ref[0].kept is not None
+    with torch.inference_mode(), hs.capture(net, "0::softmax") as cap:
+        net(X)
+    torch.testing.assert_close(cap["0::softmax"].output, ref[0].kept["softmax"])
+    with torch.no_grad(), pytest.raises(hs.EditError, match="no_grad"):
+        with hs.edit(net, {"0::softmax": hs.scale(2.0, on="grad")}):
+            net(X)
+    with pytest.raises(hs.EditError, match="changed Tensor"):
+        with hs.edit(net, {"0::softmax": lambda p: p[..., :1]}):
+            net(X)
+
+    def boom(p: Tensor) -> Tensor:
+        raise ValueError("the user's edit failed")
+
+    with pytest.raises(ValueError, match="the user's edit failed"):
+        with hs.edit(net, {"0::softmax": boom}):
+            net(X)
+    assert mode_stack() == []

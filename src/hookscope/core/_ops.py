@@ -93,6 +93,7 @@ _DUNDER |= {"and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor"}
 _DUNDER |= {"lshift": "bitwise_left_shift", "rshift": "bitwise_right_shift"}
 _DUNDER |= {"invert": "bitwise_not"}
 _NAMES: dict[Any, str] = {}
+_FUNCTION = types.FunctionType
 #: calls that only read a tensor's metadata, left out of messages (listings leave out every
 #: call that returned no tensor, which they see)
 _METADATA = {"shape", "size", "dim", "ndim", "numel", "dtype", "device", "stride", "len"}
@@ -117,7 +118,7 @@ def _plain_name(func: Any) -> str:
 def op_name(func: Any) -> str:
     """The name an operation selector uses for ``func`` (see the module docstring)."""
     # functions are keyed by code: a closure made per call must not grow the cache
-    key = func.__code__ if type(func) is types.FunctionType else func
+    key = func.__code__ if type(func) is _FUNCTION else func
     name = _NAMES.get(key)
     if name is None:
         name = _NAMES[key] = _plain_name(func)
@@ -214,10 +215,16 @@ def forward_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 class _Running:
     """One running call of a module whose operations are watched."""
 
-    __slots__ = ("call", "code", "counts", "frame", "pushed", "sites")
+    __slots__ = ("call", "code", "counts", "frame", "names", "pushed", "sites")
 
-    def __init__(self, call: ModuleCall, frame: types.FrameType, sites: Mapping[Any, Any]) -> None:
-        self.call, self.frame, self.sites = call, frame, sites
+    def __init__(
+        self,
+        call: ModuleCall,
+        frame: types.FrameType,
+        sites: Mapping[Any, Any],
+        names: frozenset[str],
+    ) -> None:
+        self.call, self.frame, self.sites, self.names = call, frame, sites, names
         forward = call.module.forward  # the code hooks are told apart from (a decorator's too)
         self.code = getattr(getattr(forward, "__func__", forward), "__code__", None)
         self.counts: dict[str, int] = {}  # calls of each operation so far, by name
@@ -259,6 +266,13 @@ class OpWatch:
         #: selectors whose operation part no call has matched yet, and what ran this pass
         self._pending = {(m, op, k) for m, ops in sites.items() for op, k in ops}
         self._seen: dict[str, dict[str, int]] = {}
+        #: per module, the operations its sites select (an SDPA call for attention weights)
+        self._names = {
+            m: frozenset(SDPA if op == WEIGHTS else op for op, _ in ops) for m, ops in sites.items()
+        }
+        #: count every operation, not only the selected ones: for listings, and for the
+        #: messages of selectors not resolved yet
+        self._count_all = listener is not None or bool(self._pending)
 
     def install(self, hooks: HookSet, *, replays: bool) -> None:
         """Follow the calls of the modules with sites (through the session's call tracking,
@@ -271,7 +285,8 @@ class OpWatch:
 
     def enter(self, call: ModuleCall) -> None:
         """A watched module's call starts (from the session's ``_started``)."""
-        running = _Running(call, _call_frame(call), self._sites.get(call.name, {}))
+        name = call.name
+        running = _Running(call, _call_frame(call), self._sites[name], self._names[name])
         if not _torch.function_mode_on(self._mode):
             _torch.push_function_mode(self._mode)
             running.pushed = True
@@ -291,6 +306,7 @@ class OpWatch:
             _torch.remove_function_mode(self._mode)
         if self._pending and not call.replay:
             self._note(running)
+            self._count_all = self._listener is not None or bool(self._pending)
 
     def close(self) -> None:
         """The session closes: no call is watched any more, the mode is gone."""
@@ -326,14 +342,17 @@ class OpWatch:
         self, running: _Running, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         name = op_name(func)
+        selected = name in running.names
+        if not (selected or self._count_all):  # the common case: nothing to do
+            return forward_op(func, args, kwargs)
         counts = running.counts
         k = counts[name] = counts.get(name, 0) + 1
         if self._listener is not None:
             run = lambda: forward_op(func, args, kwargs)  # noqa: E731
             return self._listener(running.call, name, k, func, run)
-        sites = running.sites
-        if not sites:
+        if not selected:
             return forward_op(func, args, kwargs)
+        sites = running.sites
         found = [x for x in (sites.get((name, None)), sites.get((name, k))) if x is not None]
         weights = []
         if name == SDPA:
