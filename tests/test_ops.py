@@ -524,23 +524,80 @@ def test_attention_weights_equal_the_explicit_softmax(case: str) -> None:
         cap["::attention_weights"].grad_input  # noqa: B018
 
 
+KNOCKOUT = torch.ones(6, 6)
+KNOCKOUT[3:, 0] = 0.0  # attention knockout: queries 3..5 may not read token 0
+EDITED = {
+    "head ablation": lambda p: p * torch.tensor([1.0, 0.0, 1.0, 1.0])[:, None, None],
+    "knockout": lambda p: p * KNOCKOUT,
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITED))
 @pytest.mark.parametrize("case", ["plain", "causal", "gqa"])
-def test_edited_attention_weights_replace_that_call_only(case: str) -> None:
+def test_edited_attention_weights_replace_that_call_only(case: str, edit: str) -> None:
     torch.manual_seed(0)
     m = SDPA(kv_heads=2 if case == "gqa" else 4, **OPTIONS[case])
     x = torch.randn(2, 6, 16)
-    head = torch.tensor([1.0, 0.0, 1.0, 1.0])[:, None, None]  # knock out head 1
+    fn = EDITED[edit]
     with (
         hs.capture(m, "::attention_weights") as before,
-        hs.edit(m, {"::attention_weights": lambda p: p * head}),
+        hs.edit(m, {"::attention_weights": fn}),
         hs.capture(m, "::attention_weights") as after,
     ):
         got = m(x)
     probs, v = explicit_probs(m, x)
-    want = ((probs * head) @ v).transpose(1, 2).flatten(2)
+    want = (fn(probs) @ v).transpose(1, 2).flatten(2)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(before["::attention_weights"].output, probs)
-    torch.testing.assert_close(after["::attention_weights"].output, probs * head)
+    torch.testing.assert_close(after["::attention_weights"].output, fn(probs))
+
+
+class ScaleGrad(torch.autograd.Function):
+    """The reference for a gradient edit: identity forward, gradient times k (differentiable
+    backward, so second-order backward goes through it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, k: float) -> Tensor:
+        ctx.k = k
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> tuple[Tensor, None]:
+        return g * ctx.k, None
+
+
+class TanhNet(nn.Module):
+    def __init__(self, reference: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.w1, self.w2 = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(4, 1))
+        self.reference = reference
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(x @ self.w1)
+        if self.reference:
+            h = ScaleGrad.apply(h, 0.5)
+        return torch.tanh(h @ self.w2)
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_second_order_backward_through_an_operation_gradient_edit() -> None:
+    """A gradient penalty: tanh's backward uses its own output, so in a second-order
+    backward its formula sends gradient there too, which the edit must not scale."""
+    x = torch.randn(5, 3, requires_grad=True)
+
+    def penalty(m: nn.Module) -> list[Tensor]:
+        out = m(x)
+        (gx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+        (out.sum() + gx.pow(2).sum()).backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    want = penalty(TanhNet(reference=True))
+    model = TanhNet()
+    with hs.edit(model, {"::tanh#1": hs.scale(0.5, on="grad")}):
+        got = penalty(model)
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.mutates_model  # backward writes .grad
@@ -617,3 +674,16 @@ def test_grad_modes_and_failing_edits() -> None:
         with hs.edit(net, {"0::softmax": boom}):
             net(X)
     assert mode_stack() == []
+
+
+def test_features_and_feature_extractor_take_operations() -> None:
+    torch.manual_seed(0)
+    m = SDPA(is_causal=True)
+    x = torch.randn(2, 6, 16)
+    probs, _ = explicit_probs(m, x)
+    got = hs.features(m, x, ["::attention_weights"])["::attention_weights"]
+    torch.testing.assert_close(got, probs, rtol=1e-6, atol=1e-6)
+    extractor = hs.FeatureExtractor(m, "::attention_weights", stop=False)
+    torch.testing.assert_close(extractor(x)["::attention_weights"], probs, rtol=1e-6, atol=1e-6)
+    with pytest.raises(hs.LayerNotFoundError, match=r"Operation selectors .* work with"):
+        hs.names(m, "::softmax")  # entry points that take layers only say so

@@ -86,9 +86,9 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
         "global state changed: copyreg.dispatch_table",
     ),
     "function_mode": (
-        "_ops.py",
-        "        if running.pushed:",
-        "        running.pushed = False  # forget to take the operation mode off the stack",
+        "_torch.py",
+        "    while (top := pop()) is not mode:",
+        "    return  # forget to take the operation mode off the stack",
         "global state changed: torch function modes",
     ),
     "tensor_hook": (

@@ -15,9 +15,10 @@ from . import _torch
 from ._autograd import Boundary, backward_id
 from ._bind import Binder
 from ._lifetime import HookSet
-from ._ops import OpSelector, OpWatch, has_ops
+from ._ops import OpSelector, has_ops
 from ._ops import select as select_ops
 from ._opsites import OpSession, capture_op, op_plan
+from ._opwatch import OpWatch
 from ._records import _OUTPUT, Call, LayerRecord
 from ._session import _PRIVATE, replica_error
 from ._store import Store, check_options

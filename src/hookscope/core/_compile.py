@@ -75,7 +75,7 @@ def run_eagerly(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compile_guard(model: nn.Module, recompile: bool, *, python: bool = False) -> Iterator[None]:
+def compile_guard(model: nn.Module, *, recompile: bool, python: bool = False) -> Iterator[None]:
     """Context in which hooks added to ``model`` take effect even if it is compiled;
     ``python``: in which its Python code runs (operation selectors see what that code calls,
     which a compiled graph hides), compiled or not yet."""

@@ -34,9 +34,10 @@ from ._bind import Binder
 from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
-from ._ops import OpSelector, OpWatch, has_ops
+from ._ops import OpSelector, has_ops
 from ._ops import select as select_ops
 from ._opsites import OpSession, check_edits, edit_op, op_plan
+from ._opwatch import OpWatch
 from ._session import hidden, replica_error
 
 __all__ = ["Editor", "edit"]
@@ -344,7 +345,9 @@ def edit(
 
     Args:
         model: the model (wrappers are seen through).
-        edits: ``{selector: edit}``; an edit is an :class:`Edit` (``hookscope.ablate()``,
+        edits: ``{selector: edit}`` (layer selectors, or operation selectors such as
+            ``"h.3.attn::softmax"`` and ``"h.3.attn::attention_weights"``, see the README's
+            "Inside the forward"); an edit is an :class:`Edit` (``hookscope.ablate()``,
             ``scale(k)``, ``add(v)``, ``replace(v)``, ``mean_ablate()``, ``patch(cap)``,
             ``transform(fn)``, ``clip_grad(...)``), a plain function tensor -> tensor (applied
             to the output), or a list of them (applied in order).

@@ -244,6 +244,11 @@ class Layers:
                 )
             if isinstance(item, re.Pattern):
                 msg += ". Regexes must match the whole name (re.fullmatch)"
+            if isinstance(item, str) and "::" in item:
+                msg += (
+                    ". Operation selectors ('layer::op') work with hookscope.capture, edit, "
+                    "features and FeatureExtractor"
+                )
         return msg + ". List the selectable names with hookscope.names(model)."
 
 

@@ -13,8 +13,9 @@ from . import _naming, _tree
 from ._features import call_model
 from ._lifetime import HookSet
 from ._naming import Layers, is_called
-from ._ops import SDPA, WEIGHTS, OpWatch, op_qualname
+from ._ops import SDPA, WEIGHTS, op_qualname
 from ._opsites import OpSession
+from ._opwatch import OpWatch
 from ._session import ModuleCall, private_forward
 from ._types import LayerSelector
 

@@ -24,7 +24,8 @@ from . import _tree
 from ._attention import WAITING, chain_of, explicit, probabilities, sdpa_signature, weights_grad
 from ._autograd import backward_id, why_no_grad
 from ._bind import Binder
-from ._ops import SDPA, WEIGHTS, OpSelector, OpWatch, forward_op, op_name
+from ._ops import SDPA, WEIGHTS, OpSelector, forward_op, op_name
+from ._opwatch import OpWatch
 from ._records import _OUTPUT, Call
 from ._session import ModuleCall, Session
 from ._watch import PENDING

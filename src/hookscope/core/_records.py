@@ -186,7 +186,8 @@ class Call:
 
     @property
     def output(self) -> Any:
-        """The layer's output, same structure as the module returned (tuple, dict, ...)."""
+        """The layer's output, same structure as the module returned (tuple, dict, ...); for
+        attention weights, computed from the captured inputs when read."""
         extra = self._ready()
         if extra is not None and extra.lazy is not None:
             return extra.lazy(self)

@@ -199,7 +199,9 @@ class Session:
         with contextlib.ExitStack() as stack:
             if compiled:
                 python = self._needs_python()
-                stack.enter_context(compile_guard(self.model, self._recompile, python=python))
+                stack.enter_context(
+                    compile_guard(self.model, recompile=self._recompile, python=python)
+                )
             self._hooks = hooks = HookSet(eager=compiled)
             stack.callback(hooks.close)
             hooks.forward_pre(self._layers.root, self._on_root_start)
