@@ -28,7 +28,7 @@ from _common import DASH, SETTINGS, Config, Job, Target  # noqa: E402
 
 #: Capability modules. Each has ``jobs(cfg) -> list[Job]``, ``work(spec) -> dict`` (run in a
 #: worker process) and ``report(results, meta) -> (targets, markdown lines)``.
-MODULES = ("capture", "look", "diagnose", "explain", "extract")
+MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
 
 #: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
 MALLOC_ENV: dict[str, dict[str, str]] = {

@@ -6,7 +6,8 @@
   identity, requires_grad, parameter hooks, values);
 * every tensor handed to one: its hooks, requires_grad and value;
 * process-global state: torch's global module hooks, ``nn.Module.__getstate__``,
-  ``copyreg.dispatch_table``, dynamo's config and compile stance.
+  ``copyreg.dispatch_table``, the torch function mode stack, dynamo's config and compile
+  stance.
 """
 
 from __future__ import annotations
@@ -176,6 +177,7 @@ def global_state() -> dict[str, Any]:
         for cls, fn in copyreg.dispatch_table.items()
         if isinstance(cls, type) and issubclass(cls, nn.Module)
     }
+    state["torch function modes"] = tuple(torch.overrides._get_current_function_mode_stack())
     state["dynamo config"] = torch._dynamo.config.get_config_copy()
     state["dynamo stance"] = eval_frame._stance
     return state

@@ -68,3 +68,6 @@ def test_quick_benchmark_runs_and_checks_pass(tmp_path: pathlib.Path) -> None:
         run = json.loads((tmp_path / f"extract_timing_{model}.json").read_text())
         assert run["checks"] and all(c["ok"] for c in run["checks"]), run["checks"]
     assert "## Extract: throughput and memory" in report
+    run = json.loads((tmp_path / "ops_timing_gpt2.json").read_text())  # bench/ops.py
+    assert run["checks"] and not [c for c in run["checks"] if c["ok"] is False], run["checks"]
+    assert "## Ops: operations inside the forward, GPT-2" in report

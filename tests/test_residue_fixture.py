@@ -85,6 +85,12 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
         "            self._classes.clear()  # forget to release the copy rules",
         "global state changed: copyreg.dispatch_table",
     ),
+    "function_mode": (
+        "_torch.py",
+        "    while (top := pop()) is not mode:",
+        "    return  # forget to take the operation mode off the stack",
+        "global state changed: torch function modes",
+    ),
     "tensor_hook": (
         "_grad.py",
         "        self._hooks.close()",
@@ -114,6 +120,9 @@ def test_uses_hookscope(kind, monkeypatch):
         m(x).sum().backward()
     assert cap["0"].grad.shape == (3, 2)
     hs.features(m, x, "1")
+    with hs.capture(m, "1::tanh") as ops:  # an operation selector: a mode while "1" runs
+        m(x)
+    assert torch.equal(ops["1::tanh"].output, torch.tanh(m[0](x)))
     z = x * 2
     with hs.grad_of(z) as g:
         z.sum().backward()

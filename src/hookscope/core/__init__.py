@@ -27,7 +27,8 @@ from ._editor import Editor, edit
 from ._features import FeatureExtractor, call_model, features
 from ._grad import GradHook, grad_of, on_grad
 from ._lifetime import HookSet, training_mode
-from ._naming import Layers, is_called, names, resolve, unwrap
+from ._naming import Layers, is_called, resolve, unwrap
+from ._oplist import names
 from ._records import Call, LayerRecord
 from ._session import ModuleCall, Session, private_forward
 from ._torch import dispatch_has_composite, node_sequence_nr, sequence_nr

@@ -9,6 +9,7 @@ caught by ``**kwargs`` by their keyword, so ``forward(self, *args, **kwargs)`` c
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -21,13 +22,15 @@ _VAR_POS, _VAR_KW = inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYW
 
 
 class Binder:
-    """Binds calls of one module; the signature is inspected once."""
+    """Binds calls of one module (or of a function: operations, see ``_ops``); the signature
+    is inspected once."""
 
     __slots__ = ("_fast", "_kinds", "_sig")
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module | Callable[..., Any]) -> None:
+        target = module.forward if isinstance(module, nn.Module) else module
         try:
-            self._sig: inspect.Signature | None = inspect.signature(module.forward)
+            self._sig: inspect.Signature | None = inspect.signature(target)
         except (TypeError, ValueError):
             self._sig = None
         params = list(self._sig.parameters.values()) if self._sig is not None else []

@@ -15,8 +15,12 @@ from . import _torch
 from ._autograd import Boundary, backward_id
 from ._bind import Binder
 from ._lifetime import HookSet
+from ._ops import OpSelector, has_ops
+from ._ops import select as select_ops
+from ._opsites import OpSession, capture_op, op_plan
+from ._opwatch import OpWatch
 from ._records import _OUTPUT, Call, LayerRecord
-from ._session import _PRIVATE, Session, replica_error
+from ._session import _PRIVATE, replica_error
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
 from ._watch import GradWatch
@@ -37,14 +41,20 @@ class StopForward(BaseException):
 
 
 class _Site:
-    """Per-layer state of one capture."""
+    """Per-layer state of one capture (a layer's, or an operation's: ``op``, see ``_ops``)."""
 
-    __slots__ = ("binder", "done_in", "module", "name", "open", "record", "replays", "used_in")
+    __slots__ = (
+        "binder", "done_in", "module", "name", "op", "open", "record", "replays", "used_in"
+    )  # fmt: skip
 
-    def __init__(self, name: str, module: nn.Module, store: Store) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, store: Store, op: OpSelector | None = None
+    ) -> None:
         self.name = name
-        self.module = module
-        self.record = LayerRecord(name, type(module).__name__, store)
+        self.module = module  # an operation's: the module whose own code runs it
+        self.op = op
+        kind = type(module).__name__
+        self.record = LayerRecord(name, f"{kind}::{op.op}" if op else kind, store)
         self.binder: Binder | None = None  # set in open() when inputs are needed
         self.open: list[tuple[Call, Boundary | str | None]] = []  # calls running (recursion)
         self.replays: list[tuple[Call, Boundary] | None] = []  # replayed calls running
@@ -52,7 +62,7 @@ class _Site:
         self.done_in = -2  # the last pass in which it finished one (for stop=True)
 
 
-class Capture(Session):
+class Capture(OpSession):
     """Record selected layers' outputs (and inputs, gradients) for every call.
 
     Use as a context manager; hooks exist only inside the ``with`` block and are removed on
@@ -63,7 +73,9 @@ class Capture(Session):
         model: the model; DataParallel / DDP / torch.compile wrappers are seen through.
         layers: names, globs (``"encoder.layer.*.output"``; ``*`` stays within a dotted
             segment, ``**`` crosses dots), compiled regexes (full match), module types,
-            module objects, predicates, or a list mixing them.
+            module objects, predicates, or a list mixing them. Operations inside a layer's
+            call are selected as ``"layer::op"`` / ``"layer::op#k"`` (README, "Inside the
+            forward"): ``"h.3.attn::softmax"``, ``"h.3.attn::attention_weights"``.
         inputs: also record each call's inputs, bound to ``forward``'s parameter names.
         grads: also record gradients w.r.t. outputs and inputs, read from the autograd graph
             (see the README, "Gradients"): nothing the model computes changes.
@@ -122,8 +134,13 @@ class Capture(Session):
             detach=detach,
             max_bytes=max_bytes,
         )
-        selected = self._layers.select(layers)
-        self._sites = {n: _Site(n, m, self._store) for n, m in selected.items()}
+        if has_ops(layers):  # operation selectors ("layer::op"): see _ops
+            chosen = select_ops(self._layers, layers)
+            self._sites = {n: _Site(n, m, self._store, op) for n, (m, op) in chosen.items()}
+            self._ops = self._op_watch()
+        else:
+            selected = self._layers.select(layers)
+            self._sites = {n: _Site(n, m, self._store) for n, m in selected.items()}
         self._records = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads = inputs, grads
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
@@ -154,6 +171,8 @@ class Capture(Session):
         self._check_hookable(self._sites)
         self._store.closed = False
         for site in self._sites.values():
+            if site.op is not None:
+                continue  # an operation: its module's calls are followed by self._ops
             if self._inputs or self._grads:
                 site.binder = Binder(site.module)
                 pre = functools.partial(self._on_input, site)
@@ -161,12 +180,19 @@ class Capture(Session):
                 hooks.forward(site.module, functools.partial(self._on_output, site))
             else:
                 hooks.forward(site.module, self._output_only(site))
+        if self._ops is not None:  # replays: a reentrant checkpoint's gradients come there
+            self._ops.install(hooks, replays=self._grads)
 
     def _closed(self) -> None:
         self._store.closed = True
         self._sweep()
         for site in self._sites.values():
             self._drop_open(site)
+        self._close_ops()
+
+    def _op_watch(self) -> OpWatch:
+        plan = op_plan((site.op, site) for site in self._sites.values())
+        return OpWatch(self, plan, functools.partial(capture_op, self))
 
     def open(self) -> Capture:
         """Install the hooks (``with`` does this); pair with :meth:`close`."""
@@ -182,6 +208,7 @@ class Capture(Session):
     ) -> bool:
         super().__exit__(et, ev, tb)
         if isinstance(ev, StopForward) and ev.owner is self:
+            self._abandon()  # the calls the stop left open end now (operation modes too)
             return True
         if isinstance(ev, Exception) and _raised_in_a_module(tb):
             done = f"'{self._last_done}'" if self._last_done else "none"

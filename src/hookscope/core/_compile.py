@@ -75,13 +75,21 @@ def run_eagerly(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def compile_guard(model: nn.Module, *, recompile: bool) -> Iterator[None]:
-    """Context in which hooks added to ``model`` take effect even if it is compiled."""
+def compile_guard(model: nn.Module, *, recompile: bool, python: bool = False) -> Iterator[None]:
+    """Context in which hooks added to ``model`` take effect even if it is compiled;
+    ``python``: in which its Python code runs (operation selectors see what that code calls,
+    which a compiled graph hides), compiled or not yet."""
     if not is_compiled(model):
         yield
         return
-    ran = _compiled_codes(model)
-    if not ran:
+    if python and not recompile:
+        raise CompiledModelError(
+            f"{type(model).__name__} is compiled with torch.compile, and operation selectors "
+            "('layer::op') see the calls its Python code makes, which compiled graphs replace. "
+            "Fix: pass recompile=True (hookscope then runs compiled code eagerly while it is "
+            "open), or hook the model it compiled (model._orig_mod)."
+        )
+    if not python and not _compiled_codes(model):
         yield
         return
     if not recompile:

@@ -34,7 +34,11 @@ from ._bind import Binder
 from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
-from ._session import Session, hidden, replica_error
+from ._ops import OpSelector, has_ops
+from ._ops import select as select_ops
+from ._opsites import OpSession, check_edits, edit_op, op_plan
+from ._opwatch import OpWatch
+from ._session import hidden, replica_error
 
 __all__ = ["Editor", "edit"]
 
@@ -42,25 +46,29 @@ _VALUE, _GRAD = ("output", "input"), ("grad", "input_grad")
 
 
 class _Layer:
-    """One edited layer: its edits split by where they apply, and per-call state."""
+    """One edited layer (or operation: ``op``, see ``_ops``): its edits split by where they
+    apply, and per-call state."""
 
-    __slots__ = ("binder", "module", "name", "on_in", "on_out", "open", "params", "pre")
+    __slots__ = ("binder", "module", "name", "on_in", "on_out", "op", "open", "params", "pre")
 
-    def __init__(self, name: str, module: nn.Module, edits: list[Edit]) -> None:
-        self.name, self.module = name, module
+    def __init__(
+        self, name: str, module: nn.Module, edits: list[Edit], op: OpSelector | None = None
+    ) -> None:
+        self.name, self.module, self.op = name, module, op
         self.on_in = [e for e in edits if e.on in ("input", "input_grad")]
         self.on_out = [e for e in edits if e.on in ("output", "grad")]
         self.params = [e for e in edits if e.on == "param_grad"]
         # A pre-hook is needed for input edits, and to mark where the call starts for
         # output-gradient edits (which outputs existed before the call).
         self.pre = bool(self.on_in) or any(e.on == "grad" for e in self.on_out)
-        self.binder = Binder(module) if self.pre else None
+        # an operation's binder depends on the function called: set per call (_opsites)
+        self.binder = Binder(module) if self.pre and op is None else None
         #: calls between pre-hook and forward hook: (index, grads possible, boundary,
         #: input stand-ins to mirror back as (original, stand-in, version))
         self.open: list[tuple[int, bool, Boundary | None, list[tuple[Tensor, Tensor, int]]]] = []
 
 
-class Editor(Session):
+class Editor(OpSession):
     """Applies edits while open; see :func:`edit`.
 
     Attributes:
@@ -82,14 +90,29 @@ class Editor(Session):
             )
         super().__init__(model, recompile=recompile)
         plan: dict[str, list[Edit]] = {}
+        where: dict[str, tuple[nn.Module, OpSelector | None]] = {}
         for selector, value in edits.items():
-            for name in self._layers.select(selector):
+            if has_ops(selector):  # operation selectors ("layer::op"): see _ops
+                chosen = select_ops(self._layers, selector)
+            else:
+                chosen = {n: (m, None) for n, m in self._layers.select(selector).items()}
+            for name, found in chosen.items():
                 plan.setdefault(name, []).extend(_as_edits(value))
-        self._plan = {n: _Layer(n, self._layers.modules[n], e) for n, e in plan.items()}
+                where[name] = found
+        self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}
+        if any(op is not None for _, op in where.values()):
+            self._ops = self._op_watch()
         self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
         self._calls: dict[str, int] = {}  # call index per layer in this pass
         self._replay = Replay()
         self._unknown: dict[tuple[str, int], int] = {}  # replays of unknown checkpoints
+
+    def _op_watch(self) -> OpWatch:
+        for layer in self._plan.values():
+            if layer.op is not None:
+                check_edits(layer.op, layer.on_in + layer.on_out + layer.params)
+        plan = op_plan((layer.op, layer) for layer in self._plan.values())
+        return OpWatch(self, plan, functools.partial(edit_op, self))
 
     def open(self) -> Editor:
         """Install the edits (``with`` does this); pair with :meth:`close`."""
@@ -105,9 +128,16 @@ class Editor(Session):
         for layer in self._plan.values():
             layer.open.clear()
 
+    def _closed(self) -> None:
+        self._close_ops()
+
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._plan)
+        if self._ops is not None:  # replays: edits must apply to checkpoint replays too
+            self._ops.install(hooks, replays=True)
         for layer in self._plan.values():
+            if layer.op is not None:
+                continue  # an operation: its module's calls are followed by self._ops
             if layer.pre:
                 pre = functools.partial(self._pre, layer)
                 hooks.forward_pre(layer.module, pre, with_kwargs=True)
@@ -315,7 +345,9 @@ def edit(
 
     Args:
         model: the model (wrappers are seen through).
-        edits: ``{selector: edit}``; an edit is an :class:`Edit` (``hookscope.ablate()``,
+        edits: ``{selector: edit}`` (layer selectors, or operation selectors such as
+            ``"h.3.attn::softmax"`` and ``"h.3.attn::attention_weights"``, see the README's
+            "Inside the forward"); an edit is an :class:`Edit` (``hookscope.ablate()``,
             ``scale(k)``, ``add(v)``, ``replace(v)``, ``mean_ablate()``, ``patch(cap)``,
             ``transform(fn)``, ``clip_grad(...)``), a plain function tensor -> tensor (applied
             to the output), or a list of them (applied in order).

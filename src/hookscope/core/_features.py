@@ -12,6 +12,8 @@ from ..errors import CaptureError
 from ._capture import Capture
 from ._lifetime import training_mode
 from ._naming import Layers
+from ._ops import has_ops
+from ._ops import select as select_ops
 from ._records import LayerRecord
 from ._types import CopyMode, LayerSelector, Reduce
 
@@ -118,7 +120,10 @@ class FeatureExtractor(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
-        self.layers = list(Layers(model).select(layers))  # fail now, not at the first call
+        found = (
+            select_ops(Layers(model), layers) if has_ops(layers) else Layers(model).select(layers)
+        )
+        self.layers = list(found)  # fail now, not at the first call
         self._options: dict[str, Any] = {"copy": copy, "reduce": reduce, "stop": stop}
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:

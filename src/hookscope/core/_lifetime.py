@@ -12,6 +12,12 @@ exit path (never ``__del__``). hookscope registers only:
   gradient to its inputs, see ``_autograd``);
 * optimizer step hooks (``Monitor`` follows optimizer steps), through :meth:`HookSet.handle`.
 
+Operation selectors (``"layer::op"``, ``_ops``) also push a ``TorchFunctionMode`` on the
+thread's torch function mode stack while a selected module's call runs: its pre-hook pushes
+it, its post-hook takes it off; a call ended by a ``BaseException`` (which skips the
+post-hook) leaves it there, passing every call through untouched, until the session's next
+forward or its close takes it off.
+
 Tensor and node hooks are removed on close like module hooks, so a backward that runs after
 the session ended sees none of them. It never uses module backward hooks: the legacy
 ``register_backward_hook`` reports the last op's gradients, and ``register_full_backward_hook``

@@ -107,8 +107,13 @@ class Layers:
                 )
 
     def canonical(self, name: str) -> str:
-        """The canonical spelling of a layer name (aliases resolved)."""
-        return self.aliases.get(name, name)
+        """The canonical spelling of a layer name (aliases resolved), or of an operation
+        site's (``"layer::op"``, see ``_ops``: its layer part)."""
+        found = self.aliases.get(name)
+        if found is not None:
+            return found
+        layer, sep, op = name.partition("::")
+        return f"{self.aliases.get(layer, layer)}::{op}" if sep else name
 
     def name_of(self, module: nn.Module) -> str | None:
         target = unwrap(module)
@@ -239,6 +244,11 @@ class Layers:
                 )
             if isinstance(item, re.Pattern):
                 msg += ". Regexes must match the whole name (re.fullmatch)"
+            if isinstance(item, str) and "::" in item:
+                msg += (
+                    ". Operation selectors ('layer::op') work with hookscope.capture, edit, "
+                    "features and FeatureExtractor"
+                )
         return msg + ". List the selectable names with hookscope.names(model)."
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..errors import CaptureError, GradientUnavailableError, StaleCaptureError
@@ -21,12 +22,14 @@ from ._types import Inputs, Path
 __all__ = ["Call", "LayerRecord"]
 
 _OUTPUT: Path = ("output",)
+#: the structure of an output computed on read (a single tensor), for its gradient
+_ONE_TENSOR = torch.empty(0, device="meta")
 
 
 class _Extra:
     """The less common parts of a call, kept out of the per-call fast path."""
 
-    __slots__ = ("events", "grads", "inputs", "refs", "skeleton", "why")
+    __slots__ = ("events", "grads", "inputs", "lazy", "refs", "skeleton", "why")
 
     def __init__(self) -> None:
         self.inputs: Inputs | None = None
@@ -35,6 +38,8 @@ class _Extra:
         self.why: dict[Path, str] = {}  # why a leaf has no gradient
         self.refs: list[tuple[Tensor, int, Path]] = []  # by-reference values and versions
         self.events: list[Any] = []  # CUDA events of non-blocking copies not yet waited for
+        #: computes the output from the call's record on every read (attention weights)
+        self.lazy: Callable[[Call], Any] | None = None
 
 
 class Call:
@@ -112,6 +117,11 @@ class Call:
         else:
             self._output = _tree.map_tensors(lambda p, t: self._keep(t, ("output", *p)), output)
 
+    def _set_lazy(self, compute: Callable[[Call], Any]) -> None:
+        """The output is ``compute(self)``, computed on every read and never kept (so that
+        the bytes held and ``max_bytes`` count only what was captured)."""
+        self._more().lazy = compute
+
     def _set_inputs(self, bound: Inputs) -> None:
         self._more().inputs = _tree.map_tensors(lambda p, t: self._keep(t, ("input", *p)), bound)
 
@@ -176,8 +186,11 @@ class Call:
 
     @property
     def output(self) -> Any:
-        """The layer's output, same structure as the module returned (tuple, dict, ...)."""
-        self._ready()
+        """The layer's output, same structure as the module returned (tuple, dict, ...); for
+        attention weights, computed from the captured inputs when read."""
+        extra = self._ready()
+        if extra is not None and extra.lazy is not None:
+            return extra.lazy(self)
         return self._output
 
     @property
@@ -207,7 +220,8 @@ class Call:
         Leaves of a nested output that got no gradient are ``None``; if none got one, this
         raises GradientUnavailableError saying why.
         """
-        return self._grad_tree("output", self._output)
+        lazy = self._extra is not None and self._extra.lazy is not None
+        return self._grad_tree("output", _ONE_TENSOR if lazy else self._output)
 
     @property
     def grad_inputs(self) -> Inputs:

@@ -173,6 +173,11 @@ class Session:
     def _closed(self) -> None:
         """Called once the hooks are gone."""
 
+    def _needs_python(self) -> bool:
+        """Whether the model's own Python code must run (operation selectors, ``_ops``): a
+        compiled model then runs eagerly while open (``recompile=True``), or is refused."""
+        return False
+
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A tracked call starts; may return ``(args, kwargs)`` to replace its inputs."""
         return None
@@ -193,7 +198,10 @@ class Session:
         compiled = is_compiled(self.model)
         with contextlib.ExitStack() as stack:
             if compiled:
-                stack.enter_context(compile_guard(self.model, recompile=self._recompile))
+                python = self._needs_python()
+                stack.enter_context(
+                    compile_guard(self.model, recompile=self._recompile, python=python)
+                )
             self._hooks = hooks = HookSet(eager=compiled)
             stack.callback(hooks.close)
             hooks.forward_pre(self._layers.root, self._on_root_start)

@@ -30,11 +30,15 @@ __all__ = [
     "checkpoint_codes",
     "dispatch_has_composite",
     "dynamo_cache_entries",
+    "function_mode_on",
     "functorch_level",
+    "inner_code",
     "missing",
     "need",
     "node_sequence_nr",
+    "push_function_mode",
     "queue_callback",
+    "remove_function_mode",
     "saved_tensor_hooks_active",
     "sequence_nr",
     "set_stance",
@@ -89,6 +93,12 @@ _INNER = _find(
 )  # fmt: skip
 
 
+def inner_code() -> types.CodeType:
+    """The code of ``_call_impl``'s nested ``inner`` (hooks and ``forward`` run in it)."""
+    code: types.CodeType = need("nn.Module._call_impl.<locals>.inner")
+    return code
+
+
 def call_raised() -> bool:
     """Inside a forward hook registered with ``always_call=True``: whether the module's
     forward (or a hook before this one) raised, rather than returned."""
@@ -116,7 +126,6 @@ sequence_nr: Callable[[], int] = _find(
     "torch._C._autograd._get_sequence_nr", lambda: torch._C._autograd._get_sequence_nr
 )
 """The sequence number the next autograd node created on this thread will get."""
-
 
 
 def node_sequence_nr(node: Any) -> int:
@@ -189,6 +198,43 @@ def dispatch_has_composite(func: Any) -> bool:
     """Whether an aten operator has a CompositeImplicitAutograd kernel (a decomposition)."""
     has: Callable[[str, str], bool] = need("torch._C._dispatch_has_kernel_for_dispatch_key")
     return has(func.name(), "CompositeImplicitAutograd")
+
+
+# -- torch function modes (operation selectors, ``_ops``) ---------------------------------------
+_MODES = _find(
+    "torch._C torch function mode stack",
+    lambda: (
+        torch._C._len_torch_function_stack,
+        torch._C._get_function_stack_at,
+        torch._C._push_on_torch_function_stack,
+        torch._C._pop_torch_function_stack,
+    ),
+)
+
+
+def function_mode_on(mode: object) -> bool:
+    """Whether ``mode`` is on this thread's torch function mode stack (at any depth)."""
+    length, at, _, _ = need("torch._C torch function mode stack")
+    return any(at(i) is mode for i in range(length()))
+
+
+def push_function_mode(mode: object) -> None:
+    """Push ``mode`` on this thread's torch function mode stack (``TorchFunctionMode``'s
+    ``__enter__`` without the ``with``: hookscope pushes and removes it from module hooks)."""
+    need("torch._C torch function mode stack")[2](mode)
+
+
+def remove_function_mode(mode: object) -> None:
+    """Take ``mode`` off the stack wherever it is (``__exit__`` pops the top, whatever it
+    is); the modes above it stay, in order. Nothing happens if it is not there."""
+    _, _, push, pop = need("torch._C torch function mode stack")
+    if not function_mode_on(mode):
+        return
+    above = []
+    while (top := pop()) is not mode:
+        above.append(top)
+    for other in reversed(above):
+        push(other)
 
 
 # -- torch.compile ------------------------------------------------------------------------------

@@ -1,0 +1,151 @@
+"""Attention weights of ``F.scaled_dot_product_attention`` calls: ``"layer::attention_weights"``.
+
+Fused attention kernels never materialise the probabilities ``softmax(Q Kᵀ · scale + mask)``,
+which is why Hugging Face refuses ``output_attentions=True`` with SDPA. hookscope keeps the
+fused call and computes them from the call's own arguments (query, key, mask, scale,
+``is_causal``, ``enable_gqa``), as the SDPA documentation's reference implementation does:
+
+* a capture stores the call's inputs and computes the probabilities when they are read
+  (:func:`probabilities`); their gradient is ``dL/dO · Vᵀ``, from the gradient of the call's
+  output ``O = P V`` (it needs no change to the forward);
+* an edit replaces that one call by the explicit computation (:func:`explicit`), with the
+  edited probabilities in the middle: ``edit(P) @ V`` (dropout, when the call has
+  ``dropout_p > 0``, is applied after the edit, as eager attention does).
+
+With ``dropout_p > 0`` (training) the probabilities are those before dropout: the fused
+kernel's random mask cannot be observed.
+
+Sessions stack (see ``_ops``): the explicit computation is itself a call named
+``scaled_dot_product_attention`` that sessions below the edit see, and a capture opened after
+an edit records the edited probabilities (:data:`_WAITING`), one opened before the unedited.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import handle_torch_function, has_torch_function
+
+__all__ = [
+    "CHAIN",
+    "WAITING",
+    "Chain",
+    "chain_of",
+    "explicit",
+    "probabilities",
+    "sdpa_signature",
+    "weights_grad",
+]
+
+#: attribute of an explicit SDPA function: the edits it applies, lowest session first
+CHAIN = "__hookscope_chain__"
+#: per stage of the chain: the edit, and the captures above it waiting for its result
+Chain = list[tuple[Callable[[Tensor], Tensor], list[list[Tensor]]]]
+#: captures of attention weights running an SDPA call now (outermost first): each appends a
+#: slot that the edits below it fill with the probabilities they produce
+WAITING: list[list[Tensor]] = []
+
+
+def sdpa_signature(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> None:
+    """``F.scaled_dot_product_attention``'s parameters (a builtin has no readable signature):
+    captured inputs are named after them."""
+
+
+def _repeat(t: Tensor, heads: int) -> Tensor:
+    """Key or value heads repeated for grouped-query attention (``enable_gqa=True``)."""
+    return t.repeat_interleave(heads // t.size(-3), dim=-3)
+
+
+def probabilities(
+    query: Tensor,
+    key: Tensor,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``softmax(Q Kᵀ · scale + mask)`` of an SDPA call, shape ``(..., heads, L, S)``.
+
+    Masks as SDPA takes them: boolean (True = attend) or float (added), broadcast;
+    ``is_causal`` keeps the lower triangle aligned to the top left. A row whose keys are all
+    masked is zeros, as SDPA's own kernels return it, rather than NaN.
+    """
+    if enable_gqa:
+        key = _repeat(key, query.size(-3))
+    factor = 1 / math.sqrt(query.size(-1)) if scale is None else scale
+    scores = query @ key.transpose(-2, -1) * factor
+    if is_causal:
+        size = (query.size(-2), key.size(-2))
+        keep = torch.ones(size, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask
+    probs = scores.softmax(dim=-1)
+    if attn_mask is None:  # the causal triangle leaves every row a key: no row is masked
+        return probs
+    return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+
+
+def weights_grad(value: Tensor, heads: int | None, grad_out: Tensor) -> Tensor:
+    """``dL/dP = dL/dO · Vᵀ`` for ``O = P V``: the gradient of the probabilities (``heads``:
+    the query's heads, to repeat the value's for grouped-query attention)."""
+    if heads is not None:
+        value = _repeat(value, heads)
+    return grad_out @ value.transpose(-2, -1)
+
+
+def explicit(chain: Chain) -> Callable[..., Tensor]:
+    """An SDPA function computing ``dropout(edits(P)) @ V`` explicitly; ``chain``'s edits
+    apply in order (the session opened first first), each filling the slots of the captures
+    waiting above it."""
+
+    def scaled_dot_product_attention(
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attn_mask: Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> Tensor:
+        if has_torch_function((query, key, value)):  # sessions below see it as the SDPA call
+            out: Tensor = handle_torch_function(
+                scaled_dot_product_attention, (query, key, value), query, key, value,
+                attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
+            return out
+        probs = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa)
+        for edit, waiting in chain:
+            probs = edit(probs)
+            for slot in waiting:
+                slot[:] = [probs]
+        if dropout_p > 0:
+            probs = torch.dropout(probs, dropout_p, True)
+        return probs @ (_repeat(value, query.size(-3)) if enable_gqa else value)
+
+    setattr(scaled_dot_product_attention, CHAIN, chain)
+    return scaled_dot_product_attention
+
+
+def chain_of(func: Any) -> Chain:
+    """The edits an explicit SDPA function already applies (none for the real SDPA)."""
+    found: Chain = getattr(func, CHAIN, [])
+    return found
