@@ -299,18 +299,16 @@ class _Logits(nn.Module):
         return _logits(self.model(x))
 
 
-def _set_up(make: Callable[[], Fn]) -> Fn:
-    """``make()``, or a call raising why it failed (a peer that cannot be imported: its rows
-    say so, the others go on)."""
+def _set_up(key: str, make: Callable[[], Fn], fns: dict[str, Fn], skipped: dict[str, str]) -> None:
+    """``fns[key] = make()``, or the reason it failed in ``skipped`` (a peer whose own
+    dependencies are missing: its rows say so, the others go on)."""
+    if why := _missing(key):
+        skipped[key] = why
+        return
     try:
-        return make()
+        fns[key] = make()
     except Exception as e:
-        why = f"could not be set up: {_error(e)}"
-
-        def fail() -> None:
-            raise RuntimeError(why)
-
-        return fail
+        skipped[key] = f"could not be set up: {_error(e)}"
 
 
 def _pgc(model: nn.Module, layer: nn.Module, x: Tensor, targets: Tensor) -> Fn:
@@ -334,7 +332,7 @@ def _captum(model: nn.Module, layer: nn.Module, x: Tensor, targets: Tensor) -> F
     return functools.partial(LayerGradCam(_Logits(model), layer).attribute, x, target=targets)
 
 
-def _gradcam(case: capture.Case) -> dict[str, Fn]:
+def _gradcam(case: capture.Case, skipped: dict[str, str]) -> dict[str, Fn]:
     """Grad-CAM of each image's top class, batch 32, at the last stage."""
     import hookscope as hs
 
@@ -346,10 +344,8 @@ def _gradcam(case: capture.Case) -> dict[str, Fn]:
         "hand_floor": lambda: cam_floor(model, layer, x, targets),
         "gradcam": lambda: hs.GradCAM(model, name)(x, targets=targets).maps,
     }
-    if not _missing("pgc"):
-        fns["pgc"] = _set_up(lambda: _pgc(model, layer, x, targets))
-    if not _missing("captum"):
-        fns["captum"] = _set_up(lambda: _captum(model, layer, x, targets))
+    _set_up("pgc", lambda: _pgc(model, layer, x, targets), fns, skipped)
+    _set_up("captum", lambda: _captum(model, layer, x, targets), fns, skipped)
     return fns
 
 
@@ -392,14 +388,14 @@ def variants(
     case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
 ) -> tuple[dict[str, Fn], dict[str, str]]:
     """The timed calls of ``groups``, and why any is skipped (a peer not installed)."""
-    fns = _inference(case, groups)
+    fns, skipped = _inference(case, groups), {}
     fns.update(_training(case, labels, groups, tmp))
     if "gradcam" in groups:
-        fns.update(_gradcam(case))
+        fns.update(_gradcam(case, skipped))
     if "extract" in groups and not _missing("extract"):
         fns.update(_extract(case, tmp, quick))
     wanted = {k for g, a, b in ROWS if g in groups for k in (a, b)}
-    skipped = {k: why for k in sorted(wanted) if (why := _missing(k))}
+    skipped |= {k: why for k in sorted(wanted) if (why := _missing(k))}
     return {k: fn for k, fn in fns.items() if k in wanted and k not in skipped}, skipped
 
 
