@@ -40,6 +40,9 @@ class Config:
     out: Path
     settings: tuple[str, ...]  # malloc settings that get a timing process each
     baseline: str | None = None  # folder holding the extracted ``hookscope_baseline``
+    device: str | None = None  # --device: run gpu.py there instead of the CPU modules
+    models: tuple[str, ...] = ()  # --models: gpu.py's cases to run (empty: all)
+    rows: tuple[str, ...] = ()  # --rows: gpu.py's row groups to run (empty: all)
 
 
 @dataclass(frozen=True)

@@ -24,11 +24,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import _common as common  # noqa: E402
+import gpu  # noqa: E402
 from _common import DASH, SETTINGS, Config, Job, Target  # noqa: E402
 
 #: Capability modules. Each has ``jobs(cfg) -> list[Job]``, ``work(spec) -> dict`` (run in a
 #: worker process) and ``report(results, meta) -> (targets, markdown lines)``.
 MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
+
+#: What ``--device`` runs instead (on a GPU, or once on tiny models with --quick on the CPU).
+DEVICE_MODULE = "gpu"
 
 #: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
 MALLOC_ENV: dict[str, dict[str, str]] = {
@@ -273,6 +277,26 @@ def run_worker(module: str, spec: str, json_path: str) -> None:
     Path(json_path).write_text(json.dumps(result, indent=1, default=str))
 
 
+def _names(*allowed: Any) -> Any:
+    """An argparse type: comma-separated names, each one of ``allowed``."""
+    known = [n for group in allowed for n in group]
+
+    def parse(text: str) -> tuple[str, ...]:
+        names = tuple(n.strip() for n in text.split(",") if n.strip())
+        if bad := [n for n in names if n not in known]:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(known)}")
+        return names
+
+    return parse
+
+
+DEVICE_HELP = (
+    "run bench/gpu.py on this device instead of the CPU modules (hookscope beside floors and "
+    "peers, and host synchronisations): writes gpu.md and gpu.json in the output folder "
+    "(default bench/_out/DEVICE[-quick])"
+)
+MODELS_HELP = "with --device: comma-separated models or cases (resnet50, gpt2/bf16, cnn, ...)"
+ROWS_HELP = "with --device: comma-separated row groups (capture, edit, ..., extract, syncs)"
 WAIT_HELP = "first wait up to S seconds for the 1-minute load average to fall below 0.5"
 ONLY_HELP = "run one capability module; its sections replace its old ones in RESULTS.md"
 
@@ -285,10 +309,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S", help=WAIT_HELP)
     p.add_argument("--baseline", metavar="REV", help="also time src/hookscope at git REV")
     p.add_argument("--only", choices=MODULES, help=ONLY_HELP)
+    p.add_argument("--device", choices=("cuda", "cpu"), help=DEVICE_HELP)
+    p.add_argument("--models", type=_names(gpu.MODELS, gpu.CASES), default=(), help=MODELS_HELP)
+    p.add_argument("--rows", type=_names(gpu.GROUPS), default=(), help=ROWS_HELP)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device and (args.baseline or args.only):
+        p.error("--baseline and --only apply to the CPU modules, not to --device")
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -296,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         run_worker(args.worker, args.spec, args.json)
+        return
+    if args.device:
+        run_device(args, argv)
         return
     out = Path(args.out) if args.out else HERE / "_out" / ("quick" if args.quick else "full")
     # Only a full run into the default folder replaces the committed bench/RESULTS.md.
@@ -310,6 +343,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         run_all(Config(args.quick, out, settings, path or None), argv, baseline, args.only)
     write_report(out, results_md, args.only)
     print(f"wrote {results_md}", file=sys.stderr)
+
+
+def run_device(args: argparse.Namespace, argv: Sequence[str]) -> None:
+    """``--device``: gpu.py's jobs one at a time (two at a time with --quick), then gpu.md
+    (the section for RESULTS.md) and gpu.json (its rows) in the output folder."""
+    name = args.device + ("-quick" if args.quick else "")
+    out = Path(args.out) if args.out else HERE / "_out" / name
+    if not args.report_only:
+        cfg = Config(args.quick, out, (), None, args.device, args.models, args.rows)
+        run_all(cfg, argv, None, DEVICE_MODULE)
+    results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{DEVICE_MODULE}_*.json"))]
+    meta_path = _meta_path(out, DEVICE_MODULE)
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    summary, lines = importlib.import_module(DEVICE_MODULE).summarize(results, meta)
+    (out / "gpu.json").write_text(json.dumps(summary, indent=1, default=str))
+    (out / "gpu.md").write_text("\n".join(lines))
+    print(f"wrote {out / 'gpu.md'} and {out / 'gpu.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

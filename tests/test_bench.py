@@ -15,8 +15,15 @@ import pathlib
 import shutil
 import subprocess
 import sys
+import warnings
+from importlib.util import find_spec
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -71,3 +78,77 @@ def test_quick_benchmark_runs_and_checks_pass(tmp_path: pathlib.Path) -> None:
     run = json.loads((tmp_path / "ops_timing_gpt2.json").read_text())  # bench/ops.py
     assert run["checks"] and not [c for c in run["checks"] if c["ok"] is False], run["checks"]
     assert "## Ops: operations inside the forward, GPT-2" in report
+
+
+def _gpu_module() -> Any:
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    return gpu
+
+
+def test_sync_counter_names_the_innermost_hookscope_frame(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bench/gpu.py's counter on a CPU, CUDA's part stood in for: a warning carrying CUDA's
+    sync message, raised in the model's forward, counts once and is attributed to the
+    hookscope call that ran the forward; the same forward called directly has no hookscope
+    frame; the debug mode is switched on and back off around each count."""
+    gpu = _gpu_module()
+    modes: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    class Syncs(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
+            warnings.warn("something else", UserWarning, stacklevel=1)  # not counted
+            return x * 2
+
+    model = nn.Sequential(Syncs(), nn.Linear(3, 2))
+    x = torch.ones(1, 3)
+    frames, got = gpu.count(lambda: hs.features(model, x, ["1"]), cuda=True)
+    assert len(frames) == 1 and frames[0].startswith("hookscope/core/"), frames
+    assert " in " in frames[0] and got["1"].shape == (1, 2)
+    direct, _ = gpu.count(lambda: model(x), cuda=True)
+    assert direct == [""]
+    assert modes == ["warn", "default", "warn", "default"]
+    assert gpu.count(lambda: 7, cuda=False) == (None, 7)  # on a CPU nothing is counted
+
+
+@pytest.mark.slow
+@pytest.mark.hf
+def test_device_benchmark_runs_every_row_once_on_cpu(tmp_path: pathlib.Path) -> None:
+    """``bench/run.py --device cpu --quick`` (what the GPU run does, on tiny models): every
+    case's every row comes back measured (or skipped because its peer is not installed
+    here), hookscope's values equal the hand-written floors', every synchronisation entry
+    point runs, and both outputs (gpu.md, gpu.json) are written."""
+    pytest.importorskip("transformers")
+    gpu = _gpu_module()
+    command = [sys.executable, str(ROOT / "bench" / "run.py"), "--device", "cpu", "--quick"]
+    done = subprocess.run(
+        [*command, "--out", str(tmp_path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads((tmp_path / "gpu.json").read_text())
+    assert summary["failures"] == []
+    cases = gpu.CASES.items()
+    want = {(c, f"{a}/{b}") for c, groups in cases for g, a, b in gpu.ROWS if g in groups}
+    rows = {(r["case"], r["ratio"]): r for r in summary["rows"]}
+    assert set(rows) == want
+    missing = {f"skipped: {m} not installed" for m in gpu.NEEDS.values() if not find_spec(m)}
+    for row in rows.values():
+        if "note" in row:  # only a peer that is really missing here may be skipped
+            assert row["note"] in missing, row
+        else:
+            assert row["median"] > 0 and row["num_ms"] > 0 and row["den_ms"] > 0, row
+    assert len(summary["checks"]) == len(gpu.CASES)
+    for case, checks in summary["checks"].items():
+        assert len(checks) >= 2 and all(c["ok"] for c in checks), (case, checks)
+    syncs = summary["syncs"]
+    assert {r["model"] for r in syncs} == {"cnn", "gpt2"}
+    assert [r for r in syncs if "error" in r] == []
+    assert len(syncs) == 32 + 30  # GradCAM and Saliency on the CNN only
+    assert all(r["call"] is None for r in syncs)  # no CUDA: not counted, not zero
+    report = (tmp_path / "gpu.md").read_text()
+    assert "## GPU: hookscope on" in report and "host synchronisations per call" in report
