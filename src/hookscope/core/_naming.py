@@ -111,6 +111,7 @@ class Layers:
         return self.aliases.get(name, name)
 
     def name_of(self, module: nn.Module) -> str | None:
+        """The canonical name of ``module`` in this model (wrappers seen through), or None."""
         target = unwrap(module)
         for name, mod in self.modules.items():
             if mod is target:
