@@ -270,3 +270,90 @@ def test_every_page_in_a_real_browser(site: Path) -> None:
             chromium.close()
     assert not problems, "\n".join(problems)
     assert images >= 2  # the report and the Grad-CAM picture, at least
+
+
+# -- docstrings ----------------------------------------------------------------------------------
+
+#: Public methods and properties still without a docstring, in subpackages being rewritten on
+#: other branches. The test fails when one of them gets a docstring too (shrink the list), and
+#: when anything else lacks one.
+UNDOCUMENTED = {
+    "AblationCAM.combine",
+    "CAM.combine",
+    "EigenCAM.combine",
+    "FeatureStore.ids",
+    "FeatureStore.to_numpy",
+    "FeatureStore.to_torch",
+    "GradCAM.combine",
+    "GradCAMPlusPlus.combine",
+    "GuidedBackprop.post",
+    "HiResCAM.combine",
+    "LayerCAM.combine",
+    "Saliency.post",
+    "ScoreCAM.combine",
+    "Summary.from_dict",
+    "Summary.from_json",
+    "Summary.to_json",
+    "Summary.total_macs",
+    "SummaryRow.macs",
+    "SummaryRow.macs_total",
+    "SummaryRow.reused",
+    "XGradCAM.combine",
+}
+
+
+def _members_without_docstrings() -> set[str]:
+    """``Class.member`` for every public method and property (inherited ones included) of
+    every class in ``hookscope.__all__`` whose docstring is empty."""
+    missing = set()
+    for name in hs.__all__:
+        cls = getattr(hs, name)
+        if not isinstance(cls, type) or issubclass(cls, BaseException):
+            continue
+        for attr in dir(cls):
+            if attr.startswith("_"):
+                continue
+            owner = next(k for k in cls.__mro__ if attr in vars(k))
+            if not owner.__module__.startswith("hookscope"):
+                continue  # nn.Module's and dataclasses' own
+            value = vars(owner)[attr]
+            function = value.fget if isinstance(value, property) else value
+            function = getattr(function, "__func__", function)
+            if callable(function) and not (getattr(function, "__doc__", None) or "").strip():
+                missing.add(f"{name}.{attr}")
+    return missing
+
+
+def test_every_public_method_and_property_has_a_docstring() -> None:
+    missing = _members_without_docstrings()
+    assert not missing - UNDOCUMENTED, f"undocumented: {sorted(missing - UNDOCUMENTED)}"
+    assert not UNDOCUMENTED - missing, f"documented now: {sorted(UNDOCUMENTED - missing)}"
+
+
+def _attribute_docstrings() -> list[tuple[str, str]]:
+    """``(where, docstring)`` of every module-level assignment followed by a string in the
+    package: documentation tools read them, but doctest does not find them."""
+    found = []
+    for path in sorted(Path(hs.__file__).parent.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        for statement, after in zip(body, body[1:]):
+            value = getattr(after, "value", None)
+            if isinstance(statement, (ast.Assign, ast.AnnAssign)) and (
+                isinstance(value, ast.Constant) and isinstance(value.value, str)
+            ):
+                found.append((f"{path.name}:{after.lineno}", value.value))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("where", "docstring"),
+    [d for d in _attribute_docstrings() if ">>>" in d[1]],
+    ids=lambda v: v if ":" in v and len(v) < 40 else "",
+)
+def test_attribute_docstring_examples_run(where: str, docstring: str) -> None:
+    import doctest
+
+    test = doctest.DocTestParser().get_doctest(docstring, {}, where, where, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
