@@ -75,6 +75,7 @@ def why_no_grad() -> str:
 
 
 def can_have_grad(t: Tensor) -> bool:
+    """Whether autograd can give ``t`` a gradient (floating-point and complex tensors)."""
     return t.is_floating_point() or t.is_complex()
 
 

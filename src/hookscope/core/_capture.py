@@ -78,7 +78,7 @@ class Capture(OpSession):
             forward"): ``"h.3.attn::softmax"``, ``"h.3.attn::attention_weights"``.
         inputs: also record each call's inputs, bound to ``forward``'s parameter names.
         grads: also record gradients w.r.t. outputs and inputs, read from the autograd graph
-            (see the README, "Gradients"): nothing the model computes changes.
+            (see the guide "Capture and gradients"): nothing the model computes changes.
         copy: ``"clone"`` (default) stores detached copies; ``"reference"`` stores the live
             tensors (no copy) and raises StaleCaptureError on read if they were changed
             in place later. Inference tensors, which carry no version counter, are copied.
@@ -237,6 +237,16 @@ class Capture(OpSession):
         return len(self.records)
 
     def keys(self) -> list[str]:
+        """The captured layers' canonical names, in the order they were selected.
+
+        Example:
+            >>> import torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+            >>> with hs.capture(model, [nn.ReLU, "0"]) as cap:
+            ...     pass
+            >>> cap.keys()
+            ['1', '0']
+        """
         return list(self.records)
 
     def __repr__(self) -> str:
@@ -433,5 +443,15 @@ def _raised_in_a_module(tb: TracebackType | None) -> bool:
     return False
 
 
-#: ``hookscope.capture(model, layers, ...)`` builds a :class:`Capture`.
 capture = Capture
+"""Record selected layers' outputs (and inputs, gradients) for every call: ``hs.capture(model,
+layers, ...)`` is :class:`Capture` (the same class, named for ``with hs.capture(...) as cap``).
+
+Example:
+    >>> import torch, torch.nn as nn, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU())
+    >>> with hs.capture(model, "0") as cap:
+    ...     _ = model(torch.ones(2, 3))
+    >>> cap["0"].output.shape
+    torch.Size([2, 4])
+"""

@@ -42,6 +42,7 @@ class ClipReport:
 
     @property
     def was_clipped(self) -> bool:
+        """Whether any gradient was scaled down (``clipped`` is not empty)."""
         return bool(self.clipped)
 
 
@@ -90,10 +91,10 @@ def clip_grad(*, value: float | None = None, norm: float | None = None) -> ClipG
     """Clip each of the layer's parameter gradients as it arrives in backward: elementwise
     to ``[-value, value]`` and/or rescaled to 2-norm at most ``norm``.
 
-    ``norm`` applies to *each parameter tensor on its own* (article 003's ``register_hook``
-    clipping), unlike ``torch.nn.utils.clip_grad_norm_``, which rescales all gradients by
-    their joint norm after backward. The returned edit's ``report()`` gives a
-    :class:`ClipReport` of the latest gradients it clipped.
+    ``norm`` applies to *each parameter tensor on its own* (what a ``register_hook`` on each
+    parameter that rescales its gradient does), unlike ``torch.nn.utils.clip_grad_norm_``,
+    which rescales all gradients by their joint norm after backward. The returned edit's
+    ``report()`` gives a :class:`ClipReport` of the latest gradients it clipped.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs

@@ -127,6 +127,13 @@ class FeatureExtractor(nn.Module):
         self._options: dict[str, Any] = {"copy": copy, "reduce": reduce, "stop": stop}
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Run the wrapped model on ``args`` and ``kwargs`` as given.
+
+        Returns:
+            ``{layer name: output}`` for the selected layers (the latest call of a layer that
+            ran more than once), attached to the autograd graph. The model's own output is
+            not returned: with ``stop=True`` (the default) it is never computed.
+        """
         cap = Capture(self.model, self.layers, detach=False, **self._options)
         with cap:
             self.model(*args, **kwargs)

@@ -158,6 +158,7 @@ class HookSet:
     def forward_pre(
         self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
     ) -> None:
+        """Register ``fn`` as a forward pre-hook of ``module`` until :meth:`close`."""
         fn = self._outside_graphs(fn)
         self._module(module, module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
@@ -169,6 +170,8 @@ class HookSet:
         with_kwargs: bool = False,
         always_call: bool = False,
     ) -> None:
+        """Register ``fn`` as a forward hook of ``module`` until :meth:`close`
+        (``always_call=True``: it runs even when the forward raises)."""
         fn = self._outside_graphs(fn)
         handle = module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
         self._module(module, handle)

@@ -116,6 +116,7 @@ class Layers:
         return f"{self.aliases.get(layer, layer)}::{op}" if sep else name
 
     def name_of(self, module: nn.Module) -> str | None:
+        """The canonical name of ``module`` in this model (wrappers seen through), or None."""
         target = unwrap(module)
         for name, mod in self.modules.items():
             if mod is target:

@@ -331,6 +331,8 @@ class LayerRecord:
 
     @property
     def calls(self) -> list[Call]:
+        """The kept :class:`Call` records, oldest first: one per call of the layer (a module
+        used three times in a forward has three), as many as ``keep=`` keeps."""
         if self._pending:
             first, name, store = self._dropped + len(self._calls), self.name, self._store
             self._calls += [
@@ -397,12 +399,102 @@ class LayerRecord:
             raise CaptureError(f"{self.name!r} has {len(self.calls)} kept calls, not 1")
         return self.calls[0]
 
-    output = property(lambda self: self.last.output, doc="Output of the latest call.")
-    inputs = property(lambda self: self.last.inputs, doc="Bound inputs of the latest call.")
-    input = property(lambda self: self.last.input, doc="First argument of the latest call.")
-    grad = property(lambda self: self.last.grad, doc="Output gradient of the latest call.")
-    grad_inputs = property(lambda self: self.last.grad_inputs, doc="Input grads, latest call.")
-    grad_input = property(lambda self: self.last.grad_input, doc="First input's grad, latest.")
+    @property
+    def output(self) -> Any:
+        """The latest call's output, in the structure the module returned (a tensor, tuple,
+        dict, dataclass...): a detached copy by default (``copy="clone"``).
+
+        Raises:
+            CaptureError: the layer has not run while the capture was open.
+            StaleCaptureError: with ``copy="reference"``, the tensor was changed in place.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(inplace=True))
+            >>> with hs.capture(model, "0") as cap:
+            ...     _ = model(-torch.ones(1, 2))
+            >>> bool((cap["0"].output == model[0](-torch.ones(1, 2))).all())
+            True
+        """
+        return self.last.output
+
+    @property
+    def inputs(self) -> Inputs:
+        """The latest call's inputs bound to ``forward``'s parameter names
+        (``{"input": tensor}`` for a Linear; ``*args`` entries as ``arg0``, ``arg1``...;
+        parameters left to their defaults are absent).
+
+        Raises:
+            CaptureError: the capture was opened without ``inputs=True``.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.MultiheadAttention(4, 1, batch_first=True))
+            >>> x = torch.randn(1, 3, 4)
+            >>> with hs.capture(model, "0", inputs=True) as cap:
+            ...     _ = model[0](x, x, x, need_weights=False)
+            >>> list(cap["0"].inputs)  # the arguments given, by name
+            ['query', 'key', 'value', 'need_weights']
+        """
+        return self.last.inputs
+
+    @property
+    def input(self) -> Any:
+        """The latest call's first argument (the usual single input); see :attr:`inputs`."""
+        return self.last.input
+
+    @property
+    def grad(self) -> Any:
+        """Gradient of the loss w.r.t. the latest call's output, in the output's structure:
+        what came back from downstream, as a full backward hook's ``grad_output`` defines it.
+
+        Needs ``grads=True`` and a backward run while the capture is open.
+
+        Raises:
+            GradientUnavailableError: saying why (``no_grad``, nothing upstream requires
+                grad, backward has not reached the layer, the capture closed first).
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, "1", grads=True) as cap:
+            ...     model(torch.ones(1, 2)).sum().backward()
+            >>> cap["1"].grad
+            tensor([[1., 1., 1.]])
+        """
+        return self.last.grad
+
+    @property
+    def grad_inputs(self) -> Inputs:
+        """Gradients w.r.t. the latest call's tensor inputs, by parameter name: what flows
+        back *through this layer* (not through a skip connection around it); ``None`` for an
+        input that gets none (an attention mask). Needs ``grads=True``.
+
+        Raises:
+            GradientUnavailableError: saying why, when no input got a gradient.
+        """
+        return self.last.grad_inputs
+
+    @property
+    def grad_input(self) -> Any:
+        """Gradient w.r.t. the latest call's first argument, through this layer; see
+        :attr:`grad_inputs`.
+
+        Raises:
+            GradientUnavailableError: saying why, when it got none.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 1, bias=False))
+            >>> nn.init.constant_(model[0].weight, 3.0)
+            Parameter containing:
+            tensor([[3., 3.]], requires_grad=True)
+            >>> with hs.capture(model, "0", grads=True) as cap:
+            ...     model(torch.ones(1, 2, requires_grad=True)).sum().backward()
+            >>> cap["0"].grad_input
+            tensor([[3., 3.]])
+        """
+        return self.last.grad_input
 
     @property
     def outputs(self) -> list[Any]:

@@ -153,6 +153,8 @@ class Session:
 
     @property
     def is_open(self) -> bool:
+        """Whether the session's hooks are installed (inside its ``with`` block, or between
+        :meth:`open` and :meth:`close`)."""
         return self._hooks is not None
 
     @property

@@ -8,14 +8,31 @@ from typing import Any, Literal, TypeAlias
 
 from torch import Tensor, nn
 
-#: One way to pick layers: an exact dotted name or a glob (``"encoder.layer.*.output"``),
-#: a compiled regex (full match), a module type, a module object, or a predicate called as
-#: ``fn(module)`` or ``fn(name, module)``.
 SingleSelector: TypeAlias = (
     "str | re.Pattern[str] | type[nn.Module] | nn.Module | Callable[..., bool]"
 )
-#: A single selector or a list mixing them; the union of their matches, in first-seen order.
+"""One way to pick layers: an exact dotted name or a glob (``"encoder.layer.*.output"``),
+a compiled regex (full match), a module type, a module object, or a predicate called as
+``fn(module)`` or ``fn(name, module)``."""
+
 LayerSelector: TypeAlias = "SingleSelector | Sequence[SingleSelector]"
+"""The type of every ``layers`` argument: one selector or a list mixing them.
+
+A selector is an exact dotted name (``"encoder.layer.3.output"``), a glob (``*``, ``?`` and
+``[..]`` stay within one dotted segment, ``**`` crosses dots), a compiled regex (full match), a
+module type (every instance), a module object, or a predicate ``fn(module)`` /
+``fn(name, module)``. A list selects the union of its matches, in first-seen order. Names
+are those of ``hs.names(model)``: the ``named_modules()`` paths of the unwrapped model.
+
+Example:
+    >>> import re, torch.nn as nn, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1))
+    >>> selector: hs.LayerSelector = [re.compile(r"[02]"), nn.ReLU]
+    >>> with hs.capture(model, selector) as cap:
+    ...     pass
+    >>> list(cap.records)
+    ['0', '2', '1']
+"""
 
 #: A position in a nested output: an index, a key (any hashable dict key) or attribute name,
 #: or a tuple of those.

@@ -25,9 +25,16 @@ CSV_FIELDS = (
 
 
 class Sink(Protocol):
-    def write(self, record: dict[str, Any]) -> None: ...
-    def flush(self) -> None: ...
-    def close(self) -> None: ...
+    """What a Monitor sink is: any object with these three methods (your own too)."""
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Take one record: a flat dict with ``step``, ``layer``, ``kind`` and statistics."""
+
+    def flush(self) -> None:
+        """Make what was written durable (called after every logging step)."""
+
+    def close(self) -> None:
+        """Release files and writers (called once, when the monitor closes)."""
 
 
 def _json_value(v: Any) -> Any:
@@ -46,12 +53,15 @@ class JSONLSink:
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one line."""
         self._file.write(json.dumps({k: _json_value(v) for k, v in record.items()}) + "\n")
 
     def flush(self) -> None:
+        """Flush the file, so that a crash leaves complete lines."""
         self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 
@@ -68,12 +78,15 @@ class CSVSink:
             self._writer.writeheader()
 
     def write(self, record: dict[str, Any]) -> None:
+        """Append ``record`` as one row (empty cells for the fields it does not have)."""
         self._writer.writerow({k: record.get(k, "") for k in CSV_FIELDS})
 
     def flush(self) -> None:
+        """Flush the file, so that a crash leaves complete lines."""
         self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         self._file.close()
 
 
@@ -101,6 +114,7 @@ class TensorBoardSink:
             self._writer, self._own = writer_or_dir, False
 
     def write(self, record: dict[str, Any]) -> None:
+        """Add ``record``'s numbers as scalars at its step."""
         if record["kind"] == "scalar":  # a value of the user's: its own name as the tag
             self._writer.add_scalar(record["layer"], record["value"], global_step=record["step"])
             return
@@ -126,9 +140,11 @@ class TensorBoardSink:
         )  # fmt: skip
 
     def flush(self) -> None:
+        """Flush the writer's event file."""
         self._writer.flush()
 
     def close(self) -> None:
+        """Close the writer if this sink made it (a writer you gave stays open)."""
         if self._own:
             self._writer.close()
 

@@ -1,0 +1,359 @@
+"""The documentation site (docs/, mkdocs.yml): every python block of every page runs, the site
+builds with ``mkdocs build --strict``, its API reference lists every name of
+``hookscope.__all__`` with its docstring, and every page opens in a real Chromium with no
+console error, no request leaving the machine and every image decoded."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import functools
+import http.server
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import hookscope as hs
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+PAGES = sorted(p for p in DOCS.rglob("*.md") if "_hooks" not in p.parts)
+GUIDES = sorted((DOCS / "guides").glob("*.md"))
+#: Pages whose blocks take more than a few seconds (they train, or load transformers).
+SLOW_PAGES = {"guides/summaries.md", "guides/diagnose.md", "guides/attribution.md"}
+#: Languages a fenced block may have: python blocks run here; the others are shell sessions
+#: and program output. A block that is Python but must not run has no place in the docs.
+LANGUAGES = {"python", "bash", "text"}
+FENCE = re.compile(r"^```(\S*)", re.MULTILINE)
+
+
+def _python_blocks(page: Path) -> list[str]:
+    text = page.read_text()
+    return [b.split("\n```", 1)[0] for b in re.split(r"^```python\n", text, flags=re.M)[1:]]
+
+
+def _page_id(page: Path) -> str:
+    return page.relative_to(DOCS).as_posix()
+
+
+def test_the_docs_have_every_guide() -> None:
+    names = {p.stem for p in GUIDES}
+    expected = {"capture", "edits", "features", "summaries", "diagnose", "attribution", "cli"}
+    assert names == expected
+    assert {p.name for p in DOCS.glob("*.md")} >= {
+        "index.md",
+        "getting-started.md",
+        "guarantees.md",
+        "troubleshooting.md",
+        "performance.md",
+    }
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_page_id)
+def test_code_blocks_are_python_bash_or_text(page: Path) -> None:
+    fences = FENCE.findall(page.read_text())
+    openers = fences[0::2]  # every other fence closes a block
+    assert all(closer == "" for closer in fences[1::2]), f"{page}: unbalanced fences"
+    assert set(openers) <= LANGUAGES, f"{page}: blocks in {set(openers) - LANGUAGES}"
+
+
+def test_every_guide_has_code_that_runs() -> None:
+    assert all(_python_blocks(page) for page in GUIDES)
+
+
+@pytest.mark.mutates_model  # the guides train models (Monitor, clipping): values change
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=[pytest.mark.slow] if _page_id(p) in SLOW_PAGES else [])
+        for p in PAGES
+        if _python_blocks(p)
+    ],
+    ids=_page_id,
+)
+def test_page_examples_run(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A page's python blocks run in order in one namespace, in an empty folder (files they
+    write land there), as a reader pasting them into one session would run them."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, object] = {"__name__": "__docs__"}
+    for block in _python_blocks(page):
+        exec(compile(block, str(page), "exec"), namespace)
+
+
+# -- the built site -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``mkdocs build --strict`` of the repository's docs into a fresh folder."""
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "WARNING" not in done.stderr, done.stderr
+    return out
+
+
+class _Entries(HTMLParser):
+    """The text of each API entry: from a heading with an id ``hookscope.<name>`` to the next
+    heading of the same or a higher level, signatures left out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text: dict[str, list[str]] = {}
+        self._current: str | None = None
+        self._level = 0
+        self._skip = 0  # depth inside a signature block
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        found = dict(attrs)
+        if re.fullmatch(r"h[1-6]", tag):
+            level = int(tag[1])
+            ident = found.get("id") or ""
+            if ident.startswith("hookscope."):
+                self._current, self._level = ident, level
+                self.text[ident] = []
+            elif self._current is not None and level <= self._level:
+                self._current = None
+        if self._skip or "doc-signature" in (found.get("class") or ""):
+            self._skip += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if self._skip:
+            self._skip -= 1
+
+    def handle_data(self, data: str) -> None:
+        if self._current is not None and not self._skip and data.strip():
+            self.text[self._current].append(data.strip())
+
+
+def _entries(site: Path) -> dict[str, str]:
+    parser = _Entries()
+    for page in sorted((site / "reference").rglob("index.html")):
+        parser.feed(page.read_text())
+    return {ident: " ".join(words) for ident, words in parser.text.items()}
+
+
+@pytest.mark.slow
+def test_reference_documents_every_public_name(site: Path) -> None:
+    """Every name of ``hookscope.__all__`` has an entry in the built reference whose text
+    includes the first line of its docstring (so the docstring exists and was rendered)."""
+    entries = _entries(site)
+    package = Path(hs.__file__).parent
+    problems = []
+    for name in hs.__all__:
+        # a name that is also a subpackage (``extract``) is found under the subpackage
+        clash = (package / name).is_dir()
+        text = entries.get(f"hookscope.{name}.{name}" if clash else f"hookscope.{name}")
+        if text is None:
+            problems.append(f"{name}: no entry")
+            continue
+        doc = _docstring(name)
+        summary = _letters(doc.split("\n\n", 1)[0])  # its first paragraph
+        if not summary or summary[:60] not in _letters(text):
+            problems.append(f"{name}: docstring {doc[:60]!r} not in its entry {text[:200]!r}")
+    assert not problems, "\n".join(problems)
+
+
+def _docstring(name: str) -> str:
+    """A public name's docstring; for a type alias or a constant, the one written after its
+    assignment (which Python does not keep at run time)."""
+    obj = getattr(hs, name)
+    if not isinstance(obj, str):
+        return (obj.__doc__ or "").strip()
+    module = {"__version__": "_version"}.get(name, "core/_types")
+    tree = ast.parse((Path(hs.__file__).parent / f"{module}.py").read_text())
+    for statement, after in zip(tree.body, tree.body[1:]):
+        targets = [statement.target] if isinstance(statement, ast.AnnAssign) else []
+        targets += statement.targets if isinstance(statement, ast.Assign) else []
+        if any(getattr(t, "id", None) == name for t in targets):
+            value = getattr(after, "value", None)
+            return value.value if isinstance(value, ast.Constant) else ""
+    return ""
+
+
+def _letters(text: str) -> str:
+    """Letters and digits only: markup, roles and the site's spacing left out."""
+    return re.sub(r"\W+", "", re.sub(r":\w+:`", "", text))
+
+
+def _pages(site: Path) -> list[str]:
+    return sorted(
+        p.relative_to(site).parent.as_posix() + "/"
+        for p in site.rglob("index.html")
+        if p.parent != site / "assets"
+    )
+
+
+@contextlib.contextmanager
+def _served(folder: Path) -> Iterator[str]:
+    """The folder over HTTP on the loopback interface (Material's search runs in a web
+    worker, which browsers refuse to start from file: URLs)."""
+    handler = functools.partial(_QuietHandler, directory=str(folder))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@pytest.mark.slow
+def test_every_page_in_a_real_browser(site: Path) -> None:
+    """Chromium opens every page: no console or page error, no request beyond the local
+    server (no web font, no CDN), every image decoded, and the page is not blank."""
+    import browser
+
+    if browser.chromium() is None:
+        if os.environ.get("HOOKSCOPE_REQUIRE_BROWSER"):
+            pytest.fail("HOOKSCOPE_REQUIRE_BROWSER is set but no Chromium was found")
+        pytest.skip("no Chromium here (scripts/test.sh installs Debian's chromium as root)")
+    from playwright.sync_api import sync_playwright
+
+    problems: list[str] = []
+    images = 0
+    with _served(site) as base, sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=browser.chromium(),
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            page = chromium.new_page(viewport={"width": 1280, "height": 900})
+            where = [""]
+            page.on(
+                "console",
+                lambda m: (
+                    problems.append(f"{where[0]}: console: {m.text}") if m.type == "error" else None
+                ),
+            )
+            page.on("pageerror", lambda e: problems.append(f"{where[0]}: page error: {e}"))
+            page.on(
+                "request",
+                lambda r: (
+                    None
+                    if r.url.startswith((base, "data:"))
+                    else problems.append(f"{where[0]}: request to {r.url}")
+                ),
+            )
+            for path in _pages(site):
+                where[0] = path
+                response = page.goto(base + path, wait_until="networkidle")
+                assert response is not None and response.ok, path
+                seen = page.eval_on_selector_all(
+                    "img", "els => els.map(e => [e.currentSrc, e.complete, e.naturalWidth])"
+                )
+                images += len(seen)
+                problems += [f"{path}: not decoded: {s}" for s, ok, w in seen if not ok or not w]
+                if len(page.inner_text("article").split()) < 20:
+                    problems.append(f"{path}: almost no text")
+        finally:
+            chromium.close()
+    assert not problems, "\n".join(problems)
+    assert images >= 2  # the report and the Grad-CAM picture, at least
+
+
+# -- docstrings ----------------------------------------------------------------------------------
+
+#: Public methods and properties still without a docstring, in subpackages being rewritten on
+#: other branches. The test fails when one of them gets a docstring too (shrink the list), and
+#: when anything else lacks one.
+UNDOCUMENTED = {
+    "AblationCAM.combine",
+    "CAM.combine",
+    "EigenCAM.combine",
+    "FeatureStore.ids",
+    "FeatureStore.to_numpy",
+    "FeatureStore.to_torch",
+    "GradCAM.combine",
+    "GradCAMPlusPlus.combine",
+    "GuidedBackprop.post",
+    "HiResCAM.combine",
+    "LayerCAM.combine",
+    "Saliency.post",
+    "ScoreCAM.combine",
+    "Summary.from_dict",
+    "Summary.from_json",
+    "Summary.to_json",
+    "Summary.total_macs",
+    "SummaryRow.macs",
+    "SummaryRow.macs_total",
+    "SummaryRow.reused",
+    "XGradCAM.combine",
+}
+
+
+def _members_without_docstrings() -> set[str]:
+    """``Class.member`` for every public method and property (inherited ones included) of
+    every class in ``hookscope.__all__`` whose docstring is empty."""
+    missing = set()
+    for name in hs.__all__:
+        cls = getattr(hs, name)
+        if not isinstance(cls, type) or issubclass(cls, BaseException):
+            continue
+        for attr in dir(cls):
+            if attr.startswith("_"):
+                continue
+            owner = next(k for k in cls.__mro__ if attr in vars(k))
+            if not owner.__module__.startswith("hookscope"):
+                continue  # nn.Module's and dataclasses' own
+            value = vars(owner)[attr]
+            function = value.fget if isinstance(value, property) else value
+            function = getattr(function, "__func__", function)
+            if callable(function) and not (getattr(function, "__doc__", None) or "").strip():
+                missing.add(f"{name}.{attr}")
+    return missing
+
+
+def test_every_public_method_and_property_has_a_docstring() -> None:
+    missing = _members_without_docstrings()
+    assert not missing - UNDOCUMENTED, f"undocumented: {sorted(missing - UNDOCUMENTED)}"
+    assert not UNDOCUMENTED - missing, f"documented now: {sorted(UNDOCUMENTED - missing)}"
+
+
+def _attribute_docstrings() -> list[tuple[str, str]]:
+    """``(where, docstring)`` of every module-level assignment followed by a string in the
+    package: documentation tools read them, but doctest does not find them."""
+    found = []
+    for path in sorted(Path(hs.__file__).parent.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        for statement, after in zip(body, body[1:]):
+            value = getattr(after, "value", None)
+            if isinstance(statement, (ast.Assign, ast.AnnAssign)) and (
+                isinstance(value, ast.Constant) and isinstance(value.value, str)
+            ):
+                found.append((f"{path.name}:{after.lineno}", value.value))
+    return found
+
+
+@pytest.mark.parametrize(
+    ("where", "docstring"),
+    [d for d in _attribute_docstrings() if ">>>" in d[1]],
+    ids=lambda v: v if ":" in v and len(v) < 40 else "",
+)
+def test_attribute_docstring_examples_run(where: str, docstring: str) -> None:
+    import doctest
+
+    test = doctest.DocTestParser().get_doctest(docstring, {}, where, where, 0)
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
