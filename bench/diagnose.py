@@ -193,12 +193,22 @@ def _op_rows(counts: dict[str, Result]) -> tuple[list[Target], list[list[str]]]:
                          f"{extra['anomaly']:+,}"])  # fmt: skip
             if who == "hs":
                 budget = 10 + c["calls"] / 10
-                targets.append(Target(
-                    f"operators hs.nonfinite adds ÷ (10 + module calls / 10 = {budget:.0f})",
-                    title, {"count": _exact(extra["nonfinite"] / budget)}, 1.0))
-                targets.append(Target(
-                    "operators a Monitor logging step adds per watched layer ÷ 10", title,
-                    {"count": _exact(per_layer / 10)}, 1.0))
+                targets.append(
+                    Target(
+                        f"operators hs.nonfinite adds ÷ (10 + module calls / 10 = {budget:.0f})",
+                        title,
+                        {"count": _exact(extra["nonfinite"] / budget)},
+                        1.0,
+                    )
+                )
+                targets.append(
+                    Target(
+                        "operators a Monitor logging step adds per watched layer ÷ 10",
+                        title,
+                        {"count": _exact(per_layer / 10)},
+                        1.0,
+                    )
+                )
     return targets, rows
 
 

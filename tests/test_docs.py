@@ -9,6 +9,7 @@ import ast
 import contextlib
 import functools
 import http.server
+import itertools
 import os
 import re
 import subprocess
@@ -336,7 +337,7 @@ def _attribute_docstrings() -> list[tuple[str, str]]:
     found = []
     for path in sorted(Path(hs.__file__).parent.rglob("*.py")):
         body = ast.parse(path.read_text()).body
-        for statement, after in zip(body, body[1:]):
+        for statement, after in itertools.pairwise(body):
             value = getattr(after, "value", None)
             if isinstance(statement, (ast.Assign, ast.AnnAssign)) and (
                 isinstance(value, ast.Constant) and isinstance(value.value, str)

@@ -24,7 +24,7 @@ import torch
 from .._version import __version__
 from ..core import call_model, leaves, names
 from ..diagnose import nonfinite
-from ..errors import NonFiniteError
+from ..errors import NonFiniteError, UsageError
 from ..look import summary
 from ._command import EXITS, GROUP_EXITS, NAN_EXITS, NAN_FAILED, Group
 from ._load import Loaded, load_inputs, prepare
