@@ -48,7 +48,7 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     ours = hs.Summary.from_json(done.stdout)
     direct = hs.summary(model, torch.randint(0, 100, (2, 64)))
-    assert ours.total_flops == direct.total_flops and ours.inputs == {"input_ids": "[2, 64]"}
+    assert ours.total_flops == direct.total_flops and ours.inputs == {"input_ids": (2, 64)}
     assert done.stderr == ""  # no progress bar or warning in the way
 
     floats = hookscope(
@@ -185,7 +185,7 @@ def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
     transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
     known = hookscope("summary", str(folder), "--text", "hello world", "--json")
     assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
-    assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == "[1, 4]"  # CLS 2 words SEP
+    assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
     unknown = hookscope("summary", str(folder), "--text", "bonjour le monde")
     assert unknown.returncode == 0
     assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr

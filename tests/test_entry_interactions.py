@@ -48,7 +48,7 @@ def test_extract_and_report_inside_other_sessions_and_grad_modes(tmp_path: Path,
     np.testing.assert_allclose(store.to_numpy("1"), want.numpy(), rtol=1e-6, atol=1e-6)
     text = path.read_text()
     if mode == "inference_mode":  # no autograd at all: the report says so instead of a map
-        assert "No Grad-CAM: layer &#x27;1&#x27;&#x27;s output does not require grad" in text
+        assert "No Grad-CAM: layer &#x27;1&#x27;&#x27;s output has no gradient" in text
         assert "inference_mode" in text
     else:
         assert "Grad-CAM at <code>1</code>" in text  # gradients even under no_grad

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from . import _torch, _tree
+from ._checkpoint import REENTRANT, find_segments
 from ._types import Path
 
 __all__ = [
@@ -67,6 +68,15 @@ def why_no_grad() -> str:
     if torch.is_inference_mode_enabled():
         return "the forward ran under torch.inference_mode()"
     if not torch.is_grad_enabled():
+        if any(kind == REENTRANT for _, kind in find_segments()[2]):
+            return (
+                "it runs inside a reentrant activation checkpoint (torch.utils.checkpoint with "
+                "use_reentrant=True), whose forward runs without gradients; its gradient "
+                "exists only inside a .backward() that also writes every parameter's .grad. "
+                "Fix: checkpoint with use_reentrant=False (PyTorch's recommendation), or turn "
+                "checkpointing off for this call (Hugging Face: "
+                "model.gradient_checkpointing_disable())"
+            )
         return "the forward ran with gradients disabled (torch.no_grad())"
     return (
         "nothing upstream of it requires grad (the inputs have requires_grad=False and no "

@@ -184,11 +184,16 @@ class LayerMethod:
     def _gradient(self, s: Tensor, edge: Any) -> Tensor:
         """d sum(scores) / d (layer output), by ``autograd.grad`` to the layer only."""
         if edge is None:
-            raise UsageError(
-                f"layer {self.layer!r}'s output does not require grad ({self._tap.why}), so it "
-                "has no gradient: run the method outside torch.inference_mode(), and check "
-                "that the model does not detach what reaches the layer"
+            why = self._tap.why
+            fix = (
+                ""
+                if "Fix:" in why
+                else (
+                    ". Fix: run the method outside torch.inference_mode(), and check that the "
+                    "model does not detach what reaches the layer"
+                )
             )
+            raise UsageError(f"layer {self.layer!r}'s output has no gradient: {why}{fix}")
         grad = None
         if s.requires_grad:
             (grad,) = torch.autograd.grad(s.sum(), inputs=[edge], allow_unused=True)

@@ -191,10 +191,10 @@ def _statistics(
     with contextlib.ExitStack() as stack:
         stack.enter_context(_stashed_grads(model))
         stack.enter_context(training_mode(model, False))
-        mon = stack.enter_context(Monitor(model, every=1))
+        mon = stack.enter_context(Monitor(model, every=1, recompile=True))  # runs it itself
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore", RuntimeWarning)  # nonfinite's warn mode: recorded
-        found = stack.enter_context(nonfinite(model, mode="warn"))
+        found = stack.enter_context(nonfinite(model, mode="warn", recompile=True))
         with torch.enable_grad():
             output = call_model(model, x)
             score = _score(output, targets, n)
