@@ -8,8 +8,11 @@ import inspect
 import pathlib
 import pkgutil
 import sys
+import types
+from typing import Any
 
 import pytest
+import torch
 
 import hookscope as hs
 from hookscope import errors
@@ -31,8 +34,8 @@ def test_public_names_report_hookscope_as_their_module() -> None:
     """help(), reprs and docs show where users import them from, not a private module."""
     for name in hs.__all__:
         obj = getattr(hs, name)
-        if hasattr(obj, "__module__") and not isinstance(obj, str):
-            assert obj.__module__ == "hookscope", name
+        if hasattr(obj, "__module__") and not isinstance(obj, (str, types.UnionType)):
+            assert obj.__module__ == "hookscope", name  # type aliases (unions) have none
 
 
 def test_typed_package() -> None:
@@ -88,3 +91,62 @@ def test_readme_examples_run() -> None:
     namespace: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, "README.md", "exec"), namespace)
+
+
+def _public_signatures() -> list[tuple[str, inspect.Signature]]:
+    """Every public function's and class constructor's signature in hs.__all__, with string
+    annotations resolved."""
+    found = []
+    for name in hs.__all__:
+        obj = getattr(hs, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            continue
+        fn = obj.__init__ if isinstance(obj, type) else obj
+        if not callable(fn) or getattr(fn, "__module__", "").startswith(("torch", "builtins")):
+            continue
+        # eval_str: type checkers' and documentation tools' view; an alias that only works as
+        # a string (``"A | B" | None``) raises here, as in typing.get_type_hints
+        found.append((name, inspect.signature(fn, eval_str=True)))
+    return found
+
+
+def test_layer_arguments_are_typed_as_layer_selectors() -> None:
+    """Every public parameter that picks layers says so in its type (13 took Any); records'
+    ``layer`` fields hold names (str)."""
+    untyped = [
+        f"{where}({p.name})"
+        for where, sig in _public_signatures()
+        for p in sig.parameters.values()
+        if p.name in ("layer", "layers", "fc", "feature_layers", "allow", "select")
+        and p.annotation in (Any, inspect.Parameter.empty)
+    ]
+    assert not untyped, untyped
+
+
+#: Parameters that choose one of a fixed set of modes.
+MODES = {"on_error", "engine", "rank", "ranks", "mode", "copy", "keep", "on", "scale"}
+
+
+def test_string_modes_are_literals() -> None:
+    loose = [
+        f"{where}({p.name}: {p.annotation})"
+        for where, sig in _public_signatures()
+        for p in sig.parameters.values()
+        if p.name in MODES
+        and "Literal" not in str(p.annotation)
+        and "Keep" not in str(p.annotation)
+        and "CopyMode" not in str(p.annotation)
+        and "EditTarget" not in str(p.annotation)
+    ]
+    checked = [p.name for _, sig in _public_signatures() for p in sig.parameters.values()]
+    assert {"on_error", "engine", "rank", "ranks", "mode"} <= set(checked)
+    assert not loose, loose
+
+
+def test_extract_device_was_renamed(tmp_path: pathlib.Path) -> None:
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    with pytest.raises(hs.UsageError, match="renamed input_device="):
+        hs.extract(net, torch.randn(4, 4), ["0"], out=tmp_path / "a", device="cpu")
+    assert not (tmp_path / "a").exists()
+    store = hs.extract(net, torch.randn(4, 4), ["0"], out=tmp_path / "b", input_device="cpu")
+    assert store["0"].shape == (4, 3)

@@ -33,7 +33,7 @@ from ._records import Call, LayerRecord
 from ._session import ModuleCall, Session, private_forward
 from ._torch import dispatch_has_composite, node_sequence_nr, sequence_nr
 from ._tree import describe, leaves, map_tensors
-from ._types import LayerSelector
+from ._types import LayerSelector, Reduce
 
 __all__ = [
     "Binder",
@@ -51,6 +51,7 @@ __all__ = [
     "LayerSelector",
     "Layers",
     "ModuleCall",
+    "Reduce",
     "Session",
     "StopForward",
     "ablate",

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core import call_model, leaves, map_tensors, run_eagerly, training_mode
+from ..core import LayerSelector, call_model, leaves, map_tensors, run_eagerly, training_mode
 from ..errors import UsageError
 from ._layout import Grid, grid_for, spatial_size
 from ._session import Tap
@@ -125,7 +125,7 @@ class LayerMethod:
     def __init__(
         self,
         model: nn.Module,
-        layer: Any,
+        layer: LayerSelector,
         *,
         reshape: Callable[[Tensor], Tensor] | None = None,
     ) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core import LayerSelector
 from ..errors import UsageError
 from ._base import Explanation
 from ._input import GuidedBackprop
@@ -80,7 +81,7 @@ class GuidedGradCAM:
     """Selvaraju et al. (2017): guided backpropagation ``(N, C, H, W)`` times the Grad-CAM map
     of ``layer`` upsampled to the input ``(N, 1, H, W)``."""
 
-    def __init__(self, model: nn.Module, layer: Any) -> None:
+    def __init__(self, model: nn.Module, layer: LayerSelector) -> None:
         self.guided = GuidedBackprop(model)
         self.gradcam = GradCAM(model, layer)
 

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .._progress import progress, wanted
-from ..core import call_model, map_tensors, run_eagerly
+from ..core import LayerSelector, call_model, map_tensors, run_eagerly
 from ..errors import UsageError
 from ._base import Context, LayerMethod, evaluating, image_of, normalize
 from ._layout import spatial_size
@@ -42,11 +42,11 @@ class Perturbation(LayerMethod):
     def __init__(
         self,
         model: nn.Module,
-        layer: Any,
+        layer: LayerSelector,
         *,
         batch_size: int = 32,
         top_k: int | None = None,
-        rank: str = "gradient",
+        rank: Literal["gradient", "activation"] = "gradient",
         progress: bool | None = None,
         **kwargs: Any,
     ) -> None:

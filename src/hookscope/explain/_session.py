@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import HookSet, ModuleCall, Session, leaves, map_tensors, why_no_grad
+from ..core import HookSet, LayerSelector, ModuleCall, Session, leaves, map_tensors, why_no_grad
 from ..errors import UsageError
 
 __all__ = ["Ablate", "Plain", "Tap", "first_float"]
@@ -37,7 +37,7 @@ def first_float(output: Any, layer: str) -> Tensor:
 class _OneLayer(Session):
     """A session on one layer, named by any selector that matches exactly one."""
 
-    def __init__(self, model: nn.Module, layer: Any, method: str) -> None:
+    def __init__(self, model: nn.Module, layer: LayerSelector, method: str) -> None:
         super().__init__(model, recompile=True)
         found = self.layers.select(layer)
         if len(found) != 1:
@@ -54,7 +54,7 @@ class Tap(_OneLayer):
     """The layer's output in one forward: a detached copy (``values``), its gradient edge,
     and its shape (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, layer: Any, method: str) -> None:
+    def __init__(self, model: nn.Module, layer: LayerSelector, method: str) -> None:
         super().__init__(model, layer, method)
         self.values = True
         self.seen: list[tuple[Tensor | None, Any, tuple[int, ...]]] = []
@@ -87,7 +87,7 @@ class Tap(_OneLayer):
 class Ablate(_OneLayer):
     """Returns the layer's output with ``change(tensor)`` in place of its explained tensor."""
 
-    def __init__(self, model: nn.Module, layer: Any, method: str) -> None:
+    def __init__(self, model: nn.Module, layer: LayerSelector, method: str) -> None:
         super().__init__(model, layer, method)
         self.change: Callable[[Tensor], Tensor] | None = None
 

@@ -8,14 +8,14 @@ import datetime
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from .._progress import progress, wanted
 from .._version import __version__
-from ..core import unwrap
+from ..core import LayerSelector, Reduce, unwrap
 from ..errors import UsageError
 from ._identity import fingerprint, probe
 from ._job import Job
@@ -31,24 +31,25 @@ __all__ = ["extract"]
 def extract(
     model: nn.Module | Callable[[], nn.Module],
     data: Any,
-    layers: Any,
+    layers: LayerSelector,
     *,
     out: str | os.PathLike[str],
     batch_size: int = 64,
-    reduce: Any = None,
+    reduce: Reduce | None = None,
     dtype: torch.dtype | str | None = None,
-    device: torch.device | str | None = None,
+    input_device: torch.device | str | None = None,
     chunk: int | None = None,
     stop: bool = True,
     tokenizer: Any = None,
     transform: Callable[[Any], Any] | None = None,
-    on_error: str = "raise",
+    on_error: Literal["raise", "skip"] = "raise",
     resume: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
-    engine: str = "local",
+    engine: Literal["local", "ray"] = "local",
     workers: int = 2,
     codec: Codec | Any = "none",
+    device: None = None,
 ) -> FeatureStore:
     """Write the outputs of ``layers`` for every sample of ``data`` to a Zarr store at ``out``.
 
@@ -78,7 +79,8 @@ def extract(
             length. Every sample must give rows of one shape: varying shapes are refused.
         dtype: storage dtype (e.g. ``torch.float16``); default: as computed (bfloat16, which
             NumPy lacks, is stored as float32).
-        device: where inputs go (default: the model's parameters' device).
+        input_device: where the inputs go before each forward (default: the device of the
+            model's parameters). The rows always go to the store.
         chunk: samples per stored chunk and per committed block (default: a multiple of
             ``batch_size`` near 256 samples, fewer for large rows: at most 16 MiB per layer, at
             least one batch; a resumed store's own). Memory holds about three blocks.
@@ -105,6 +107,7 @@ def extract(
             float features rarely shrink much), ``"lz4"`` (Blosc, byte shuffle: fast, and small
             for maps full of ReLU zeros), ``"zstd"`` (smaller, slower), or zarr codec objects
             (zarr's ``compressors=``). A resumed store keeps its arrays' codec.
+        device: renamed ``input_device`` (refused, saying so).
 
     Returns:
         The store, opened for reading (:func:`open_features`).
@@ -123,6 +126,11 @@ def extract(
         >>> store["1"].shape, len(store.ids)
         ((100, 8), 100)
     """
+    if device is not None:
+        raise UsageError(
+            "device= was renamed input_device= (where the inputs go; capture and features' "
+            "device= is where captured values go)"
+        )
     _check(batch_size, workers, chunk, engine, resume, overwrite, reduce, codec)
     wanted(progress)
     factory = None
@@ -138,7 +146,7 @@ def extract(
             "engine='ray' needs samples it can address by index (a tensor, array, Dataset, "
             "image folder or list of strings), not a one-pass iterable"
         )
-    job = Job(model, src, layers, batch_size, reduce, _dtype(dtype), device, stop)
+    job = Job(model, src, layers, batch_size, reduce, _dtype(dtype), input_device, stop)
     size = chunk or (Store.chunk_of(out) if resume else None)
     # sample 0's rows: Ray makes the arrays from them; their size sets the default chunk
     shapes = job.probe(strict=True) if engine == "ray" else {} if size else job.probe()

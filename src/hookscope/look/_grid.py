@@ -19,23 +19,18 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
 
 from .._png import pillow, save_png
-from ..core import Layers, features
+from ..core import Layers, LayerSelector, features
 from ..errors import UsageError
 
 __all__ = ["feature_grid", "feature_grids"]
 
-#: Layers to take, as every hookscope entry point takes them (core's alias, which
-#: ``hookscope.core`` does not export): names, globs, regexes, types, modules, predicates.
-_One: TypeAlias = "str | re.Pattern[str] | type[nn.Module] | nn.Module | Callable[..., bool]"
-LayerSelector: TypeAlias = "_One | Sequence[_One]"
 
 Scale = Literal["each", "all"]
 Group = Literal["kernel", "layer"]

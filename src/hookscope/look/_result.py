@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._shapes import ShapeTree, tree_from_json, tree_to_json
+from ._shapes import NestedShape, ShapeTree, tree_from_json, tree_to_json  # noqa: F401 (type hints)
 
 __all__ = ["UNITS", "Summary", "SummaryRow"]
 

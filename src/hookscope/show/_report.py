@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .._extras import require
 from .._png import pillow, png_bytes
 from .._version import __version__
-from ..core import call_model, leaves, map_tensors, training_mode
+from ..core import LayerSelector, call_model, leaves, map_tensors, training_mode
 from ..core import names as names_of
 from ..diagnose import Monitor, nonfinite
 from ..errors import NonFiniteError, UsageError
@@ -50,7 +50,7 @@ def report(
     out: str | os.PathLike[str] = "report.html",
     *,
     title: str | None = None,
-    feature_layers: Any = None,
+    feature_layers: LayerSelector | None = None,
     cam_layer: str | None = None,
     targets: Any = None,
     classes: Sequence[str] | None = None,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...core import LayerSelector
 from .._base import Context
 from .._layout import Grid, positions
 from .._perturb import Perturbation, pairs_of
@@ -26,7 +27,7 @@ class AblationCAM(Perturbation):
 
     name = "ablationcam"
 
-    def __init__(self, model: nn.Module, layer: Any, **kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, layer: LayerSelector, **kwargs: Any) -> None:
         super().__init__(model, layer, **kwargs)
         self._ablate = Ablate(model, self.layer, type(self).__name__)
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ...core import LayerSelector
 from ...errors import UsageError
 from .._base import Context, LayerMethod
 from .._registry import MethodInfo, register
@@ -21,7 +22,9 @@ class CAM(LayerMethod):
     needs_grad = False
     class_targets = True
 
-    def __init__(self, model: nn.Module, layer: Any, *, fc: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, model: nn.Module, layer: LayerSelector, *, fc: LayerSelector, **kwargs: Any
+    ) -> None:
         super().__init__(model, layer, **kwargs)
         found = self._tap.layers.select(fc)
         if len(found) != 1:
