@@ -41,7 +41,7 @@ def summary(
     *more: Any,
     input_size: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtypes: Sequence[torch.dtype] | None = None,
-    device: torch.device | str | None = None,
+    input_device: torch.device | str | None = None,
     forward_kwargs: Mapping[str, Any] | None = None,
     depth: int | None = None,
     time: bool = False,
@@ -56,9 +56,9 @@ def summary(
     positional arguments (``model(*inputs)``), anything else as the one argument
     (``model(inputs)``); ``forward_kwargs`` adds keywords. Or on random inputs of
     ``input_size`` (one shape, or a list of shapes; ``dtypes`` per input, integers as zeros;
-    on ``device``, by default the model's). Inputs are copied first, so a model that changes
-    its input in place leaves yours alone. A model on the ``meta`` device gets its inputs
-    moved there: nothing is allocated, shapes and FLOPs are still exact.
+    on ``input_device``, by default the model's). Inputs are copied first, so a model that
+    changes its input in place leaves yours alone. A model on the ``meta`` device gets its
+    inputs moved there: nothing is allocated, shapes and FLOPs are still exact.
 
     The forward runs under ``torch.no_grad()`` (``grad=True`` to keep autograd on) and in
     eval mode (``train=True`` for training mode; buffers such as BatchNorm statistics are
@@ -69,7 +69,9 @@ def summary(
         model: the model; DataParallel / compile wrappers are seen through (a compiled model
             runs eagerly for the summary, also one whose compiled code already ran).
         inputs: the model's inputs (see above).
-        input_size, dtypes, device: make random positional inputs instead.
+        input_size, dtypes, input_device: make random positional inputs instead (on
+            ``input_device``; ``capture``'s ``device=`` is where captures go, a different
+            thing, hence the name).
         forward_kwargs: more keyword arguments for the model's ``forward`` (``use_cache``).
         depth: fold calls nested deeper than this into their caller (totals unchanged).
         time: also measure each call's time and peak memory (approximate: inclusive wall
@@ -104,7 +106,7 @@ def summary(
     _check_options(more, unknown, depth)
     root = unwrap(model)
     tensors = [*root.parameters(), *root.buffers()]
-    args, kwargs = _call(inputs, input_size, dtypes, device, forward_kwargs, tensors)
+    args, kwargs = _call(inputs, input_size, dtypes, input_device, forward_kwargs, tensors)
     if any(torch.nn.parameter.is_lazy(t) for t in tensors):
         model = copy.deepcopy(model)  # initialising lazy modules would change the user's
         root = unwrap(model)
@@ -137,6 +139,11 @@ def _check_options(more: tuple[Any, ...], unknown: dict[str, Any], depth: Any) -
         raise UsageError(
             f"summary() got {1 + len(more)} positional inputs; {_HOW}: hs.summary(model, (a, b, c))"
         )
+    if "device" in unknown:
+        raise UsageError(
+            "device= was renamed input_device= (where the inputs made from input_size go): "
+            "hs.summary(model, input_size=(1, 3, 224, 224), input_device='cuda')"
+        )
     if unknown:
         names = ", ".join(sorted(unknown))
         example = f"hs.summary(model, x, forward_kwargs={{{next(iter(unknown))!r}: ...}})"
@@ -149,7 +156,7 @@ def _call(
     inputs: Any,
     input_size: Any,
     dtypes: Sequence[torch.dtype] | None,
-    device: torch.device | str | None,
+    input_device: torch.device | str | None,
     forward_kwargs: Mapping[str, Any] | None,
     tensors: list[Tensor],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -163,10 +170,10 @@ def _call(
                 "give the model's inputs or input_size=, not both (keyword inputs such as "
                 "use_cache=False go in forward_kwargs=)"
             )
-        where = device or (tensors[0].device if tensors else torch.device("cpu"))
+        where = input_device or (tensors[0].device if tensors else torch.device("cpu"))
         return _random_inputs(input_size, dtypes, where), kwargs
-    if dtypes is not None or device is not None:
-        raise UsageError("dtypes= and device= describe input_size=; pass input_size too")
+    if dtypes is not None or input_device is not None:
+        raise UsageError("dtypes= and input_device= describe input_size=; pass input_size too")
     if inputs is None:
         if kwargs:
             return (), kwargs
