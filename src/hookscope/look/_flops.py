@@ -27,6 +27,7 @@ from torch import Tensor
 from torch.utils import _python_dispatch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..core import dispatch_has_composite
 from ._formulas import FORMULAS, nested_flops
 
 __all__ = ["DATA_DEPENDENT", "FREE_OPS", "Counter", "Tally"]
@@ -145,9 +146,7 @@ class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         packet = func.overloadpacket
         formula = FORMULAS.get(packet)
         free = func.is_view or packet in FREE_OPS
-        composite = formula is None and torch._C._dispatch_has_kernel_for_dispatch_key(
-            func.name(), "CompositeImplicitAutograd"
-        )
+        composite = formula is None and dispatch_has_composite(func)
         name = f"aten.{packet.__name__}"
         op = _Op(
             formula=formula,
