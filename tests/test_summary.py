@@ -260,6 +260,18 @@ def test_input_size_and_dtypes() -> None:
     assert s.rows[0].inputs == {"x": (4, 3), "mask": (4, 1)}
 
 
+def test_input_device_places_the_made_up_inputs() -> None:
+    seen: list[torch.device] = []
+
+    class Where(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            seen.append(x.device)
+            return x * 2
+
+    s = hs.summary(Where(), input_size=(2, 3), input_device="meta")
+    assert seen == [torch.device("meta")] and s.rows[0].output == (2, 3)
+
+
 def test_inputs_are_not_modified() -> None:
     model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(3, 3))
     x = torch.tensor([[-1.0, 2.0, -3.0]])
@@ -483,6 +495,10 @@ def test_usage_errors() -> None:
         hs.summary(model, input_size=[(1, 2), (1, 2)], dtypes=[torch.long])
     with pytest.raises(hs.UsageError, match="pass input_size too"):
         hs.summary(model, torch.ones(1, 2), dtypes=[torch.long])
+    with pytest.raises(hs.UsageError, match="pass input_size too"):
+        hs.summary(model, torch.ones(1, 2), input_device="cpu")
+    with pytest.raises(hs.UsageError, match=r"device= was renamed input_device= \(where the"):
+        hs.summary(model, input_size=(1, 2), device="cpu")  # type: ignore[call-arg]
     with pytest.raises(hs.UsageError, match=r"nn\.Module"):
         hs.summary(lambda x: x, torch.ones(1))  # type: ignore[arg-type]
 

@@ -29,6 +29,8 @@ from ._grad import GradHook, grad_of, on_grad
 from ._lifetime import HookSet, training_mode
 from ._naming import Layers, is_called, resolve, unwrap
 from ._oplist import names
+from ._ops import op_qualname
+from ._opwatch import OpWatch
 from ._records import Call, LayerRecord
 from ._session import ModuleCall, Session, private_forward
 from ._torch import dispatch_has_composite, node_sequence_nr, sequence_nr
@@ -51,6 +53,7 @@ __all__ = [
     "LayerSelector",
     "Layers",
     "ModuleCall",
+    "OpWatch",
     "Reduce",
     "Session",
     "StopForward",
@@ -73,6 +76,7 @@ __all__ = [
     "names",
     "node_sequence_nr",
     "on_grad",
+    "op_qualname",
     "patch",
     "private_forward",
     "queue_after_backward",

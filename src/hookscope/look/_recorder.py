@@ -3,7 +3,12 @@
 :class:`Recorder` is a :class:`hookscope.core.Session` tracking every module. Its hooks do
 the least they can while the forward runs (shape trees of inputs and outputs, the counter's
 target); names of arguments, parameter counts and everything else are worked out once the
-forward is over (:meth:`Recorder.result`), when on a GPU the device is still busy.
+forward is over (``_rows``), when on a GPU the device is still busy.
+
+With ``ops=True`` it also follows the operations each module's own code calls, through the
+core's :class:`~hookscope.core.OpWatch` (the machinery of ``hs.names(ops=True)``): one
+:class:`OpRecord` per call, its FLOPs being what the counter charged to its module's call
+while it ran. Without it no ``OpWatch`` exists and no ``TorchFunctionMode`` is pushed.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import Binder, ModuleCall, Session, leaves
+from ..core import Binder, ModuleCall, OpWatch, Session, leaves, op_qualname
 from ._flops import Counter, Tally
 from ._profiles import Profile, Profiles
 from ._shapes import ShapeTree, Walk, has_shape
 
-__all__ = ["Record", "Recorder", "bind_names"]
+__all__ = ["OpRecord", "Record", "Recorder", "bind_names"]
 
 _BINDERS: dict[type, Binder] = {}  # one signature per module class
 
@@ -86,17 +91,55 @@ class Record:
         return self.tally.flops + self.child_flops
 
 
+class OpRecord:
+    """One operation a module's own code called (``ops=True``), in execution order."""
+
+    __slots__ = (
+        "after",
+        "dtype",
+        "flops",
+        "how",
+        "k",
+        "name",
+        "nbytes",
+        "output",
+        "owner",
+        "raised",
+        "tensor",
+        "time_ms",
+        "uncounted",
+    )
+
+    def __init__(self, owner: Record, after: int, name: str, k: int, how: str) -> None:
+        self.owner, self.after, self.name, self.k, self.how = owner, after, name, k, how
+        self.output: ShapeTree = None
+        self.dtype: torch.dtype | None = None
+        self.nbytes = self.flops = 0
+        self.uncounted: dict[str, int] = {}
+        self.tensor = False  # returned a tensor (calls that return none get no row)
+        self.raised = True  # until it returns
+        self.time_ms: float | None = None
+
+
+def _no_sites(*args: Any) -> Any:
+    raise AssertionError("the recorder selects no operation")  # pragma: no cover
+
+
 class Recorder(Session):
     """Rows of every module call; see the module docstring."""
 
-    def __init__(self, model: nn.Module, *, time: bool) -> None:
+    def __init__(self, model: nn.Module, *, time: bool, ops: bool = False) -> None:
         super().__init__(model, recompile=True)
         self.modules = self.every_module()
         self.records: list[Record] = []
         self.outside = Tally()  # operators run outside every module
         self.counter = Counter(self.outside, self._alloc if time else None)
-        # time=True needs every allocation: no call is skipped then
-        self._profiles = None if time else Profiles(self.modules)
+        # time=True needs every allocation, ops=True every operator: no call is skipped then
+        self._profiles = None if time or ops else Profiles(self.modules)
+        self.ops: list[OpRecord] = []
+        self._ops: OpWatch | None = None
+        if ops:
+            self._ops = OpWatch(self, {n: {} for n in self.modules}, _no_sites, self._listen)
         self._open: list[Record] = []
         self._time = time
         self._live = 0
@@ -105,6 +148,13 @@ class Recorder(Session):
 
     def _install(self, hooks: Any) -> None:
         self._track(hooks, self.modules)
+
+    def _needs_python(self) -> bool:
+        return self._ops is not None
+
+    def _closed(self) -> None:
+        if self._ops is not None:
+            self._ops.close()
 
     # -- calls ------------------------------------------------------------------------------------
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -127,6 +177,8 @@ class Recorder(Session):
         self._open.append(rec)
         if not rec.muted:
             self.counter.target = rec.tally
+        if self._ops is not None:
+            self._ops.enter(call)
 
     def _lookup(self, rec: Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         assert self._profiles is not None
@@ -175,6 +227,8 @@ class Recorder(Session):
         """Pop the call's record (and any left open inside it, as raised)."""
         while True:
             rec = self._open.pop()
+            if self._ops is not None:
+                self._ops.leave(rec.call)
             if rec.muted:
                 self.counter.unmute()
             if rec.remute:
@@ -198,6 +252,31 @@ class Recorder(Session):
         while self._open:
             self._raised(self._open[-1].call)
 
+    # -- operations (ops=True) -------------------------------------------------------------------
+    def _listen(self, call: ModuleCall, name: str, k: int, func: Any, run: Any) -> Any:
+        """An operation of ``call``'s own code (``OpWatch``): run it, noting what it did.
+        Its module call's tally is the counter's target meanwhile: what it gains is the
+        operation's."""
+        rec = next((r for r in reversed(self._open) if r.call is call), None)
+        if rec is None:  # pragma: no cover - the watch follows only calls that are open
+            return run()
+        op = OpRecord(rec, len(self.records), name, k, op_qualname(func))
+        self.ops.append(op)
+        flops, uncounted = rec.tally.flops, dict(rec.tally.uncounted)
+        start = _time.perf_counter() if self._time else 0.0
+        out = run()
+        if self._time:
+            self._timed_op(op, start, out)
+        walk = Walk()
+        op.output = walk.tree(out)
+        op.dtype, op.nbytes, op.tensor = walk.dtype, walk.nbytes, walk.tensors > 0
+        op.flops = rec.tally.flops - flops
+        for n, count in rec.tally.uncounted.items():
+            if count > uncounted.get(n, 0):
+                op.uncounted[n] = count - uncounted.get(n, 0)
+        op.raised = False
+        return out
+
     # -- time and memory --------------------------------------------------------------------------
     def _alloc(self, nbytes: int) -> None:
         self._live += nbytes
@@ -208,6 +287,11 @@ class Recorder(Session):
         if any(t.is_cuda for _, t in leaves(output)):
             torch.cuda.synchronize()  # time=True measures the device's work too
         rec.time_ms = (_time.perf_counter() - rec.start) * 1e3
+
+    def _timed_op(self, op: OpRecord, start: float, output: Any) -> None:
+        if any(t.is_cuda for _, t in leaves(output)):
+            torch.cuda.synchronize()
+        op.time_ms = (_time.perf_counter() - start) * 1e3
 
     # -- after the forward ------------------------------------------------------------------------
     def inputs_of(self, rec: Record) -> dict[str, ShapeTree]:

@@ -7,6 +7,10 @@ by every call above the table instead of in a column, then leaves out optional c
 names each row relative to its caller's name (the tree's indentation shows the rest) and
 wraps names at dots and shapes after their top-level commas. ``max_width=None`` is the full
 table: every column, full dotted names, one line per row.
+
+Operation rows (``ops=True``) sit one level under their module call, named relative to it
+(``::softmax``) when names are; their Type is how the code called them, shortened
+(``F.softmax``, ``Tensor.view``, ``torch.addmm``); parameter cells stay empty.
 """
 
 from __future__ import annotations
@@ -73,7 +77,23 @@ def _label(summary: Summary, i: int, relative: bool) -> str:
         caller = summary.rows[row.parent].name
         if caller and name.startswith(caller + "."):
             name = name[len(caller) + 1 :]
-    return f"{name} [{row.call}/{row.calls}]" if row.calls > 1 else name
+    if relative and row.kind == "op" and row.parent is not None:
+        caller = summary.rows[row.parent].name
+        if caller and name.startswith(caller + "::"):
+            name = name[len(caller) :]
+    return f"{name} [{row.call}/{row.calls}]" if row.calls > 1 and row.kind == "module" else name
+
+
+_SHORT = (("torch.nn.functional.", "F."), ("torch.Tensor.", "Tensor."))
+
+
+def _type(row: SummaryRow) -> str:
+    """A module's class name; how an operation was called, shortened (``F.softmax``)."""
+    if row.kind == "op":
+        for long, short in _SHORT:
+            if row.type.startswith(long):
+                return short + row.type[len(long) :]
+    return row.type
 
 
 def _output(row: SummaryRow) -> str:
@@ -87,21 +107,21 @@ def columns(summary: Summary, *, relative: bool = False) -> list[Column]:
     rows = summary.rows
     cols = {
         "Layer": ["  " * r.depth + _label(summary, i, relative) for i, r in enumerate(rows)],
-        "Type": [r.type for r in rows],
+        "Type": [_type(r) for r in rows],
         "Inputs": [
             ", ".join(f"{k}={format_shape(v, 1)}" for k, v in r.inputs.items()) for r in rows
         ],
         "Output": [_output(r) for r in rows],
         "Dtype": [r.dtype or "" for r in rows],
-        "Params": [f"{r.params:,}" for r in rows],
-        "Params (all)": [f"{r.params_total:,}" for r in rows],
-        "Trainable": [r.trainable for r in rows],
+        "Params": [f"{r.params:,}" if r.kind == "module" else "" for r in rows],
+        "Params (all)": [f"{r.params_total:,}" if r.kind == "module" else "" for r in rows],
+        "Trainable": [r.trainable if r.kind == "module" else "" for r in rows],
         "FLOPs": [si(r.flops) for r in rows],
         "FLOPs (all)": [si(r.flops_total) for r in rows],
     }
     if any(r.time_ms is not None for r in rows):
         cols["Time ms"] = [f"{r.time_ms:.3g}" if r.time_ms is not None else "" for r in rows]
-        cols["Peak mem"] = [_size(r.peak_bytes or 0) for r in rows]
+        cols["Peak mem"] = [_size(r.peak_bytes) if r.peak_bytes is not None else "" for r in rows]
     return [Column(h, [[c] for c in cells]) for h, cells in cols.items()]
 
 
@@ -233,8 +253,18 @@ def _wrapped(lines: list[str], width: int | None) -> list[str]:
     ]
 
 
+_OPS_NOTE = (
+    "Rows named layer::op are operations of that layer's own code (selectors for hs.capture); "
+    "their FLOPs are part of the layer's, counted once in the totals"
+)
+
+
+def _ops_note(summary: Summary) -> list[str]:
+    return [_OPS_NOTE] if any(r.kind == "op" for r in summary.rows) else []
+
+
 def _header(summary: Summary, notes: list[str]) -> list[str]:
-    out = [f"{summary.model} summary", summary.units]
+    out = [f"{summary.model} summary", summary.units, *_ops_note(summary)]
     if summary.inputs:
         shown = ", ".join(f"{k}={format_shape(v, 1)}" for k, v in summary.inputs.items())
         out.append("Inputs: " + shown)
@@ -285,7 +315,7 @@ def rich_table(summary: Summary, width: int) -> Any:
     table_mod = require("rich.table", "rich", purpose="rendering a summary with rich")
     # a rich cell takes its text, one space each side and a border (and one closing border)
     cols, notes = fit(summary, width - 4, sep=3)
-    caption = "\n".join([summary.units, *notes, *footer(summary)])
+    caption = "\n".join([summary.units, *_ops_note(summary), *notes, *footer(summary)])
     table = table_mod.Table(title=f"{summary.model} summary", caption=caption)
     for c in cols:
         table.add_column(

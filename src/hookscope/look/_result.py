@@ -6,11 +6,14 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeAlias
 
 from ._shapes import NestedShape, ShapeTree, tree_from_json, tree_to_json  # noqa: F401 (type hints)
 
-__all__ = ["UNITS", "Summary", "SummaryRow"]
+__all__ = ["UNITS", "RowKind", "Summary", "SummaryRow"]
+
+#: a row is a module call, or (``summary(ops=True)``) an operation its own code called
+RowKind: TypeAlias = Literal["module", "op"]
 
 UNITS = (
     "FLOPs count matrix products, convolutions and attention per operator; "
@@ -20,7 +23,8 @@ UNITS = (
 
 @dataclass
 class SummaryRow:
-    """One module call, in execution order.
+    """One module call (``kind="module"``) or one operation its own code called
+    (``kind="op"``, with ``summary(ops=True)``), in the order they started.
 
     Shapes are data (see ``hookscope.look._shapes``): ``output`` is the tuple of the output's
     sizes for a tensor (``(8, 2048, 7, 7)``), a list / dict of those for nested outputs,
@@ -35,6 +39,16 @@ class SummaryRow:
     so its calls are not seen (its operators count in its caller); its parameters are listed.
     ``time_ms`` (inclusive) and ``peak_bytes`` (bytes allocated by operators during the call
     above what was live when it started) are set with ``time=True``; both are approximate.
+
+    An operation row (``kind="op"``) is named as ``hs.names(model, ops=True)`` names it, the
+    selector ``hs.capture`` takes (``"blocks.0.attn::softmax"``, ``"blocks.0::matmul#2"``,
+    ``"::relu"`` for the model's own forward); ``type`` is how the code called it
+    (``torch.nn.functional.softmax``); ``parent`` is its module call's row, ``depth`` one
+    more than that row's, ``call`` / ``calls`` that call's. Its ``flops`` (= ``flops_total``)
+    and ``uncounted`` are the operators it ran, already part of its module call's ``flops``:
+    a breakdown, never added to totals again (they may add up to less than the module's:
+    a TorchScript submodule's operators count in its caller, but calling it is no operation).
+    It has no parameters, ``inputs`` nor ``peak_bytes``.
     """
 
     name: str
@@ -57,6 +71,7 @@ class SummaryRow:
     opaque: bool = False
     time_ms: float | None = None
     peak_bytes: int | None = None
+    kind: RowKind = "module"
 
     @property
     def macs(self) -> int:
@@ -71,6 +86,7 @@ class SummaryRow:
         return self.calls > 1
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able data: every field (``kind`` too), shapes as lists."""
         out = dataclasses.asdict(self)
         out["inputs"] = {k: tree_to_json(v) for k, v in self.inputs.items()}
         out["output"] = tree_to_json(self.output)
@@ -78,6 +94,8 @@ class SummaryRow:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SummaryRow:
+        """The row :meth:`to_dict` gave (data without ``kind``, from before operation rows,
+        reads as module rows)."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in names}
         values["inputs"] = {k: tree_from_json(v) for k, v in data.get("inputs", {}).items()}
@@ -96,7 +114,8 @@ class Summary:
     to the console. Totals: parameters and their bytes count each tensor once (tied weights
     once, as ``model.parameters()`` does); ``output_bytes`` sums the outputs of calls with
     no sub-calls; ``uncounted`` lists the operators that do arithmetic but have no FLOP
-    formula, with their call counts.
+    formula, with their call counts. Totals are the same with and without operation rows
+    (``ops=True``): ``total_flops == sum(r.flops for r in rows if r.kind == "module")``.
     """
 
     model: str
@@ -115,16 +134,21 @@ class Summary:
         return self.total_flops // 2
 
     def __repr__(self) -> str:
+        ops = sum(r.kind == "op" for r in self.rows)
         return (
-            f"<Summary of {self.model}: {len(self.rows)} calls, {self.total_params:,} params, "
-            f"{self.total_flops:,} FLOPs>"
+            f"<Summary of {self.model}: {len(self.rows) - ops} calls"
+            + (f", {ops} operations" if ops else "")
+            + f", {self.total_params:,} params, {self.total_flops:,} FLOPs>"
         )
 
     def fold(self, depth: int) -> Summary:
         """The same summary with calls deeper than ``depth`` folded into their caller.
 
         A folded call's FLOPs and uncounted operators move to its nearest shown caller, so
-        ``sum(row.flops for row in rows)`` and every total stay the same.
+        ``sum(row.flops for row in rows if row.kind == "module")`` and every total stay the
+        same. Operation rows are rows one deeper than their module call's: those deeper than
+        ``depth`` go (their FLOPs are already their module call's), so every module shown
+        with its operations also shows all its sub-calls.
         """
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             from ..errors import UsageError
@@ -133,7 +157,9 @@ class Summary:
         rows: list[SummaryRow] = []
         owner: list[int] = []  # old index -> new index of the row that absorbs it
         for row in self.rows:
-            if row.depth <= depth or row.parent is None:
+            if row.kind == "op" and row.depth > depth:
+                owner.append(-1)  # never a parent
+            elif row.depth <= depth or row.parent is None:
                 parent = None if row.parent is None else owner[row.parent]
                 owner.append(len(rows))
                 rows.append(dataclasses.replace(row, parent=parent, uncounted=dict(row.uncounted)))

@@ -1,18 +1,21 @@
 """Turn a :class:`Recorder`'s records into a :class:`Summary`, once the forward is over.
 
 Parameters are counted here, after the forward, so lazy modules (``nn.LazyLinear``) show
-the sizes their first call gave them, as torchinfo does.
+the sizes their first call gave them, as torchinfo does. Operation rows (``ops=True``) are
+named here too, as ``hs.names(ops=True)`` names them: ``op#k`` where some call of the module
+ran ``op`` more than once, else ``op``; operations that never returned a tensor get no row.
 """
 
 from __future__ import annotations
 
 import collections
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ._recorder import Record, Recorder
+from ._recorder import OpRecord, Record, Recorder
 from ._result import Summary, SummaryRow
 from ._shapes import ShapeTree
 
@@ -71,12 +74,14 @@ class _Params:
         )
 
 
-def _row(rec: Record, recorder: Recorder, info: _Module, calls: int) -> SummaryRow:
+def _row(
+    rec: Record, recorder: Recorder, info: _Module, calls: int, parent: int | None
+) -> SummaryRow:
     return SummaryRow(
         name=rec.call.name,
         type=info.type,
         depth=rec.call.depth,
-        parent=rec.parent,
+        parent=parent,
         call=rec.call.index + 1,
         calls=calls,
         inputs=recorder.inputs_of(rec),
@@ -93,6 +98,84 @@ def _row(rec: Record, recorder: Recorder, info: _Module, calls: int) -> SummaryR
         time_ms=rec.time_ms,
         peak_bytes=rec.peak - rec.live if rec.time_ms is not None else None,
     )
+
+
+class _OpNames:
+    """Names of operation rows after ``hs.names(ops=True)``: per module and operation, the
+    most calls in one call of the module, and whether any call returned a tensor."""
+
+    def __init__(self, ops: list[OpRecord]) -> None:
+        self._most: dict[tuple[str, str], tuple[int, bool]] = {}
+        for op in ops:
+            key = (op.owner.call.name, op.name)
+            most, tensor = self._most.get(key, (0, False))
+            self._most[key] = (max(most, op.k), tensor or op.tensor)
+
+    def name(self, op: OpRecord) -> str | None:
+        """The row's name, None for no row (an operation that never returned a tensor)."""
+        most, tensor = self._most[op.owner.call.name, op.name]
+        if not (tensor or op.raised):
+            return None
+        return f"{op.owner.call.name}::{op.name}" + (f"#{op.k}" if most > 1 else "")
+
+
+def _op_row(op: OpRecord, name: str, parent: int, calls: int) -> SummaryRow:
+    rec = op.owner
+    return SummaryRow(
+        name=name,
+        type=op.how,
+        depth=rec.call.depth + 1,
+        parent=parent,
+        call=rec.call.index + 1,
+        calls=calls,
+        output=None if op.raised else op.output,
+        dtype=None if op.raised or op.dtype is None else str(op.dtype).removeprefix("torch."),
+        flops=op.flops,
+        flops_total=op.flops,
+        output_bytes=0 if op.raised else op.nbytes,
+        uncounted=op.uncounted,
+        raised=op.raised,
+        time_ms=op.time_ms,
+        kind="op",
+    )
+
+
+def _in_order(records: list[Record], ops: list[OpRecord]) -> Iterator[Record | OpRecord]:
+    """Module calls and operations in the order they started."""
+    pending = iter(ops)
+    op = next(pending, None)
+    for rec in records:
+        while op is not None and op.after <= rec.index:
+            yield op
+            op = next(pending, None)
+        yield rec
+    if op is not None:
+        yield op
+        yield from pending
+
+
+def _rows(recorder: Recorder, params: _Params) -> list[SummaryRow]:
+    """A row per module call and per operation its own code ran (between its sub-calls'
+    rows), in the order they started."""
+    counts = collections.Counter(r.call.name for r in recorder.records)
+    names = _OpNames(recorder.ops)
+    infos: dict[int, _Module] = {}
+    rows: list[SummaryRow] = []
+    at: list[int] = []  # record index -> row index
+    for item in _in_order(recorder.records, recorder.ops):
+        if isinstance(item, OpRecord):
+            name = names.name(item)
+            if name is not None:
+                owner = item.owner
+                rows.append(_op_row(item, name, at[owner.index], counts[owner.call.name]))
+            continue
+        info = infos.get(id(item.module))
+        if info is None:
+            info = infos[id(item.module)] = params.info(item.module)
+        parent = None if item.parent is None else at[item.parent]
+        at.append(len(rows))
+        rows.append(_row(item, recorder, info, counts[item.call.name], parent))
+    return rows
 
 
 def _opaque(rows: list[SummaryRow], recorder: Recorder, params: _Params) -> list[SummaryRow]:
@@ -132,17 +215,9 @@ def build(recorder: Recorder, model: str, inputs: dict[str, ShapeTree]) -> Summa
     """The summary of what ran; calls still open (the forward raised) end as raised."""
     recorder.abandon_open()
     records = recorder.records
-    counts = collections.Counter(r.call.name for r in records)
-    infos: dict[int, _Module] = {}
     params = _Params()
-    rows = []
-    for rec in records:
-        info = infos.get(id(rec.module))
-        if info is None:
-            info = infos[id(rec.module)] = params.info(rec.module)
-        rows.append(_row(rec, recorder, info, counts[rec.call.name]))
-    callers = {r.parent for r in rows}
-    rows = _opaque(rows, recorder, params)
+    rows = _opaque(_rows(recorder, params), recorder, params)
+    callers = {r.parent for r in records}
     uncounted: dict[str, int] = {}
     for tally in [*(r.tally for r in records), recorder.outside]:
         for op, n in tally.uncounted.items():

@@ -1,4 +1,5 @@
-"""``summary``: one forward, one row per module call, with operator-level FLOPs.
+"""``summary``: one forward, one row per module call, with operator-level FLOPs (and, with
+``ops=True``, one per operation each module's own code called).
 
 A :class:`~hookscope.look._recorder.Recorder` session (every module, hookscope's core)
 keeps the stack of running calls; a dispatch-level counter (``_flops``) charges each
@@ -41,12 +42,13 @@ def summary(
     *more: Any,
     input_size: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtypes: Sequence[torch.dtype] | None = None,
-    device: torch.device | str | None = None,
+    input_device: torch.device | str | None = None,
     forward_kwargs: Mapping[str, Any] | None = None,
     depth: int | None = None,
     time: bool = False,
     train: bool = False,
     grad: bool = False,
+    ops: bool = False,
     **unknown: Any,
 ) -> Summary:
     """Run one forward and describe every module call in it, with operator-level FLOPs.
@@ -56,32 +58,51 @@ def summary(
     positional arguments (``model(*inputs)``), anything else as the one argument
     (``model(inputs)``); ``forward_kwargs`` adds keywords. Or on random inputs of
     ``input_size`` (one shape, or a list of shapes; ``dtypes`` per input, integers as zeros;
-    on ``device``, by default the model's). Inputs are copied first, so a model that changes
-    its input in place leaves yours alone. A model on the ``meta`` device gets its inputs
-    moved there: nothing is allocated, shapes and FLOPs are still exact.
+    on ``input_device``, by default the model's). Inputs are copied first, so a model that
+    changes its input in place leaves yours alone. A model on the ``meta`` device gets its
+    inputs moved there: nothing is allocated, shapes and FLOPs are still exact.
 
     The forward runs under ``torch.no_grad()`` (``grad=True`` to keep autograd on) and in
     eval mode (``train=True`` for training mode; buffers such as BatchNorm statistics are
     restored after). Each module's training flag, hooks and parameters are left as found; a
     model with lazy modules (``nn.LazyLinear``) is summarised on a copy, so it stays lazy.
 
+    With ``ops=True`` each module call's row is followed, between its sub-calls' rows in the
+    order they ran, by a row per operation its own code called (not its children's): the
+    ``torch`` functions, ``F.*`` functions and tensor methods and operators that
+    ``hs.names(model, ops=True, inputs=...)`` lists, named as it names them
+    (``"h.0.attn::scaled_dot_product_attention"``, ``"blk::matmul#2"``, ``"::relu"`` for the
+    model's own forward: paste one into ``hs.capture``), each with its output shape and the
+    FLOPs of the operators it ran. Those FLOPs are already its module's: totals are the same
+    as without ``ops``. Calls that returned no tensor (``x.size()``) get no row; neither does
+    ``attention_weights``, which only a capture computes. The model then runs as under
+    ``hs.names(ops=True)``: a ``TorchFunctionMode`` sees every call (slower; a layer whose
+    native fast path refuses function modes, such as ``nn.MultiheadAttention``'s, takes its
+    Python path). Without ``ops`` no mode is pushed.
+
     Args:
         model: the model; DataParallel / compile wrappers are seen through (a compiled model
             runs eagerly for the summary, also one whose compiled code already ran).
         inputs: the model's inputs (see above).
-        input_size, dtypes, device: make random positional inputs instead.
+        input_size, dtypes, input_device: make random positional inputs instead (on
+            ``input_device``; ``capture``'s ``device=`` is where captures go, a different
+            thing, hence the name).
         forward_kwargs: more keyword arguments for the model's ``forward`` (``use_cache``).
-        depth: fold calls nested deeper than this into their caller (totals unchanged).
+        depth: fold calls nested deeper than this into their caller (totals unchanged);
+            operation rows count one deeper than their module's call.
         time: also measure each call's time and peak memory (approximate: inclusive wall
             time, and bytes allocated by operators above what was live when it started).
         train: run in training mode.
         grad: keep autograd on.
+        ops: also a row per operation of each module's own code (``SummaryRow.kind``
+            ``"op"``).
 
     Returns:
         A :class:`Summary`: ``rows`` (one per module call, in execution order, shapes as
-        data), totals (``total_params``, ``trainable_params``, ``total_flops``,
-        ``total_macs``, ...) and ``uncounted`` operators. ``str()`` renders a table at most
-        120 columns wide, ``to_text(max_width=None)`` the full one; the library never prints.
+        data; with ``ops=True`` operation rows among them), totals (``total_params``,
+        ``trainable_params``, ``total_flops``, ``total_macs``, ...) and ``uncounted``
+        operators. ``str()`` renders a table at most 120 columns wide,
+        ``to_text(max_width=None)`` the full one; the library never prints.
 
     Raises:
         UsageError: no inputs, or both inputs and ``input_size``, an unknown option (the
@@ -98,19 +119,22 @@ def summary(
         (46, 240)
         >>> s.rows[1].output
         (3, 4)
+        >>> ops = hs.summary(model, torch.randn(3, 8), ops=True)
+        >>> [(r.name, r.flops) for r in ops.rows if r.kind == "op"]
+        [('0::linear', 192), ('1::relu', 0), ('2::linear', 48)]
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"summary() needs a torch.nn.Module, got {type(model).__name__}")
-    _check_options(more, unknown, depth)
+    _check_options(more, unknown, depth, ops)
     root = unwrap(model)
     tensors = [*root.parameters(), *root.buffers()]
-    args, kwargs = _call(inputs, input_size, dtypes, device, forward_kwargs, tensors)
+    args, kwargs = _call(inputs, input_size, dtypes, input_device, forward_kwargs, tensors)
     if any(torch.nn.parameter.is_lazy(t) for t in tensors):
         model = copy.deepcopy(model)  # initialising lazy modules would change the user's
         root = unwrap(model)
     meta = bool(tensors) and all(t.is_meta for t in tensors)
     args, kwargs = _prepare(args, kwargs, meta=meta, grad=grad)
-    recorder = Recorder(model, time=time)
+    recorder = Recorder(model, time=time, ops=ops)
     shown = bind_names(
         root, [Walk().tree(a) for a in args], {k: Walk().tree(v) for k, v in kwargs.items()}
     )
@@ -132,10 +156,15 @@ def summary(
     return result if depth is None else result.fold(depth)
 
 
-def _check_options(more: tuple[Any, ...], unknown: dict[str, Any], depth: Any) -> None:
+def _check_options(more: tuple[Any, ...], unknown: dict[str, Any], depth: Any, ops: Any) -> None:
     if more:
         raise UsageError(
             f"summary() got {1 + len(more)} positional inputs; {_HOW}: hs.summary(model, (a, b, c))"
+        )
+    if "device" in unknown:
+        raise UsageError(
+            "device= was renamed input_device= (where the inputs made from input_size go): "
+            "hs.summary(model, input_size=(1, 3, 224, 224), input_device='cuda')"
         )
     if unknown:
         names = ", ".join(sorted(unknown))
@@ -143,13 +172,18 @@ def _check_options(more: tuple[Any, ...], unknown: dict[str, Any], depth: Any) -
         raise UsageError(f"summary() has no option {names}; {_HOW}: {example}")
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise UsageError(f"depth must be an int >= 0 or None, got {depth!r}")
+    if not isinstance(ops, bool):
+        raise UsageError(
+            f"ops must be True or False, got {ops!r} (ops=True adds a row per operation; "
+            "hs.names(model, ops=True, inputs=x) lists them)"
+        )
 
 
 def _call(
     inputs: Any,
     input_size: Any,
     dtypes: Sequence[torch.dtype] | None,
-    device: torch.device | str | None,
+    input_device: torch.device | str | None,
     forward_kwargs: Mapping[str, Any] | None,
     tensors: list[Tensor],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -163,10 +197,10 @@ def _call(
                 "give the model's inputs or input_size=, not both (keyword inputs such as "
                 "use_cache=False go in forward_kwargs=)"
             )
-        where = device or (tensors[0].device if tensors else torch.device("cpu"))
+        where = input_device or (tensors[0].device if tensors else torch.device("cpu"))
         return _random_inputs(input_size, dtypes, where), kwargs
-    if dtypes is not None or device is not None:
-        raise UsageError("dtypes= and device= describe input_size=; pass input_size too")
+    if dtypes is not None or input_device is not None:
+        raise UsageError("dtypes= and input_device= describe input_size=; pass input_size too")
     if inputs is None:
         if kwargs:
             return (), kwargs
