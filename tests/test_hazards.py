@@ -1,7 +1,7 @@
 """The hazard matrix: every entry point that hooks a model, in every situation users found
 entry points breaking in. Each cell either works, checked against a reference computed
-without hookscope on a plain copy of the model, or refuses with the error README's policy
-table names, and the residue fixture checks the model is left as found.
+without hookscope on a plain copy of the model, or refuses with the error named by the policy
+table of docs/guarantees.md, and the residue fixture checks the model is left as found.
 
 Situations: a compiled model that already ran; reentrant and non-reentrant activation
 checkpointing; an exception raised and caught inside the model; a KeyboardInterrupt in an

@@ -332,18 +332,19 @@ def test_usage_errors() -> None:
         pass
 
 
-def test_readme_message_is_the_real_one() -> None:
-    """The README shows a real NonFiniteError message: rebuild its step and compare."""
+def test_guide_message_is_the_real_one() -> None:
+    """The NaN tracing guide shows a real NonFiniteError message: rebuild its step and
+    compare."""
     from pathlib import Path
 
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("### Finding the first NaN", 1)[1]
+    page = Path(__file__).parent.parent / "docs" / "guides" / "diagnose.md"
+    section = page.read_text().split("## Finding the first NaN", 1)[1]
     code = section.split("```python\n", 1)[1].split("```", 1)[0]
     shown = section.split("```text\n", 1)[1].split("```", 1)[0]
-    namespace: dict[str, object] = {"torch": torch, "nn": nn, "hs": hs, "print": lambda *a: None}
-    exec(compile(code, "README.md", "exec"), namespace)
+    namespace: dict[str, object] = {"print": lambda *a: None}
+    exec(compile(code, str(page), "exec"), namespace)
     assert namespace["message"] + "\n" == shown
-    # and what the README says detect_anomaly makes of the same step
+    # and what the guide says detect_anomaly makes of the same step
     torch.manual_seed(0)
     net = copy.deepcopy(namespace["net"])
     assert isinstance(net, nn.Module)

@@ -1,2 +1,2 @@
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 """The installed hookscope's version, ``MAJOR.MINOR.PATCH`` (semantic versioning)."""

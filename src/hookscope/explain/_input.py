@@ -102,6 +102,8 @@ class InputMethod:
         return None
 
     def post(self, grad: Tensor) -> Tensor:
+        """The map from the score's gradient w.r.t. the input: here the gradient itself
+        (signed); a method that needs another map overrides it."""
         return grad
 
 
@@ -118,6 +120,7 @@ class Saliency(InputMethod):
     name = "saliency"
 
     def post(self, grad: Tensor) -> Tensor:
+        """The absolute value of the score's gradient w.r.t. the input."""
         return grad.abs()
 
 

@@ -64,6 +64,8 @@ class FeatureStore:
 
     @property
     def ids(self) -> list[str]:
+        """Every sample's id, in row order: file paths for an image folder, running indices
+        (``"0"``, ``"1"``...) otherwise."""
         return [str(i) for i in self.group["ids"][:]]
 
     @property
@@ -72,9 +74,12 @@ class FeatureStore:
         return dict(self.meta.get("errors", {}))
 
     def to_numpy(self, layer: str) -> Any:
+        """The whole array of ``layer`` read into memory as a NumPy array (samples along
+        axis 0, in the store's dtype); :meth:`batches` reads it a block at a time."""
         return self[layer][:]
 
     def to_torch(self, layer: str) -> torch.Tensor:
+        """The whole array of ``layer`` as a CPU tensor sharing :meth:`to_numpy`'s memory."""
         return torch.from_numpy(self.to_numpy(layer))
 
     def batches(self, batch_size: int = 1024) -> Iterator[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Feature maps tiled into grayscale grids: saved as PNG files or sent to TensorBoard.
 
-What article 004 built by hand (a hook on every ``Conv2d``, outputs grouped by kernel shape,
-torchvision's ``make_grid(normalize=True, scale_each=True)``, ``writer.add_image``), without
+What one would otherwise build by hand (a hook on every ``Conv2d``, outputs grouped by kernel
+shape, torchvision's ``make_grid(normalize=True, scale_each=True)``, ``writer.add_image``), without
 torchvision. Every map becomes one tile of a ``uint8`` image:
 
 * ``scale="each"`` (default) stretches each map on its own so its minimum is 0 and its
@@ -108,7 +108,7 @@ def feature_grids(
     pad_value: int = 0,
     scale: Scale = "each",
 ) -> dict[str, Tensor]:
-    """One forward, then one grid of feature maps per layer or per kernel shape (article 004).
+    """One forward, then one grid of feature maps per layer or per kernel shape.
 
     Args:
         model: the model; left exactly as found (one forward, no_grad, eval mode, stopped

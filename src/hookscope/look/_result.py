@@ -75,14 +75,18 @@ class SummaryRow:
 
     @property
     def macs(self) -> int:
+        """Multiply-accumulates of this call's own code: ``flops // 2``."""
         return self.flops // 2
 
     @property
     def macs_total(self) -> int:
+        """Multiply-accumulates of this call and every call it made: ``flops_total // 2``."""
         return self.flops_total // 2
 
     @property
     def reused(self) -> bool:
+        """Whether the module ran more than once in the forward (a shared or looped layer);
+        ``call`` says which of its ``calls`` this row is."""
         return self.calls > 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,6 +135,7 @@ class Summary:
 
     @property
     def total_macs(self) -> int:
+        """Multiply-accumulates of the whole forward: ``total_flops // 2``."""
         return self.total_flops // 2
 
     def __repr__(self) -> str:
@@ -181,10 +186,14 @@ class Summary:
         return out
 
     def to_json(self, **kwargs: Any) -> str:
+        """The summary as JSON text (:meth:`to_dict` through ``json.dumps``, which takes
+        ``kwargs`` such as ``indent=2``); :meth:`from_json` reads it back."""
         return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Summary:
+        """The summary that :meth:`to_dict` wrote: rows, shapes and totals as they were
+        (keys it does not know are ignored)."""
         names = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in names}
         values["rows"] = [SummaryRow.from_dict(row) for row in data["rows"]]
@@ -193,6 +202,14 @@ class Summary:
 
     @classmethod
     def from_json(cls, text: str) -> Summary:
+        """The summary that :meth:`to_json` wrote.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> s = hs.summary(nn.Linear(4, 2), torch.randn(3, 4))
+            >>> hs.Summary.from_json(s.to_json()) == s
+            True
+        """
         return cls.from_dict(json.loads(text))
 
     def to_text(self, *, max_width: int | None = 120) -> str:

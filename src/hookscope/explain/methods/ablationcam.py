@@ -23,7 +23,11 @@ from .._session import Ablate
 
 
 class AblationCAM(Perturbation):
-    """``ReLU(sum_k (S - S_k) / S * A_k)`` with ``S_k`` the score with channel k zeroed."""
+    """``ReLU(sum_k (S - S_k) / S * A_k)`` with ``S_k`` the score with channel k zeroed.
+
+    From Desai & Ramaswamy, *Ablation-CAM: Visual Explanations for Deep Convolutional Network
+    via Gradient-free Localization*, WACV 2020.
+    """
 
     name = "ablationcam"
 
@@ -32,6 +36,8 @@ class AblationCAM(Perturbation):
         self._ablate = Ablate(model, self.layer, type(self).__name__)
 
     def combine(self, ctx: Context) -> Tensor:
+        """Each explored channel weighted by the relative drop of the score when it is zeroed
+        (one extra forward per image and channel, batched), summed over channels."""
         chosen = self._chosen(ctx)
         session = self._ablate
 

@@ -16,7 +16,10 @@ from .._registry import MethodInfo, register
 
 
 class CAM(LayerMethod):
-    """``ReLU(sum_c W[class, c] * A_c)`` with ``W`` the weight of the linear layer ``fc``."""
+    """``ReLU(sum_c W[class, c] * A_c)`` with ``W`` the weight of the linear layer ``fc``.
+
+    From Zhou et al., *Learning Deep Features for Discriminative Localization*, CVPR 2016.
+    """
 
     name = "cam"
     needs_grad = False
@@ -37,6 +40,8 @@ class CAM(LayerMethod):
         self.fc = fc_module
 
     def combine(self, ctx: Context) -> Tensor:
+        """The classifier's weights for each image's class times the activations, summed over
+        channels."""
         acts, targets = ctx.acts, ctx.classes
         weight = self.fc.weight.detach()
         if weight.shape[1] != acts.shape[1]:

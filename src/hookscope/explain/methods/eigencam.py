@@ -15,13 +15,20 @@ from .._registry import MethodInfo, register
 
 
 class EigenCAM(LayerMethod):
-    """Projection of each position's channel vector on the first right-singular vector."""
+    """``(A - mean_hw A) v_1``: each position's centred channel vector projected on the first
+    right-singular vector ``v_1`` of the activations (signed, no ReLU).
+
+    From Muhammad & Yeasin, *Eigen-CAM: Class Activation Map using Principal Components*, IJCNN
+    2020.
+    """
 
     name = "eigencam"
     relu = False
     needs_grad = False
 
     def combine(self, ctx: Context) -> Tensor:
+        """Each position's centred channel vector projected on the activations' first
+        right-singular vector, signed to correlate with the channel-summed activation."""
         acts = ctx.acts
         n, c, h, w = acts.shape
         x = acts.reshape(n, c, h * w).transpose(1, 2).double()  # (N, hw, C)

@@ -11,6 +11,9 @@ from .._registry import MethodInfo, register
 class GradCAM(LayerMethod):
     """``ReLU(sum_c mean_hw(dS/dA_c) * A_c)``.
 
+    From Selvaraju et al., *Grad-CAM: Visual Explanations from Deep Networks via Gradient-based
+    Localization*, ICCV 2017.
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
@@ -22,6 +25,8 @@ class GradCAM(LayerMethod):
     name = "gradcam"
 
     def combine(self, ctx: Context) -> Tensor:
+        """The spatially averaged gradient of each channel times its activation, summed over
+        channels."""
         return (ctx.gradient.mean((2, 3), keepdim=True) * ctx.acts).sum(1)
 
 

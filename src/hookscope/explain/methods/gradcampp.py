@@ -11,12 +11,18 @@ from .._registry import MethodInfo, register
 
 
 class GradCAMPlusPlus(LayerMethod):
-    """``w_c = sum_hw a_c,hw * ReLU(g_c,hw)`` with
-    ``a = g^2 / (2 g^2 + sum_hw(A_c) g^3)`` (0 where the gradient is 0)."""
+    """``ReLU(sum_c w_c * A_c)`` with ``w_c = sum_hw a_c,hw * ReLU(g_c,hw)`` and
+    ``a = g^2 / (2 g^2 + sum_hw(A_c) g^3)`` (0 where the gradient is 0).
+
+    From Chattopadhyay et al., *Grad-CAM++: Improved Visual Explanations for Deep Convolutional
+    Networks*, WACV 2018.
+    """
 
     name = "gradcam++"
 
     def combine(self, ctx: Context) -> Tensor:
+        """Channel weights from the positive gradients weighted by the closed-form ``alpha``,
+        times the activations, summed over channels."""
         acts, grads = ctx.acts, ctx.gradient
         g2, g3 = grads.pow(2), grads.pow(3)
         total = acts.sum((2, 3), keepdim=True)

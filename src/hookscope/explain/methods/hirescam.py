@@ -9,11 +9,16 @@ from .._registry import MethodInfo, register
 
 
 class HiResCAM(LayerMethod):
-    """``ReLU(sum_c g_c * A_c)``."""
+    """``ReLU(sum_c g_c * A_c)``.
+
+    From Draelos & Carin, *Use HiResCAM instead of Grad-CAM for faithful explanations of
+    convolutional neural networks*, arXiv:2011.08891, 2020.
+    """
 
     name = "hirescam"
 
     def combine(self, ctx: Context) -> Tensor:
+        """The gradient times the activation, position by position, summed over channels."""
         return (ctx.gradient * ctx.acts).sum(1)
 
 

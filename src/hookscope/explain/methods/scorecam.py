@@ -14,6 +14,9 @@ from .._registry import MethodInfo, register
 class ScoreCAM(Perturbation):
     """``ReLU(sum_k softmax_k(S(x * M_k)) * A_k)``; ``cost(x)`` tells the extra forwards.
 
+    From Wang et al., *Score-CAM: Score-Weighted Visual Explanations for Convolutional Neural
+    Networks*, CVPR Workshops 2020.
+
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
@@ -25,6 +28,8 @@ class ScoreCAM(Perturbation):
     name = "scorecam"
 
     def combine(self, ctx: Context) -> Tensor:
+        """Each explored channel weighted by the softmax, over channels, of the score of the
+        input masked with that channel's upsampled activation (extra forwards, batched)."""
         chosen = self._chosen(ctx)
 
         def run(chunk: Tensor) -> object:

@@ -9,11 +9,17 @@ from .._registry import MethodInfo, register
 
 
 class XGradCAM(LayerMethod):
-    """``w_c = sum_hw (A_c,hw / sum_hw A_c) * g_c,hw``."""
+    """``ReLU(sum_c w_c * A_c)`` with ``w_c = sum_hw (A_c,hw / sum_hw A_c) * g_c,hw``.
+
+    From Fu et al., *Axiom-based Grad-CAM: Towards Accurate Visualization and Explanation of
+    CNNs*, BMVC 2020.
+    """
 
     name = "xgradcam"
 
     def combine(self, ctx: Context) -> Tensor:
+        """The gradient averaged with the activation's normalised weights, per channel, times
+        the activations, summed over channels."""
         acts = ctx.acts
         share = acts / (acts.sum((2, 3), keepdim=True) + 1e-7)
         return ((share * ctx.gradient).sum((2, 3), keepdim=True) * acts).sum(1)
