@@ -124,8 +124,10 @@ class _Checks:
         pending = self._pending.pop(group, [])
         self._bytes.pop(group, None)
         if pending:
+            ts = [t for _, t in pending]
             with torch.no_grad():
-                norms = torch._foreach_norm([t for _, t in pending], math.inf)
+                cpu = group[0].type == "cpu"
+                norms = _cpu_norms(ts) if cpu else torch._foreach_norm(ts, math.inf)
             for (slot, _), norm in zip(pending, norms, strict=True):
                 self._norms[slot] = norm
 
@@ -143,6 +145,21 @@ class _Checks:
             for (slot, _), v in zip(items, values, strict=True):
                 kinds[slot] = NAN if math.isnan(v) else INF if math.isinf(v) else FINITE
         return kinds
+
+
+def _cpu_norms(ts: list[Tensor]) -> list[Tensor]:
+    """Norms that are finite exactly when the tensors are, on the CPU. There the max-abs norm
+    has no vectorised kernel (several times the L2 norm's time: it made a ResNet-50 training
+    step about 1.4x), so the L2 norm comes first (one multi-tensor operator, as on a GPU) and
+    is read on the host, which costs nothing on the CPU; the rare tensor whose L2 norm is not
+    finite (a NaN or Inf inside, or finite values so large their squares overflow) is checked
+    again with the max-abs norm, which cannot overflow."""
+    half = ts[0].dtype in (torch.float16, torch.bfloat16)
+    norms = list(torch._foreach_norm(ts, 2, dtype=torch.float32 if half else None))
+    for i, norm in enumerate(norms):
+        if not math.isfinite(norm.tolist()):  # a 0-d CPU tensor: no operator dispatched
+            norms[i] = torch.linalg.vector_norm(ts[i], math.inf)
+    return norms
 
 
 def _version(t: Tensor) -> int:
