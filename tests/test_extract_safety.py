@@ -136,6 +136,21 @@ def test_resume_refuses_permuted_weights_and_accepts_the_same_weights(tmp_path: 
     np.testing.assert_allclose(again.to_numpy("6"), _hand(model, X, "6").numpy(), atol=1e-6)
 
 
+def test_the_fingerprint_of_fixed_weights_never_changes() -> None:
+    """Stores made by earlier versions must still resume: the fingerprint of known weights is
+    pinned (one run of weights and two; a short tensor after a long one and before)."""
+    from hookscope.extract._identity import fingerprint
+
+    small, big = nn.Linear(4, 3), nn.Linear(1500, 1000)
+    with torch.no_grad():
+        for p in (*small.parameters(), *big.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) % 7 / 7)
+    models = (small, big, nn.Sequential(small, big), nn.Sequential(big, small))
+    assert [fingerprint(m) for m in models] == [
+        "fcef8e2915c07d2e", "b33db29be05d7468", "542e19727a1628d0", "79038a6c885ff25e",
+    ]  # fmt: skip
+
+
 def test_a_dataloader_that_pads_each_batch(tmp_path: Path) -> None:
     """Batches of 7 padded to their own longest, blocks of 8: batches straddle blocks."""
     model = _TokenModel()
