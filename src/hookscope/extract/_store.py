@@ -10,15 +10,23 @@ exist. ``done`` is also created last, so a store without it has nothing finished
 arrays are made again. Resuming recomputes every block not marked done, overwriting whatever
 it left. Metadata lives in the group's attributes under ``"hookscope"``, written with the group
 itself (one file, replaced atomically).
+
+A block's rows go through zarr's asynchronous API, all arrays at once on an event loop of the
+writing thread, then its ``done`` entry: two waits per block instead of one per array, each of
+which (zarr's sync API) crosses to zarr's loop thread and to a file thread and back, which is
+slow on a busy machine. Layer arrays are written with ``write_empty_chunks``, so zarr does not
+compare every 16 MiB chunk with the fill value (an all-NaN block, every sample unreadable, is
+then a chunk file rather than none: it reads the same).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,7 +76,12 @@ class Store:
     def __init__(self, path: Path, group: Any) -> None:
         self.path, self.group = path, group
         self._arrays: dict[str, Any] = {}
+        self._writable: dict[str, Any] = {}  # zarr AsyncArrays that write() uses
         self._ready = False  # the arrays exist (checked once)
+        self._fresh = False  # this object made the arrays: no chunk of any block exists yet
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: ``{id: reason}`` of unreadable samples in the blocks written through this object
+        self.errors_written: dict[str, str] = {}
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -143,6 +156,7 @@ class Store:
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
             self._array("done").resize((math.ceil(rows / chunk),))
+            self._writable.clear()  # they hold the old shapes
 
     def _create(self, shapes: Shapes, rows: int, chunk: int, codec: Any) -> None:
         # overwrite=True: arrays left by a run killed before ``done`` existed hold nothing done
@@ -166,22 +180,59 @@ class Store:
             fill_value=False, dimension_names=["block"], overwrite=True,
         )  # fmt: skip
         self._arrays.clear()
+        self._writable.clear()
+        self._fresh = True
 
     def write(
         self, block: int, start: int, features: Mapping[str, Any], ids: list[str],
         errors: list[str],
     ) -> None:  # fmt: skip
         """Rows ``start ..`` of every array, then the block's ``done`` entry."""
-        stop = start + len(ids)
-        for name, value in features.items():
-            self._array(name)[start:stop] = value
-        self._array("ids")[start:stop] = _strings(ids)
-        self._array("errors")[start:stop] = _strings(errors)
-        self._array("done")[block] = True
+        rows = slice(start, start + len(ids))
+        sets = [self._async(name).setitem(rows, value) for name, value in features.items()]
+        sets.append(self._async("ids").setitem(rows, _strings(ids)))
+        if any(errors) or not self._fresh:  # in a new array, no chunk already reads as ""
+            sets.append(self._async("errors").setitem(rows, _strings(errors)))
+        self._run(sets)
+        self._run([self._async("done").setitem(block, True)])
+        self.errors_written.update((i, e) for i, e in zip(ids, errors, strict=True) if e)
 
-    def finish(self, rows: int, meta: dict[str, Any], features: list[str]) -> None:
+    def _async(self, name: str) -> Any:
+        if name not in self._writable:
+            array = self._array(name).async_array
+            if name not in _RESERVED:  # no comparison of each chunk with NaN (see above)
+                array = array.with_config({"write_empty_chunks": True})
+            self._writable[name] = array
+        return self._writable[name]
+
+    def _run(self, writes: list[Coroutine[Any, Any, None]]) -> None:
+        """Run zarr coroutines together on this thread's use of the store's event loop."""
+
+        async def together() -> list[Any]:
+            outcomes: list[Any] = await asyncio.gather(*writes, return_exceptions=True)
+            return outcomes  # all of them finished, none left running on the loop
+
+        if self._loop is None:
+            self._loop = asyncio.new_event_loop()
+        for outcome in self._loop.run_until_complete(together()):
+            if isinstance(outcome, BaseException):
+                raise outcome
+
+    def close(self) -> None:
+        """Stop the event loop of :meth:`write` and its file threads (idempotent)."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def finish(
+        self, rows: int, meta: dict[str, Any], features: list[str],
+        errors: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         """Trim to ``rows`` samples and mark the store complete in its metadata. A source with
-        no samples gives arrays of no rows (of shape ``(0,)``: no sample gave their shape)."""
+        no samples gives arrays of no rows (of shape ``(0,)``: no sample gave their shape).
+        ``errors``: every unreadable sample's reason, where the caller wrote every block (else
+        they are read from the store)."""
         import numpy as np
 
         if "done" not in self.group:
@@ -190,11 +241,11 @@ class Store:
             for name in (*features, "ids", "errors"):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
-        errors = {}
-        if rows:
+        if errors is None and rows:
             reasons = self._array("errors")[:]
             ids = self._array("ids")[:]
             errors = {str(ids[i]): str(reasons[i]) for i in reasons.nonzero()[0]}
+        errors = errors or {}
         old = dict(self.group.attrs[META])
         self.group.attrs[META] = {
             **old, **meta, "samples": rows, "errors": errors, "complete": True,
