@@ -190,19 +190,19 @@ def test_an_empty_dataset_gives_an_empty_store(tmp_path: Path, kind: str) -> Non
 
 _KILLED = textwrap.dedent(
     """
-    import os, signal, sys, torch, torch.nn as nn, zarr
+    import os, signal, sys, torch, torch.nn as nn, zarr.api.asynchronous as za
     import hookscope as hs
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(100, 6, generator=torch.Generator().manual_seed(3))
     kill_at, made = int(sys.argv[2]), [0]
-    create = zarr.Group.create_array
-    def dying(self, *args, **kwargs):  # the test's own kill, between two array creations
+    create = za.create_array  # what the store makes its arrays with
+    async def dying(*args, **kwargs):  # the test's own kill, as an array's creation starts
         made[0] += 1
         if made[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return create(self, *args, **kwargs)
-    zarr.Group.create_array = dying
+        return await create(*args, **kwargs)
+    za.create_array = dying
     hs.extract(model, x, ["0", "2"], out=sys.argv[1], batch_size=10, chunk=20,
                resume=sys.argv[3] == "resume")
     """
@@ -218,7 +218,7 @@ def _killed(out: Path, kill_at: int, resume: bool) -> int:
 def test_a_kill_between_creating_the_arrays_then_resume(tmp_path: Path) -> None:
     assert _killed(tmp_path / "clean", 0, resume=False) == 0
     clean = hs.open_features(tmp_path / "clean")
-    for kill_at in (2, 4):  # after the first layer's array; after "ids", before "done"
+    for kill_at in (2, 5):  # while the arrays are made; after all of them, before "done"
         out = tmp_path / f"k{kill_at}"
         assert _killed(out, kill_at, resume=False) == -signal.SIGKILL
         assert _killed(out, 0, resume=True) == 0

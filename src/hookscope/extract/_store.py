@@ -25,6 +25,7 @@ import asyncio
 import math
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -73,13 +74,14 @@ def _compressors(codec: Any) -> Any:
 class Store:
     """A feature store being written (see the module's docstring)."""
 
-    def __init__(self, path: Path, group: Any) -> None:
+    def __init__(self, path: Path, group: Any, *, new: bool = False) -> None:
         self.path, self.group = path, group
         self._arrays: dict[str, Any] = {}
         self._writable: dict[str, Any] = {}  # zarr AsyncArrays that write() uses
         self._ready = False  # the arrays exist (checked once)
+        self._new = new  # the group was just made: it has no arrays
         self._fresh = False  # this object made the arrays: no chunk of any block exists yet
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loops = threading.local()  # an event loop per writing thread (see _run)
         #: ``{id: reason}`` of unreadable samples in the blocks written through this object
         self.errors_written: dict[str, str] = {}
 
@@ -110,7 +112,7 @@ class Store:
         if path.exists():
             _remove(path)
         group = zarr.open_group(str(path), mode="w", attributes={META: {**meta, "complete": False}})
-        return cls(path, group), set()
+        return cls(path, group, new=True), set()
 
     @staticmethod
     def chunk_of(path: str | os.PathLike[str]) -> int | None:
@@ -148,10 +150,10 @@ class Store:
         """Create the arrays on first use (``done`` last) or grow them to ``rows`` samples (a
         source that did not say its length)."""
         if not self._ready:
-            if "done" not in self.group:
+            if self._new or "done" not in self.group:
                 self._create(shapes, rows, chunk, codec)
             self._ready = True
-        if self._array("ids").shape[0] < rows:
+        if self._async("ids").shape[0] < rows:
             for name in (*shapes, "ids", "errors"):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
@@ -159,28 +161,33 @@ class Store:
             self._writable.clear()  # they hold the old shapes
 
     def _create(self, shapes: Shapes, rows: int, chunk: int, codec: Any) -> None:
-        # overwrite=True: arrays left by a run killed before ``done`` existed hold nothing done
-        compressors = _compressors(codec)
+        """The arrays, together through zarr's async API (as :meth:`write`), then ``done``."""
+        from zarr.api.asynchronous import create_array
+
+        def array(name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+            # overwrite: arrays left by a run killed before ``done`` existed hold nothing done
+            return create_array(self.group.store_path, name=name, overwrite=True, **kwargs)
+
+        compressors, made = _compressors(codec), {}
         for name, (row, dtype) in shapes.items():
             if name in _RESERVED:
                 raise UsageError(f"a layer may not be called {name!r} in a feature store")
             dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
-            self.group.create_array(
+            made[name] = array(
                 name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
                 fill_value=_fill(dtype), dimension_names=dims, compressors=compressors,
-                overwrite=True,
+                config={"write_empty_chunks": True},  # see the module's docstring
             )  # fmt: skip
         for name in ("ids", "errors"):
-            self.group.create_array(
-                name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"],
-                overwrite=True,
-            )  # fmt: skip
-        self.group.create_array(
-            "done", shape=(max(1, math.ceil(rows / chunk)),), chunks=(1,), dtype=bool,
-            fill_value=False, dimension_names=["block"], overwrite=True,
-        )  # fmt: skip
+            made[name] = array(
+                name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"]
+            )
         self._arrays.clear()
-        self._writable.clear()
+        self._writable = dict(zip(made, self._run(list(made.values())), strict=True))
+        (self._writable["done"],) = self._run([array(
+            "done", shape=(max(1, math.ceil(rows / chunk)),), chunks=(1,), dtype=bool,
+            fill_value=False, dimension_names=["block"],
+        )])  # fmt: skip
         self._fresh = True
 
     def write(
@@ -205,23 +212,28 @@ class Store:
             self._writable[name] = array
         return self._writable[name]
 
-    def _run(self, writes: list[Coroutine[Any, Any, None]]) -> None:
-        """Run zarr coroutines together on this thread's use of the store's event loop."""
+    def _run(self, calls: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+        """Run zarr coroutines together on the calling thread's event loop (kept until
+        :meth:`close`); their results, or the first error once all of them ended."""
 
         async def together() -> list[Any]:
-            outcomes: list[Any] = await asyncio.gather(*writes, return_exceptions=True)
+            outcomes: list[Any] = await asyncio.gather(*calls, return_exceptions=True)
             return outcomes  # all of them finished, none left running on the loop
 
-        if self._loop is None:
-            self._loop = asyncio.new_event_loop()
-        for outcome in self._loop.run_until_complete(together()):
+        loop = getattr(self._loops, "loop", None)
+        if loop is None:
+            loop = self._loops.loop = asyncio.new_event_loop()
+        outcomes = loop.run_until_complete(together())
+        for outcome in outcomes:
             if isinstance(outcome, BaseException):
                 raise outcome
+        return outcomes
 
     def close(self) -> None:
-        """Stop the event loop of :meth:`write` and its file threads (idempotent)."""
-        loop, self._loop = self._loop, None
+        """Stop the calling thread's event loop of :meth:`_run` and its file threads."""
+        loop = getattr(self._loops, "loop", None)
         if loop is not None:
+            self._loops.loop = None
             loop.run_until_complete(loop.shutdown_default_executor())
             loop.close()
 
