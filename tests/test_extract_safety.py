@@ -9,6 +9,7 @@ uninterrupted run in a child process."""
 from __future__ import annotations
 
 import copy
+import importlib
 import signal
 import subprocess
 import sys
@@ -118,6 +119,28 @@ def test_a_reduce_that_drops_the_samples_axis_is_refused(tmp_path: Path) -> None
     store = hs.extract(model, X, ["1"], out=tmp_path / "c", reduce=lambda t: t.amax(dim=(2, 3)))
     want = _hand(model, X, "1").amax(dim=(2, 3))
     assert np.array_equal(store.to_numpy("1"), want.numpy())
+
+
+def test_a_store_with_nested_chunk_keys_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores of earlier versions keep chunks at ``c/3/0`` ("/" keys), new ones at ``c.3.0``;
+    zarr reads either from the arrays' metadata, and a resume writes each in its own way."""
+    store_module = importlib.import_module("hookscope.extract._store")
+    model, clean = _cnn(), tmp_path / "clean"
+    hs.extract(model, X, ["1", "6"], out=clean, chunk=16, batch_size=8)
+    assert (clean / "1" / "c.1.0.0.0").is_file() and not (clean / "1" / "c").exists()
+    monkeypatch.setattr(store_module, "_KEYS", {"name": "default", "separator": "/"})
+    old = tmp_path / "old"
+    hs.extract(model, X, ["1", "6"], out=old, chunk=16, batch_size=8)
+    monkeypatch.undo()
+    group = zarr.open_group(str(old), mode="r+")
+    group["done"][1] = False
+    group["1"][16:32] = 0.0  # what a killed run may leave in a block not done
+    again = hs.extract(model, X, ["1", "6"], out=old, chunk=16, batch_size=8, resume=True)
+    assert (old / "1" / "c" / "1" / "0" / "0" / "0").is_file() and not list(old.rglob("c.*"))
+    for layer in ("1", "6"):
+        assert np.array_equal(again.to_numpy(layer), hs.open_features(clean).to_numpy(layer))
 
 
 def test_resume_refuses_permuted_weights_and_accepts_the_same_weights(tmp_path: Path) -> None:

@@ -16,7 +16,10 @@ writing thread, then its ``done`` entry: two waits per block instead of one per 
 which (zarr's sync API) crosses to zarr's loop thread and to a file thread and back, which is
 slow on a busy machine. Layer arrays are written with ``write_empty_chunks``, so zarr does not
 compare every 16 MiB chunk with the fill value (an all-NaN block, every sample unreadable, is
-then a chunk file rather than none: it reads the same).
+then a chunk file rather than none: it reads the same). Chunk keys use zarr's ``"."``
+separator (``1/c.3.0.0.0``, not ``1/c/3/0/0/0``): one folder per array instead of one per chunk
+and dimension, to make on every write and remove on every overwrite (the key encoding is in
+each array's metadata, so stores made with ``"/"`` resume and read as before).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ IDENTITY = (
 )  # fmt: skip
 _LABELS = {"probe": "the first sample's model input (transform, image size, tokenizer, order)"}
 Codec = Literal["none", "lz4", "zstd"]
+_KEYS: dict[str, Any] = {"name": "default", "separator": "."}  # see the module docstring
 CODECS = ("none", "lz4", "zstd")
 #: ``{layer: (row shape, numpy dtype)}``
 Shapes = Mapping[str, tuple[tuple[int, ...], Any]]
@@ -166,7 +170,10 @@ class Store:
 
         def array(name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
             # overwrite: arrays left by a run killed before ``done`` existed hold nothing done
-            return create_array(self.group.store_path, name=name, overwrite=True, **kwargs)
+            return create_array(
+                self.group.store_path, name=name, overwrite=True, chunk_key_encoding=_KEYS,
+                **kwargs,
+            )  # fmt: skip
 
         compressors, made = _compressors(codec), {}
         for name, (row, dtype) in shapes.items():
