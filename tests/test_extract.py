@@ -180,6 +180,14 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
     ]
     assert set(store.errors) == {"empty.png", "truncated.jpg"}
     assert all(store.errors.values())  # each with its reason
+    ledger = zarr.open_group(str(tmp_path / "f"), mode="r+")  # the same reasons, in the arrays
+    assert {i: r for i, r in zip(ledger["ids"][:], ledger["errors"][:]) if r} == store.errors
+    ledger["done"][0] = False  # resumed, the metadata's reasons are read back from the arrays
+    again = hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "f", on_error="skip",
+                       resume=True)  # fmt: skip
+    assert again.errors == store.errors and np.array_equal(
+        again.to_numpy("6"), store.to_numpy("6"), equal_nan=True
+    )
     values = store.to_numpy("6")
     bad = [store.ids.index(k) for k in store.errors]
     assert np.isnan(values[bad]).all() and not np.isnan(np.delete(values, bad, 0)).any()

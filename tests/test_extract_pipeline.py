@@ -23,7 +23,7 @@ from torch import nn
 import hookscope as hs
 
 zarr = pytest.importorskip("zarr")
-from zarr.core.array import Array  # noqa: E402
+from zarr.core.array import Array, AsyncArray  # noqa: E402
 
 
 def _mlp() -> nn.Module:
@@ -53,16 +53,23 @@ def _done(out: Path) -> list[bool]:
 
 @contextmanager
 def _writes(monkeypatch: pytest.MonkeyPatch, fn: Callable[[Any, Any], None]) -> Iterator[None]:
-    """Call ``fn(key, value)`` before every write of zarr array data (in whatever thread)."""
-    real = Array.__setitem__
+    """Call ``fn(array, value)`` before every write of zarr array data (in whatever thread),
+    through zarr's sync API or its async one (which the store's writes use)."""
+    real, real_async = Array.__setitem__, AsyncArray.setitem
 
     def spy(self: Any, key: Any, value: Any) -> None:
         fn(self, value)
         real(self, key, value)
 
+    async def spy_async(self: Any, key: Any, value: Any, prototype: Any = None) -> None:
+        fn(self, value)
+        await real_async(self, key, value, prototype)
+
     monkeypatch.setattr(Array, "__setitem__", spy)
+    monkeypatch.setattr(AsyncArray, "setitem", spy_async)
     yield
     monkeypatch.setattr(Array, "__setitem__", real)
+    monkeypatch.setattr(AsyncArray, "setitem", real_async)
 
 
 def test_progress_counts_samples_as_they_are_computed(

@@ -9,6 +9,7 @@ uninterrupted run in a child process."""
 from __future__ import annotations
 
 import copy
+import importlib
 import signal
 import subprocess
 import sys
@@ -120,6 +121,28 @@ def test_a_reduce_that_drops_the_samples_axis_is_refused(tmp_path: Path) -> None
     assert np.array_equal(store.to_numpy("1"), want.numpy())
 
 
+def test_a_store_with_nested_chunk_keys_resumes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stores of earlier versions keep chunks at ``c/3/0`` ("/" keys), new ones at ``c.3.0``;
+    zarr reads either from the arrays' metadata, and a resume writes each in its own way."""
+    store_module = importlib.import_module("hookscope.extract._store")
+    model, clean = _cnn(), tmp_path / "clean"
+    hs.extract(model, X, ["1", "6"], out=clean, chunk=16, batch_size=8)
+    assert (clean / "1" / "c.1.0.0.0").is_file() and not (clean / "1" / "c").exists()
+    monkeypatch.setattr(store_module, "_KEYS", {"name": "default", "separator": "/"})
+    old = tmp_path / "old"
+    hs.extract(model, X, ["1", "6"], out=old, chunk=16, batch_size=8)
+    monkeypatch.undo()
+    group = zarr.open_group(str(old), mode="r+")
+    group["done"][1] = False
+    group["1"][16:32] = 0.0  # what a killed run may leave in a block not done
+    again = hs.extract(model, X, ["1", "6"], out=old, chunk=16, batch_size=8, resume=True)
+    assert (old / "1" / "c" / "1" / "0" / "0" / "0").is_file() and not list(old.rglob("c.*"))
+    for layer in ("1", "6"):
+        assert np.array_equal(again.to_numpy(layer), hs.open_features(clean).to_numpy(layer))
+
+
 def test_resume_refuses_permuted_weights_and_accepts_the_same_weights(tmp_path: Path) -> None:
     model, out = _cnn(), tmp_path / "f"
     hs.extract(model, X, ["6"], out=out, chunk=16, batch_size=8)
@@ -134,6 +157,21 @@ def test_resume_refuses_permuted_weights_and_accepts_the_same_weights(tmp_path: 
     again = hs.extract(copy.deepcopy(model), X, ["6"], out=out, chunk=16, batch_size=8,
                        resume=True)  # fmt: skip
     np.testing.assert_allclose(again.to_numpy("6"), _hand(model, X, "6").numpy(), atol=1e-6)
+
+
+def test_the_fingerprint_of_fixed_weights_never_changes() -> None:
+    """Stores made by earlier versions must still resume: the fingerprint of known weights is
+    pinned (one run of weights and two; a short tensor after a long one and before)."""
+    from hookscope.extract._identity import fingerprint
+
+    small, big = nn.Linear(4, 3), nn.Linear(1500, 1000)
+    with torch.no_grad():
+        for p in (*small.parameters(), *big.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) % 7 / 7)
+    models = (small, big, nn.Sequential(small, big), nn.Sequential(big, small))
+    assert [fingerprint(m) for m in models] == [
+        "fcef8e2915c07d2e", "b33db29be05d7468", "542e19727a1628d0", "79038a6c885ff25e",
+    ]  # fmt: skip
 
 
 def test_a_dataloader_that_pads_each_batch(tmp_path: Path) -> None:
@@ -175,19 +213,19 @@ def test_an_empty_dataset_gives_an_empty_store(tmp_path: Path, kind: str) -> Non
 
 _KILLED = textwrap.dedent(
     """
-    import os, signal, sys, torch, torch.nn as nn, zarr
+    import os, signal, sys, torch, torch.nn as nn, zarr.api.asynchronous as za
     import hookscope as hs
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(100, 6, generator=torch.Generator().manual_seed(3))
     kill_at, made = int(sys.argv[2]), [0]
-    create = zarr.Group.create_array
-    def dying(self, *args, **kwargs):  # the test's own kill, between two array creations
+    create = za.create_array  # what the store makes its arrays with
+    async def dying(*args, **kwargs):  # the test's own kill, as an array's creation starts
         made[0] += 1
         if made[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        return create(self, *args, **kwargs)
-    zarr.Group.create_array = dying
+        return await create(*args, **kwargs)
+    za.create_array = dying
     hs.extract(model, x, ["0", "2"], out=sys.argv[1], batch_size=10, chunk=20,
                resume=sys.argv[3] == "resume")
     """
@@ -203,7 +241,7 @@ def _killed(out: Path, kill_at: int, resume: bool) -> int:
 def test_a_kill_between_creating_the_arrays_then_resume(tmp_path: Path) -> None:
     assert _killed(tmp_path / "clean", 0, resume=False) == 0
     clean = hs.open_features(tmp_path / "clean")
-    for kill_at in (2, 4):  # after the first layer's array; after "ids", before "done"
+    for kill_at in (2, 5):  # while the arrays are made; after all of them, before "done"
         out = tmp_path / f"k{kill_at}"
         assert _killed(out, kill_at, resume=False) == -signal.SIGKILL
         assert _killed(out, 0, resume=True) == 0

@@ -158,15 +158,19 @@ def extract(
             from ._ray import run_ray
 
             rows = run_ray(job, store, done, size, factory, workers, progress, codec, shapes)
+            errors = None  # the actors wrote the blocks: read from the store
         else:
             rows = _run_local(job, store, done, size, progress, codec)
+            errors = None if done else store.errors_written  # it wrote every block
+        store.finish(rows, {k: v for k, v in meta.items() if k != "created"}, job.names, errors)
     except KeyboardInterrupt as e:
         e.add_note(
             f"hookscope.extract: interrupted; the finished blocks are kept in {str(out)!r}: "
             "run again with resume=True to finish it"
         )
         raise
-    store.finish(rows, {k: v for k, v in meta.items() if k != "created"}, job.names)
+    finally:
+        store.close()  # this thread's event loop, if it wrote (Ray's arrays, an empty store)
     return open_features(out)
 
 

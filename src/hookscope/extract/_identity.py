@@ -46,11 +46,12 @@ def fingerprint(model: nn.Module) -> str:
 
 def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
     """One weighted sum per run of ``_SLICE`` values of ``t`` (float32)."""
-    if t.device not in weights:
-        i = torch.arange(1, _SLICE + 1, dtype=torch.float64, device=t.device)
+    flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    need = min(_SLICE, flat.numel())  # a prefix of the 2**20 weights: the same values, and a
+    if t.device not in weights or len(weights[t.device]) < need:  # small model pays little
+        i = torch.arange(1, need + 1, dtype=torch.float64, device=t.device)
         weights[t.device] = torch.frac(i * 0.6180339887498949).float()
     w = weights[t.device]
-    flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
     if flat.dtype != torch.float32:
         flat = flat.float()
     runs = [flat[i : i + _SLICE] for i in range(0, flat.numel(), _SLICE)]

@@ -15,6 +15,7 @@ not find it on their path.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import math
@@ -52,7 +53,7 @@ class _Worker:
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         rows = []
-        with self.job.running():
+        with self.job.running(), contextlib.closing(self.store):
             for index in batch["block"].tolist():
                 for block in self.job.blocks(self.chunk, index.__eq__, dict, _nothing):
                     block.wait()

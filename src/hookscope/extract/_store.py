@@ -10,15 +10,27 @@ exist. ``done`` is also created last, so a store without it has nothing finished
 arrays are made again. Resuming recomputes every block not marked done, overwriting whatever
 it left. Metadata lives in the group's attributes under ``"hookscope"``, written with the group
 itself (one file, replaced atomically).
+
+A block's rows go through zarr's asynchronous API, all arrays at once on an event loop of the
+writing thread, then its ``done`` entry: two waits per block instead of one per array, each of
+which (zarr's sync API) crosses to zarr's loop thread and to a file thread and back, which is
+slow on a busy machine. Layer arrays are written with ``write_empty_chunks``, so zarr does not
+compare every 16 MiB chunk with the fill value (an all-NaN block, every sample unreadable, is
+then a chunk file rather than none: it reads the same). Chunk keys use zarr's ``"."``
+separator (``1/c.3.0.0.0``, not ``1/c/3/0/0/0``): one folder per array instead of one per chunk
+and dimension, to make on every write and remove on every overwrite (the key encoding is in
+each array's metadata, so stores made with ``"/"`` resume and read as before).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import shutil
+import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,6 +47,7 @@ IDENTITY = (
 )  # fmt: skip
 _LABELS = {"probe": "the first sample's model input (transform, image size, tokenizer, order)"}
 Codec = Literal["none", "lz4", "zstd"]
+_KEYS: dict[str, Any] = {"name": "default", "separator": "."}  # see the module docstring
 CODECS = ("none", "lz4", "zstd")
 #: ``{layer: (row shape, numpy dtype)}``
 Shapes = Mapping[str, tuple[tuple[int, ...], Any]]
@@ -65,10 +78,16 @@ def _compressors(codec: Any) -> Any:
 class Store:
     """A feature store being written (see the module's docstring)."""
 
-    def __init__(self, path: Path, group: Any) -> None:
+    def __init__(self, path: Path, group: Any, *, new: bool = False) -> None:
         self.path, self.group = path, group
         self._arrays: dict[str, Any] = {}
+        self._writable: dict[str, Any] = {}  # zarr AsyncArrays that write() uses
         self._ready = False  # the arrays exist (checked once)
+        self._new = new  # the group was just made: it has no arrays
+        self._fresh = False  # this object made the arrays: no chunk of any block exists yet
+        self._loops = threading.local()  # an event loop per writing thread (see _run)
+        #: ``{id: reason}`` of unreadable samples in the blocks written through this object
+        self.errors_written: dict[str, str] = {}
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -97,7 +116,7 @@ class Store:
         if path.exists():
             _remove(path)
         group = zarr.open_group(str(path), mode="w", attributes={META: {**meta, "complete": False}})
-        return cls(path, group), set()
+        return cls(path, group, new=True), set()
 
     @staticmethod
     def chunk_of(path: str | os.PathLike[str]) -> int | None:
@@ -135,53 +154,104 @@ class Store:
         """Create the arrays on first use (``done`` last) or grow them to ``rows`` samples (a
         source that did not say its length)."""
         if not self._ready:
-            if "done" not in self.group:
+            if self._new or "done" not in self.group:
                 self._create(shapes, rows, chunk, codec)
             self._ready = True
-        if self._array("ids").shape[0] < rows:
+        if self._async("ids").shape[0] < rows:
             for name in (*shapes, "ids", "errors"):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
             self._array("done").resize((math.ceil(rows / chunk),))
+            self._writable.clear()  # they hold the old shapes
 
     def _create(self, shapes: Shapes, rows: int, chunk: int, codec: Any) -> None:
-        # overwrite=True: arrays left by a run killed before ``done`` existed hold nothing done
-        compressors = _compressors(codec)
+        """The arrays, together through zarr's async API (as :meth:`write`), then ``done``."""
+        from zarr.api.asynchronous import create_array
+
+        def array(name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+            # overwrite: arrays left by a run killed before ``done`` existed hold nothing done
+            return create_array(
+                self.group.store_path, name=name, overwrite=True, chunk_key_encoding=_KEYS,
+                **kwargs,
+            )  # fmt: skip
+
+        compressors, made = _compressors(codec), {}
         for name, (row, dtype) in shapes.items():
             if name in _RESERVED:
                 raise UsageError(f"a layer may not be called {name!r} in a feature store")
             dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
-            self.group.create_array(
+            made[name] = array(
                 name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
                 fill_value=_fill(dtype), dimension_names=dims, compressors=compressors,
-                overwrite=True,
+                config={"write_empty_chunks": True},  # see the module's docstring
             )  # fmt: skip
         for name in ("ids", "errors"):
-            self.group.create_array(
-                name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"],
-                overwrite=True,
-            )  # fmt: skip
-        self.group.create_array(
-            "done", shape=(max(1, math.ceil(rows / chunk)),), chunks=(1,), dtype=bool,
-            fill_value=False, dimension_names=["block"], overwrite=True,
-        )  # fmt: skip
+            made[name] = array(
+                name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"]
+            )
         self._arrays.clear()
+        self._writable = dict(zip(made, self._run(list(made.values())), strict=True))
+        (self._writable["done"],) = self._run([array(
+            "done", shape=(max(1, math.ceil(rows / chunk)),), chunks=(1,), dtype=bool,
+            fill_value=False, dimension_names=["block"],
+        )])  # fmt: skip
+        self._fresh = True
 
     def write(
         self, block: int, start: int, features: Mapping[str, Any], ids: list[str],
         errors: list[str],
     ) -> None:  # fmt: skip
         """Rows ``start ..`` of every array, then the block's ``done`` entry."""
-        stop = start + len(ids)
-        for name, value in features.items():
-            self._array(name)[start:stop] = value
-        self._array("ids")[start:stop] = _strings(ids)
-        self._array("errors")[start:stop] = _strings(errors)
-        self._array("done")[block] = True
+        rows = slice(start, start + len(ids))
+        sets = [self._async(name).setitem(rows, value) for name, value in features.items()]
+        sets.append(self._async("ids").setitem(rows, _strings(ids)))
+        if any(errors) or not self._fresh:  # in a new array, no chunk already reads as ""
+            sets.append(self._async("errors").setitem(rows, _strings(errors)))
+        self._run(sets)
+        self._run([self._async("done").setitem(block, True)])
+        self.errors_written.update((i, e) for i, e in zip(ids, errors, strict=True) if e)
 
-    def finish(self, rows: int, meta: dict[str, Any], features: list[str]) -> None:
+    def _async(self, name: str) -> Any:
+        if name not in self._writable:
+            array = self._array(name).async_array
+            if name not in _RESERVED:  # no comparison of each chunk with NaN (see above)
+                array = array.with_config({"write_empty_chunks": True})
+            self._writable[name] = array
+        return self._writable[name]
+
+    def _run(self, calls: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+        """Run zarr coroutines together on the calling thread's event loop (kept until
+        :meth:`close`); their results, or the first error once all of them ended."""
+
+        async def together() -> list[Any]:
+            outcomes: list[Any] = await asyncio.gather(*calls, return_exceptions=True)
+            return outcomes  # all of them finished, none left running on the loop
+
+        loop = getattr(self._loops, "loop", None)
+        if loop is None:
+            loop = self._loops.loop = asyncio.new_event_loop()
+        outcomes = loop.run_until_complete(together())
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return outcomes
+
+    def close(self) -> None:
+        """Stop the calling thread's event loop of :meth:`_run` and its file threads."""
+        loop = getattr(self._loops, "loop", None)
+        if loop is not None:
+            self._loops.loop = None
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def finish(
+        self, rows: int, meta: dict[str, Any], features: list[str],
+        errors: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         """Trim to ``rows`` samples and mark the store complete in its metadata. A source with
-        no samples gives arrays of no rows (of shape ``(0,)``: no sample gave their shape)."""
+        no samples gives arrays of no rows (of shape ``(0,)``: no sample gave their shape).
+        ``errors``: every unreadable sample's reason, where the caller wrote every block (else
+        they are read from the store)."""
         import numpy as np
 
         if "done" not in self.group:
@@ -190,11 +260,11 @@ class Store:
             for name in (*features, "ids", "errors"):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
-        errors = {}
-        if rows:
+        if errors is None and rows:
             reasons = self._array("errors")[:]
             ids = self._array("ids")[:]
             errors = {str(ids[i]): str(reasons[i]) for i in reasons.nonzero()[0]}
+        errors = errors or {}
         old = dict(self.group.attrs[META])
         self.group.attrs[META] = {
             **old, **meta, "samples": rows, "errors": errors, "complete": True,

@@ -139,16 +139,16 @@ class Writer:
             raise RuntimeError("hookscope.extract's writer thread is gone")
 
     def _loop(self) -> None:
-        while True:
-            block = self._queue.get()
-            if block is None:
-                return
-            if self._error is None and not self._abandon.is_set():
-                try:
-                    self._write(block)
-                except BaseException as e:  # raised in the caller (see _check)
-                    self._error = e
-            self._free.put(block.buffers)
+        try:
+            while (block := self._queue.get()) is not None:
+                if self._error is None and not self._abandon.is_set():
+                    try:
+                        self._write(block)
+                    except BaseException as e:  # raised in the caller (see _check)
+                        self._error = e
+                self._free.put(block.buffers)
+        finally:
+            self._store.close()  # the event loop of the store's writes lives in this thread
 
     def _write(self, block: Block) -> None:
         block.wait()
