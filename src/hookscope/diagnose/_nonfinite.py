@@ -157,7 +157,8 @@ def _cpu_norms(ts: list[Tensor]) -> list[Tensor]:
     half = ts[0].dtype in (torch.float16, torch.bfloat16)
     norms = list(torch._foreach_norm(ts, 2, dtype=torch.float32 if half else None))
     for i, norm in enumerate(norms):
-        if not math.isfinite(float(norm.tolist())):  # 0-d, on the CPU: nothing dispatched
+        value: float = norm.tolist()  # type: ignore[assignment]  # 0-d on the CPU: no dispatch
+        if not math.isfinite(value):
             norms[i] = torch.linalg.vector_norm(ts[i], math.inf)
     return norms
 
