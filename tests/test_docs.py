@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import threading
+import types
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
@@ -186,7 +187,7 @@ def _docstring(name: str) -> str:
     """A public name's docstring; for a type alias or a constant, the one written after its
     assignment (which Python does not keep at run time)."""
     obj = getattr(hs, name)
-    if not isinstance(obj, str):
+    if not isinstance(obj, (str, types.UnionType)):  # an alias: a string or a union
         return (obj.__doc__ or "").strip()
     module = {"__version__": "_version"}.get(name, "core/_types")
     tree = ast.parse((Path(hs.__file__).parent / f"{module}.py").read_text())
