@@ -17,7 +17,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,6 +187,21 @@ def _round_order(variants: list[Variant], rng: random.Random) -> list[list[Varia
     return order
 
 
+def rounds(plan: Plan) -> Iterator[tuple[int, int]]:
+    """``(round, measured round)`` (negative while warming up) for every round of ``plan``;
+    once ``min_rounds`` are measured, a round starts only if a round as long as the last one
+    still fits in ``budget_s``."""
+    start, last = time.perf_counter(), 0.0
+    for rnd in range(plan.warmup + plan.rounds):
+        measured = rnd - plan.warmup
+        elapsed = time.perf_counter() - start
+        if plan.budget_s and measured >= plan.min_rounds and elapsed + last > plan.budget_s:
+            return
+        t0 = time.perf_counter()
+        yield rnd, measured
+        last = time.perf_counter() - t0
+
+
 def run_rounds(
     variants: list[Variant],
     plan: Plan,
@@ -200,21 +215,15 @@ def run_rounds(
     rng = random.Random(0)
     samples: list[dict[str, Any]] = []
     loads: list[float] = []
-    start, last = time.perf_counter(), 0.0
-    for rnd in range(plan.warmup + plan.rounds):
-        measured = rnd - plan.warmup
-        elapsed = time.perf_counter() - start
-        if plan.budget_s and measured >= plan.min_rounds and elapsed + last > plan.budget_s:
-            break
+    start = time.perf_counter()
+    for rnd, measured in rounds(plan):
         loads.append(os.getloadavg()[0])
-        t0 = time.perf_counter()
         heavy = measured < plan.heavy_rounds or not plan.heavy_rounds
         for block in _round_order([v for v in variants if heavy or not v.heavy], rng):
             with blocks[block[0].block]() if block[0].block else contextlib.nullcontext():
                 for v in block:
                     sample = {"key": v.key, "round": rnd, "warmup": measured < 0}
                     samples.append({**sample, **timed_call(v.fn)})
-        last = time.perf_counter() - t0
     noise = {"loadavg": [min(loads), max(loads)], "rounds_s": time.perf_counter() - start}
     noise["steal_ticks"] = sum(s["steal"] for s in samples if not s["warmup"])
     return samples, noise

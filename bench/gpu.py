@@ -420,13 +420,9 @@ def run_rounds(
 ) -> tuple[list[Result], dict[str, str], Result]:
     """Every variant once per round, shuffled; a variant that raises is dropped with its error."""
     rng, samples, errors = random.Random(0), [], {}
-    start, last = time.perf_counter(), 0.0
-    for rnd in range(plan.warmup + plan.rounds):
-        measured = rnd - plan.warmup
-        elapsed = time.perf_counter() - start
-        if plan.budget_s and measured >= plan.min_rounds and elapsed + last > plan.budget_s:
-            break
-        t0, keys = time.perf_counter(), [k for k in fns if k not in errors]
+    start = time.perf_counter()
+    for rnd, measured in common.rounds(plan):
+        keys = [k for k in fns if k not in errors]
         rng.shuffle(keys)
         for key in keys:
             model.train(key in TRAIN)
@@ -438,7 +434,6 @@ def run_rounds(
                 continue
             seconds = statistics.median(times)
             samples.append({"key": key, "round": rnd, "warmup": measured < 0, "seconds": seconds})
-        last = time.perf_counter() - t0
     model.eval()
     return samples, errors, {"rounds_s": time.perf_counter() - start}
 
