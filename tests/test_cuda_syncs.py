@@ -6,9 +6,7 @@ none, so these run on the GPU machine when one is lent (``pytest tests/test_cuda
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,23 +14,9 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from syncs import syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@contextmanager
-def syncs() -> Iterator[list[str]]:
-    """The synchronising calls made inside the block, one message each."""
-    seen: list[str] = []
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield seen
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    seen += [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def _model() -> nn.Module:

@@ -8,9 +8,6 @@ CPU-side check of the same promise."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
@@ -19,26 +16,12 @@ from torch import nn
 
 import hookscope as hs
 from hookscope.explain import METHODS
+from syncs import syncs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 #: synchronisations a method makes itself, whatever its targets
 OWN = {"eigencam": 1}  # torch.linalg.svd reads its error code back
-
-
-@contextmanager
-def syncs() -> Iterator[list[str]]:
-    """The synchronising calls made inside the block, one message each."""
-    seen: list[str] = []
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            yield seen
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    seen += [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
 
 
 def _model() -> nn.Module:
