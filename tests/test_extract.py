@@ -16,40 +16,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 import hookscope as hs
+from extract_oracle import cnn as _cnn
+from extract_oracle import hand_hooks as _hand_hooks
 
 zarr = pytest.importorskip("zarr")
-
-
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
-    )  # fmt: skip
-
-
-def _hand_hooks(model: nn.Module, x: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
-    """The oracle: plain forward hooks keeping a copy of each output, one forward."""
-    modules = dict(model.named_modules())
-    seen: dict[str, torch.Tensor] = {}
-    handles = [
-        modules[n].register_forward_hook(
-            lambda m, a, o, n=n: seen.__setitem__(n, o.detach().clone())
-        )
-        for n in names
-    ]
-    was = model.training
-    try:
-        with torch.no_grad():
-            model.eval()(x)
-    finally:
-        model.train(was)
-        for h in handles:
-            h.remove()
-    return seen
 
 
 X = torch.randn(70, 3, 10, 10, generator=torch.Generator().manual_seed(1))
@@ -313,7 +285,7 @@ def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
     model = _cnn()
     data = torch.utils.data.TensorDataset(X, torch.arange(70))
     local = hs.extract(model, data, ["1", "6"], out=tmp_path / "local", batch_size=8, chunk=16)
-    # workers import the factory (_cnn) from this file, as they would from a user's module
+    # workers import the factory (_cnn) from extract_oracle, as from a user's module
     here = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     ray.init(
         num_cpus=2, include_dashboard=False, log_to_driver=False,

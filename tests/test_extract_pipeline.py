@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from extract_oracle import hand
 
 zarr = pytest.importorskip("zarr")
 from zarr.core.array import Array, AsyncArray  # noqa: E402
@@ -32,19 +33,6 @@ def _mlp() -> nn.Module:
 
 
 X = torch.randn(100, 6, generator=torch.Generator().manual_seed(3))
-
-
-def _hand(model: nn.Module, x: torch.Tensor, name: str) -> np.ndarray:
-    seen: list[torch.Tensor] = []
-    handle = dict(model.named_modules())[name].register_forward_hook(
-        lambda m, a, o: seen.append(o.detach().clone())
-    )
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        handle.remove()
-    return seen[0].numpy()
 
 
 def _done(out: Path) -> list[bool]:
@@ -112,7 +100,7 @@ def test_an_error_while_writing_reaches_the_caller(
     with pytest.raises(hs.UsageError, match="unfinished"):
         hs.open_features(out)
     store = hs.extract(model, X, ["1"], out=out, batch_size=10, chunk=20, resume=True)
-    np.testing.assert_allclose(store.to_numpy("1"), _hand(model, X, "1"), atol=1e-6)
+    np.testing.assert_allclose(store.to_numpy("1"), hand(model, X, "1").numpy(), atol=1e-6)
 
 
 def test_an_interrupt_writes_every_finished_block_then_resume_equals_a_clean_run(
@@ -169,7 +157,7 @@ def test_memory_holds_a_bounded_number_of_blocks_however_slow_the_writes(
     with _writes(monkeypatch, slow):  # blocks of 1 batch: the forward's own tensors, held
         held = hs.extract(model, X, ["1"], out=tmp_path / "h", batch_size=5, chunk=5)
     assert len(lag) == 20 and max(lag) <= 4  # the forwards wait for the writes: never far ahead
-    want = _hand(model, X, "1")
+    want = hand(model, X, "1").numpy()
     for store in (copied, held):
         np.testing.assert_allclose(store.to_numpy("1"), want, atol=1e-6)
 
@@ -178,7 +166,7 @@ def test_a_loader_batch_spanning_many_blocks(tmp_path: Path) -> None:
     model = _mlp()
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(X), batch_size=25)
     store = hs.extract(model, loader, ["1"], out=tmp_path / "f", chunk=4)  # 7 blocks per batch
-    np.testing.assert_allclose(store.to_numpy("1"), _hand(model, X, "1"), atol=1e-6)
+    np.testing.assert_allclose(store.to_numpy("1"), hand(model, X, "1").numpy(), atol=1e-6)
     assert store.ids == [str(i) for i in range(100)] and len(_done(tmp_path / "f")) == 25
 
 
@@ -186,7 +174,7 @@ def test_codecs(tmp_path: Path) -> None:
     from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
     model = _mlp()
-    want = _hand(model, X, "1")
+    want = hand(model, X, "1").numpy()
     kinds = {"none": (), "lz4": (BloscCodec,), "zstd": (ZstdCodec,), "gzip": (GzipCodec,)}
     for name, types in kinds.items():
         codec = GzipCodec(level=1) if name == "gzip" else name
@@ -215,8 +203,8 @@ def test_rows_kept_without_a_copy_are_the_rows_computed(
     torch.manual_seed(0)
     inplace = nn.Sequential(nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
     store = hs.extract(inplace, X, ["0", "2"], out=tmp_path / "i", batch_size=10, chunk=10)
-    np.testing.assert_array_equal(store.to_numpy("0") < 0, _hand(inplace, X, "0") < 0)
-    np.testing.assert_allclose(store.to_numpy("0"), _hand(inplace, X, "0"), atol=1e-6)
+    np.testing.assert_array_equal(store.to_numpy("0") < 0, hand(inplace, X, "0").numpy() < 0)
+    np.testing.assert_allclose(store.to_numpy("0"), hand(inplace, X, "0").numpy(), atol=1e-6)
 
     class Static(nn.Module):
         def __init__(self) -> None:
@@ -229,7 +217,7 @@ def test_rows_kept_without_a_copy_are_the_rows_computed(
             return self.out
 
     static = nn.Sequential(Static(), nn.ReLU())
-    want = np.concatenate([_hand(static, X[i : i + 10], "0.lin") for i in range(0, 100, 10)])
+    want = np.concatenate([hand(static, X[i : i + 10], "0.lin").numpy() for i in range(0, 100, 10)])
     with _writes(monkeypatch, lambda array, value: time.sleep(0.02)):
         store = hs.extract(static, X, ["0"], out=tmp_path / "s", batch_size=10, chunk=10)
     np.testing.assert_allclose(store.to_numpy("0"), want, atol=1e-6)
@@ -261,7 +249,7 @@ def test_large_rows_are_stored_a_batch_at_a_time_without_a_copy(
     assert store.meta["chunk"] == 64 and store["1"].chunks == (64, 65536)
     assert written == made[1:]  # made[0]: the forward of sample 0 that sized the chunk
     want = store.to_numpy("1")
-    np.testing.assert_allclose(want, _hand(model, x, "1"), atol=1e-6)
+    np.testing.assert_allclose(want, hand(model, x, "1").numpy(), atol=1e-6)
     small = hs.extract(model, x, ["0"], out=tmp_path / "g", batch_size=32)
     assert small.meta["chunk"] == 256  # small rows: about 256 samples a chunk
     zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False

@@ -22,33 +22,13 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
+from extract_oracle import cnn as _cnn
+from extract_oracle import hand as _hand
 
 zarr = pytest.importorskip("zarr")
 
 
-def _cnn() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
-    )  # fmt: skip
-
-
 X = torch.randn(40, 3, 10, 10, generator=torch.Generator().manual_seed(1))
-
-
-def _hand(model: nn.Module, x: Tensor, name: str) -> Tensor:
-    """One forward with a plain forward hook keeping a copy of ``name``'s output."""
-    seen: list[Tensor] = []
-    handle = dict(model.named_modules())[name].register_forward_hook(
-        lambda m, a, o: seen.append(o.detach().clone())
-    )
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        handle.remove()
-    return seen[0]
 
 
 # -- token models: a tokenizer padding each batch to its longest, an embedding + projection ------
