@@ -254,12 +254,13 @@ class Store:
         they are read from the store)."""
         import numpy as np
 
-        if "done" not in self.group:
+        if not self._ready and "done" not in self.group:
             self._create({n: ((), np.dtype("float32")) for n in features}, 0, 1, "none")
-        if self._array("ids").shape[0] != rows:
+        if self._async("ids").shape[0] != rows:
             for name in (*features, "ids", "errors"):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
+            self._writable.clear()
         if errors is None and rows:
             reasons = self._array("errors")[:]
             ids = self._array("ids")[:]
@@ -268,7 +269,7 @@ class Store:
         old = dict(self.group.attrs[META])
         self.group.attrs[META] = {
             **old, **meta, "samples": rows, "errors": errors, "complete": True,
-            "arrays": {n: {"shape": list(self._array(n).shape), "dtype": str(self._array(n).dtype)}
+            "arrays": {n: {"shape": list(self._async(n).shape), "dtype": str(self._async(n).dtype)}
                        for n in features},
         }  # fmt: skip
 
