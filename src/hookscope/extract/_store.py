@@ -175,10 +175,10 @@ class Store:
                 **kwargs,
             )  # fmt: skip
 
+        if reserved := [name for name in shapes if name in _RESERVED]:
+            raise UsageError(f"a layer may not be called {reserved[0]!r} in a feature store")
         compressors, made = _compressors(codec), {}
         for name, (row, dtype) in shapes.items():
-            if name in _RESERVED:
-                raise UsageError(f"a layer may not be called {name!r} in a feature store")
             dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
             made[name] = array(
                 name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
