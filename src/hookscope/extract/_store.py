@@ -175,10 +175,10 @@ class Store:
                 **kwargs,
             )  # fmt: skip
 
+        if reserved := [name for name in shapes if name in _RESERVED]:
+            raise UsageError(f"a layer may not be called {reserved[0]!r} in a feature store")
         compressors, made = _compressors(codec), {}
         for name, (row, dtype) in shapes.items():
-            if name in _RESERVED:
-                raise UsageError(f"a layer may not be called {name!r} in a feature store")
             dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
             made[name] = array(
                 name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
@@ -254,12 +254,13 @@ class Store:
         they are read from the store)."""
         import numpy as np
 
-        if "done" not in self.group:
+        if not self._ready and "done" not in self.group:
             self._create({n: ((), np.dtype("float32")) for n in features}, 0, 1, "none")
-        if self._array("ids").shape[0] != rows:
+        if self._async("ids").shape[0] != rows:
             for name in (*features, "ids", "errors"):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
+            self._writable.clear()
         if errors is None and rows:
             reasons = self._array("errors")[:]
             ids = self._array("ids")[:]
@@ -268,7 +269,7 @@ class Store:
         old = dict(self.group.attrs[META])
         self.group.attrs[META] = {
             **old, **meta, "samples": rows, "errors": errors, "complete": True,
-            "arrays": {n: {"shape": list(self._array(n).shape), "dtype": str(self._array(n).dtype)}
+            "arrays": {n: {"shape": list(self._async(n).shape), "dtype": str(self._async(n).dtype)}
                        for n in features},
         }  # fmt: skip
 
