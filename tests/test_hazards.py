@@ -6,7 +6,8 @@ table of docs/guarantees.md, and the residue fixture checks the model is left as
 Situations: a compiled model that already ran; reentrant and non-reentrant activation
 checkpointing; an exception raised and caught inside the model; a KeyboardInterrupt in an
 earlier forward; another session open on the model; no_grad and inference_mode; a deepcopy
-of the model made inside its own forward; a second-order backward; nested tensors.
+of the model made inside its own forward; a second-order backward; nested tensors. Capture
+and edit appear twice: with a layer and with an operation selector (``"layer::op"``).
 """
 
 from __future__ import annotations
@@ -126,6 +127,20 @@ def _edit_reference(model: nn.Module, x: Tensor) -> Tensor:
         handle.remove()
 
 
+OP = f"{LAYER}::relu"  # the operation that layer runs: an operation selector
+
+
+def _capture_op(model: nn.Module, x: Tensor) -> Tensor:
+    with hs.capture(model, OP) as cap, _eval(model):
+        model(x)
+    return cap[OP].output
+
+
+def _edit_op(model: nn.Module, x: Tensor) -> Tensor:
+    with hs.edit(model, {OP: hs.scale(0.5)}), torch.no_grad(), _eval(model):
+        return model(x).detach()
+
+
 def _features(model: nn.Module, x: Tensor) -> Tensor:
     out: Tensor = hs.features(model, x, [LAYER])[LAYER]
     return out
@@ -196,6 +211,8 @@ class Entry:
 ENTRIES: dict[str, Entry] = {
     "capture": Entry(_capture, _layer_output, wraps=True),
     "edit": Entry(_edit, _edit_reference, wraps=True),
+    "capture op": Entry(_capture_op, _layer_output, wraps=True),
+    "edit op": Entry(_edit_op, _edit_reference, wraps=True),
     "features": Entry(_features, _layer_output, wraps=False),
     "summary": Entry(_summary, _summary_reference, wraps=False),
     "nonfinite": Entry(_nonfinite, lambda m, x: (True, 1), wraps=True),
@@ -304,6 +321,8 @@ def test_with_another_session_open(entry: str, tmp_path: Path) -> None:
 GRAD_MODES: dict[str, dict[str, type[Exception] | str]] = {
     "capture": {"no_grad": "works", "inference_mode": "works"},
     "edit": {"no_grad": "works", "inference_mode": "works"},
+    "capture op": {"no_grad": "works", "inference_mode": "works"},
+    "edit op": {"no_grad": "works", "inference_mode": "works"},
     "features": {"no_grad": "works", "inference_mode": "works"},
     "summary": {"no_grad": "works", "inference_mode": "works"},
     "nonfinite": {"no_grad": "forward only", "inference_mode": "forward only"},
@@ -356,6 +375,8 @@ def _session(entry: str, model: nn.Module) -> Iterator[None]:
     sessions: dict[str, Callable[[], Any]] = {
         "capture": lambda: hs.capture(model, list(hs.names(model)), grads=True),
         "edit": lambda: hs.edit(model, {LAYER: hs.scale(1.0, on="grad")}),
+        "capture op": lambda: hs.capture(model, OP, grads=True),
+        "edit op": lambda: hs.edit(model, {OP: hs.scale(1.0, on="grad")}),
         "nonfinite": lambda: hs.nonfinite(model),
         "Monitor": lambda: hs.Monitor(model, every=1),
     }
@@ -363,7 +384,9 @@ def _session(entry: str, model: nn.Module) -> Iterator[None]:
         yield
 
 
-@pytest.mark.parametrize("entry", ["capture", "edit", "nonfinite", "Monitor"])
+@pytest.mark.parametrize(
+    "entry", ["capture", "edit", "capture op", "edit op", "nonfinite", "Monitor"]
+)
 def test_second_order_backward_changes_no_gradient(entry: str) -> None:
     """A gradient penalty (create_graph=True, then backward) under each session around the
     user's code: parameter gradients bit-identical to the plain step's."""
