@@ -255,3 +255,37 @@ def test_large_rows_are_stored_a_batch_at_a_time_without_a_copy(
     zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False
     again = hs.extract(model, x, ["1"], out=tmp_path / "f", batch_size=64, resume=True)
     assert again.meta["chunk"] == 64 and np.array_equal(again.to_numpy("1"), want)
+
+
+def test_chunk_files_are_written_by_the_writer_thread_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every chunk file (rows, ids, done) is written and renamed into place by the writer
+    thread, not handed to a file thread (each hand-over waits for a busy CPU), and none is
+    compressed but the layers' (a compressor is another hand-over, for a few bytes)."""
+    import os
+
+    real = os.replace
+    seen: list[tuple[str, str]] = []
+
+    def spy(src: Any, dst: Any) -> None:
+        seen.append(
+            (Path(dst).relative_to(tmp_path / "f").as_posix(), threading.current_thread().name)
+        )
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    store = hs.extract(_mlp(), X, ["1"], out=tmp_path / "f", batch_size=16, chunk=32)
+    monkeypatch.setattr(os, "replace", real)
+    chunks = [(key, thread) for key, thread in seen if "/c" in key]
+    assert {key.split("/")[0] for key, _ in chunks} == {
+        "1",
+        "ids",
+        "done",
+    }  # no error: no errors array
+    assert len([k for k, _ in chunks if k.startswith("done/")]) == 4  # 100 samples, 4 blocks
+    assert {thread for _, thread in chunks} == {"hookscope-extract"}
+    assert not list((tmp_path / "f").rglob("*.partial"))
+    group = zarr.open_group(str(tmp_path / "f"), mode="r")
+    assert all(not group[name].compressors for name in ("ids", "errors", "done"))
+    np.testing.assert_allclose(store.to_numpy("1"), hand(_mlp(), X, "1").numpy(), atol=1e-6)

@@ -27,7 +27,7 @@ from torch import nn
 
 from .._extras import require
 from .._progress import progress
-from ._store import Store, zarr_module
+from ._store import Store, open_group
 
 __all__ = ["run_ray"]
 
@@ -47,9 +47,7 @@ class _Worker:
         self.job = Job(model, *payload["job"])
         self.job.expect(payload["shapes"])
         self.chunk = payload["chunk"]
-        self.store = Store(
-            payload["path"], zarr_module().open_group(str(payload["path"]), mode="r+")
-        )
+        self.store = Store(payload["path"], open_group(payload["path"], mode="r+"))
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         rows = []
