@@ -24,7 +24,6 @@ import hookscope as hs
 from extract_oracle import hand
 
 zarr = pytest.importorskip("zarr")
-from zarr.core.array import Array, AsyncArray  # noqa: E402
 
 
 def _mlp() -> nn.Module:
@@ -40,24 +39,28 @@ def _done(out: Path) -> list[bool]:
 
 
 @contextmanager
-def _writes(monkeypatch: pytest.MonkeyPatch, fn: Callable[[Any, Any], None]) -> Iterator[None]:
-    """Call ``fn(array, value)`` before every write of zarr array data (in whatever thread),
-    through zarr's sync API or its async one (which the store's writes use)."""
-    real, real_async = Array.__setitem__, AsyncArray.setitem
+def _writes(monkeypatch: pytest.MonkeyPatch, fn: Callable[[str, Any], None]) -> Iterator[None]:
+    """Call ``fn(array name, bytes as a uint8 array)`` before every chunk file the store writes
+    (in whatever thread), whether through zarr or directly (a whole chunk)."""
+    store = importlib.import_module("hookscope.extract._store")
+    real = store._put
 
-    def spy(self: Any, key: Any, value: Any) -> None:
-        fn(self, value)
-        real(self, key, value)
+    def spy(target: Path, data: Any) -> None:
+        if target.name != "zarr.json":
+            fn(target.parent.name, np.frombuffer(data, dtype=np.uint8))
+        real(target, data)
 
-    async def spy_async(self: Any, key: Any, value: Any, prototype: Any = None) -> None:
-        fn(self, value)
-        await real_async(self, key, value, prototype)
-
-    monkeypatch.setattr(Array, "__setitem__", spy)
-    monkeypatch.setattr(AsyncArray, "setitem", spy_async)
+    monkeypatch.setattr(store, "_put", spy)
     yield
-    monkeypatch.setattr(Array, "__setitem__", real)
-    monkeypatch.setattr(AsyncArray, "setitem", real_async)
+    monkeypatch.setattr(store, "_put", real)
+
+
+def _writer_thread(monkeypatch: pytest.MonkeyPatch, thread: bool) -> str:
+    """Make extract write from its writer thread, or in line (what it chooses when torch's
+    threads fill every core); the name of the thread that writes."""
+    module = importlib.import_module("hookscope.extract._extract")  # hs.extract is the function
+    monkeypatch.setattr(module, "overlap", lambda device: thread)
+    return "hookscope-extract" if thread else threading.current_thread().name
 
 
 def test_progress_counts_samples_as_they_are_computed(
@@ -80,13 +83,15 @@ def test_progress_counts_samples_as_they_are_computed(
     assert calls == [("total", 32), ("advance", 16), ("advance", 16)]  # only what is left
 
 
+@pytest.mark.parametrize("thread", [True, False])
 def test_an_error_while_writing_reaches_the_caller(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
     writes: list[str] = []
+    writer = _writer_thread(monkeypatch, thread)
 
-    def disk_full(array: Any, value: Any) -> None:
-        if array.basename == "1":
+    def disk_full(name: str, value: Any) -> None:
+        if name == "1":
             writes.append(threading.current_thread().name)
             if len(writes) == 3:
                 raise OSError(28, "No space left on device (raised by the test)")
@@ -94,7 +99,7 @@ def test_an_error_while_writing_reaches_the_caller(
     model, out = _mlp(), tmp_path / "f"
     with _writes(monkeypatch, disk_full), pytest.raises(OSError, match="No space left"):
         hs.extract(model, X, ["1"], out=out, batch_size=10, chunk=20)
-    assert set(writes) == {"hookscope-extract"}  # written by the writer thread...
+    assert set(writes) == {writer}  # written by the writer thread, or in line...
     assert _done(out) == [True, True, False, False, False]  # ...the blocks before the error kept
     assert not any(t.name == "hookscope-extract" for t in threading.enumerate())
     with pytest.raises(hs.UsageError, match="unfinished"):
@@ -103,9 +108,11 @@ def test_an_error_while_writing_reaches_the_caller(
     np.testing.assert_allclose(store.to_numpy("1"), hand(model, X, "1").numpy(), atol=1e-6)
 
 
+@pytest.mark.parametrize("thread", [True, False])
 def test_an_interrupt_writes_every_finished_block_then_resume_equals_a_clean_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
+    _writer_thread(monkeypatch, thread)
     model = _mlp()
     clean = hs.extract(model, X, ["1", "2"], out=tmp_path / "clean", batch_size=10, chunk=20)
     calls = [0]
@@ -117,7 +124,7 @@ def test_an_interrupt_writes_every_finished_block_then_resume_equals_a_clean_run
 
     out = tmp_path / "f"
     handle = model[0].register_forward_hook(ctrl_c)
-    slow = lambda array, value: time.sleep(0.2)  # noqa: E731 - the writer lags behind
+    slow = lambda name, value: time.sleep(0.2)  # noqa: E731 - the writer lags behind
     try:
         with _writes(monkeypatch, slow), pytest.raises(KeyboardInterrupt) as caught:
             hs.extract(model, X, ["1", "2"], out=out, batch_size=10, chunk=20)
@@ -135,6 +142,7 @@ def test_an_interrupt_writes_every_finished_block_then_resume_equals_a_clean_run
 def test_memory_holds_a_bounded_number_of_blocks_however_slow_the_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    _writer_thread(monkeypatch, True)
     forwards, lag, buffers = [0], [], set()
 
     class Counted(nn.Sequential):
@@ -144,8 +152,8 @@ def test_memory_holds_a_bounded_number_of_blocks_however_slow_the_writes(
 
     model = Counted(*_mlp())
 
-    def slow(array: Any, value: Any) -> None:
-        if array.basename == "1":
+    def slow(name: str, value: Any) -> None:
+        if name == "1":
             buffers.add(value.__array_interface__["data"][0])  # which host memory is written
             lag.append(forwards[0] - len(lag))  # blocks computed but not yet written
             time.sleep(0.05)
@@ -218,7 +226,8 @@ def test_rows_kept_without_a_copy_are_the_rows_computed(
 
     static = nn.Sequential(Static(), nn.ReLU())
     want = np.concatenate([hand(static, X[i : i + 10], "0.lin").numpy() for i in range(0, 100, 10)])
-    with _writes(monkeypatch, lambda array, value: time.sleep(0.02)):
+    _writer_thread(monkeypatch, True)  # in line, the rows are written before the next forward
+    with _writes(monkeypatch, lambda name, value: time.sleep(0.02)):
         store = hs.extract(static, X, ["0"], out=tmp_path / "s", batch_size=10, chunk=10)
     np.testing.assert_allclose(store.to_numpy("0"), want, atol=1e-6)
 
@@ -239,15 +248,17 @@ def test_large_rows_are_stored_a_batch_at_a_time_without_a_copy(
     model = nn.Sequential(nn.Linear(6, 8), Wide(), nn.ReLU())
     written: list[int] = []
 
-    def spy(array: Any, value: Any) -> None:
-        if array.basename == "1":
+    def spy(name: str, value: Any) -> None:
+        if name == "1":
             written.append(value.__array_interface__["data"][0])
 
     x = torch.randn(130, 6, generator=torch.Generator().manual_seed(0))
     with _writes(monkeypatch, spy):
         store = hs.extract(model, x, ["1"], out=tmp_path / "f", batch_size=64)
     assert store.meta["chunk"] == 64 and store["1"].chunks == (64, 65536)
-    assert written == made[1:]  # made[0]: the forward of sample 0 that sized the chunk
+    # made[0]: the forward of sample 0 that sized the chunk; the last block (2 rows) is not a
+    # whole chunk: zarr pads it with NaN rows into a chunk of its own
+    assert written[:2] == made[1:3] and len(written) == 3
     want = store.to_numpy("1")
     np.testing.assert_allclose(want, hand(model, x, "1").numpy(), atol=1e-6)
     small = hs.extract(model, x, ["0"], out=tmp_path / "g", batch_size=32)
@@ -257,14 +268,17 @@ def test_large_rows_are_stored_a_batch_at_a_time_without_a_copy(
     assert again.meta["chunk"] == 64 and np.array_equal(again.to_numpy("1"), want)
 
 
+@pytest.mark.parametrize("thread", [True, False])
 def test_chunk_files_are_written_by_the_writer_thread_itself(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: bool
 ) -> None:
-    """Every chunk file (rows, ids, done) is written and renamed into place by the writer
-    thread, not handed to a file thread (each hand-over waits for a busy CPU), and none is
-    compressed but the layers' (a compressor is another hand-over, for a few bytes)."""
+    """Every chunk file (rows, ids, done) is written and renamed into place by the thread
+    that writes (the writer thread, or the caller's in line), not handed to a file thread
+    (each hand-over waits for a busy CPU), and none is compressed but the layers' (a
+    compressor is another hand-over, for a few bytes)."""
     import os
 
+    writer = _writer_thread(monkeypatch, thread)
     real = os.replace
     seen: list[tuple[str, str]] = []
 
@@ -284,8 +298,35 @@ def test_chunk_files_are_written_by_the_writer_thread_itself(
         "done",
     }  # no error: no errors array
     assert len([k for k, _ in chunks if k.startswith("done/")]) == 4  # 100 samples, 4 blocks
-    assert {thread for _, thread in chunks} == {"hookscope-extract"}
+    assert {name for _, name in chunks} == {writer}
     assert not list((tmp_path / "f").rglob("*.partial"))
     group = zarr.open_group(str(tmp_path / "f"), mode="r")
     assert all(not group[name].compressors for name in ("ids", "errors", "done"))
+    np.testing.assert_allclose(store.to_numpy("1"), hand(_mlp(), X, "1").numpy(), atol=1e-6)
+
+
+def test_whole_chunks_written_directly_are_the_bytes_zarr_writes(tmp_path: Path) -> None:
+    """The store writes whole chunks of uncompressed layers, ids and done without zarr's
+    machinery: each file is byte for byte what plain zarr writes for the same values into an
+    array made with the same metadata (the oracle), and the last, partial block (zarr's own
+    write) reads back too."""
+    store = hs.extract(_mlp(), X, ["1"], out=tmp_path / "f", batch_size=16, chunk=32)
+    ours = zarr.open_group(str(tmp_path / "f"), mode="r")
+    plain = zarr.open_group(str(tmp_path / "plain"), mode="w")
+    for name in ("1", "ids", "done"):
+        array = ours[name]
+        oracle = plain.create_array(
+            name, shape=array.shape, chunks=array.chunks, dtype=array.dtype,
+            fill_value=array.fill_value, compressors=array.compressors, filters=array.filters,
+            chunk_key_encoding=array.metadata.chunk_key_encoding,
+        )  # fmt: skip
+        oracle[:] = array[:]
+        files = sorted(p.name for p in (tmp_path / "f" / name).iterdir() if p.name != "zarr.json")
+        assert files == sorted(p.name for p in (tmp_path / "plain" / name).iterdir()
+                               if p.name != "zarr.json")  # fmt: skip
+        for file in files:
+            assert (tmp_path / "f" / name / file).read_bytes() == (
+                tmp_path / "plain" / name / file
+            ).read_bytes(), (name, file)
+    assert list(store.ids) == [str(i) for i in range(100)]
     np.testing.assert_allclose(store.to_numpy("1"), hand(_mlp(), X, "1").numpy(), atol=1e-6)

@@ -23,7 +23,7 @@ from ._reader import FeatureStore, open_features
 from ._rows import check_reduce
 from ._sources import Source, source
 from ._store import Codec, Store, check_codec
-from ._writer import Writer
+from ._writer import Writer, overlap
 
 __all__ = ["extract"]
 
@@ -244,7 +244,7 @@ def _run_local(job: Job, store: Store, done: set[int], chunk: int, bar: bool | N
     total = None if n is None else n - sum(min(chunk, n - k * chunk) for k in done if k * chunk < n)
     job.expect(store.row_shapes())
     rows = n if job.src.addressable else None
-    writer = Writer(store, chunk, rows, codec)
+    writer = Writer(store, chunk, rows, codec, thread=overlap(job.device))
     with job.running(), writer, progress(total, "extract", bar) as advance:
         for block in job.blocks(chunk, lambda k: k not in done, writer.buffers, advance):
             writer.put(block)

@@ -32,6 +32,7 @@ import asyncio
 import math
 import os
 import shutil
+import sys
 import threading
 import uuid
 from collections.abc import Coroutine, Mapping
@@ -77,19 +78,23 @@ def _local_store(path: Path) -> Any:
                 if not self._is_open:
                     await self._open()
                 self._check_writable()
-                target = self.root / key
-                target.parent.mkdir(parents=True, exist_ok=True)
-                partial = target.with_name(f"{target.name}.{uuid.uuid4().hex}.partial")
-                try:
-                    with open(partial, "wb") as f:
-                        f.write(value.as_buffer_like())
-                    os.replace(partial, target)
-                except BaseException:
-                    partial.unlink(missing_ok=True)
-                    raise
+                _put(self.root / key, value.as_buffer_like())
 
         _STORE.append(_Local)
     return _STORE[0](path)
+
+
+def _put(target: Path, data: Any) -> None:
+    """``data`` (bytes-like) in the file ``target``: written to a temporary name, renamed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f"{target.name}.{uuid.uuid4().hex}.partial")
+    try:
+        with open(partial, "wb") as f:
+            f.write(data)
+        os.replace(partial, target)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
 
 
 def open_group(path: str | os.PathLike[str], mode: Literal["r", "r+", "w"], **kwargs: Any) -> Any:
@@ -243,14 +248,49 @@ class Store:
         errors: list[str],
     ) -> None:  # fmt: skip
         """Rows ``start ..`` of every array, then the block's ``done`` entry."""
+        import numpy as np
+
         rows = slice(start, start + len(ids))
-        sets = [self._async(name).setitem(rows, value) for name, value in features.items()]
-        sets.append(self._async("ids").setitem(rows, _strings(ids)))
+        columns = {**features, "ids": _strings(ids)}
         if any(errors) or not self._fresh:  # in a new array, no chunk already reads as ""
-            sets.append(self._async("errors").setitem(rows, _strings(errors)))
-        self._run(sets)
-        self._run([self._async("done").setitem(block, True)])
+            columns["errors"] = _strings(errors)
+        sets = [
+            self._async(name).setitem(rows, value)
+            for name, value in columns.items()
+            if not self._whole_chunk(name, start, value)
+        ]
+        if sets:
+            self._run(sets)
+        if not self._whole_chunk("done", block, np.ones(1, dtype=bool)):
+            self._run([self._async("done").setitem(block, True)])
         self.errors_written.update((i, e) for i, e in zip(ids, errors, strict=True) if e)
+
+    def _whole_chunk(self, name: str, start: int, value: Any) -> bool:
+        """Write ``value`` as the chunk of ``name`` that starts at row ``start`` without zarr's
+        machinery, where the chunk file's bytes are easy to make: the whole chunk, under one
+        codec, ``bytes`` (layers, ``done``) or ``vlen-utf8`` (``ids``), with no compressor.
+        False (nothing written) otherwise. zarr's own write of such a chunk writes the same
+        bytes (tests read them back with zarr), after a few hundred Python calls and
+        event-loop steps: about 0.5 ms a chunk on a busy machine, against 3 ms to write
+        16 MiB of rows."""
+        array = self._async(name)
+        meta = array.metadata
+        chunk = getattr(meta.chunk_grid, "chunk_shape", None)
+        codecs: tuple[Any, ...] = tuple(getattr(meta, "codecs", ()))
+        if (
+            chunk is None
+            or len(codecs) != 1
+            or tuple(value.shape) != tuple(chunk)
+            or start % chunk[0]
+            or tuple(array.shape[1:]) != tuple(chunk[1:])
+        ):
+            return False
+        data = _encoded(codecs[0], value, array.dtype)
+        if data is None:
+            return False
+        key = meta.encode_chunk_key((start // chunk[0], *(0 for _ in chunk[1:])))
+        _put(self.path / name / key, data)
+        return True
 
     def _async(self, name: str) -> Any:
         if name not in self._writable:
@@ -342,6 +382,34 @@ def _check_same(old: Mapping[str, Any], new: Mapping[str, Any], path: Path) -> N
 
 def _fill(dtype: Any) -> Any:
     return float("nan") if dtype.kind == "f" else 0
+
+
+def _encoded(codec: Any, value: Any, dtype: Any) -> Any:
+    """A whole chunk's file contents under zarr's ``codec``, or None where it is not made
+    here: the ``bytes`` codec's is the rows' own bytes (C order, in the codec's byte order);
+    ``vlen-utf8``'s is numcodecs' ``VLenUTF8`` encoding, which zarr's codec calls."""
+    import numpy as np
+    from zarr.codecs import BytesCodec, VLenUTF8Codec
+
+    if isinstance(codec, BytesCodec):
+        if value.dtype != dtype or not value.flags.c_contiguous:
+            return None
+        return memoryview(value).cast("B") if _same_order(value.dtype, codec.endian) else None
+    if isinstance(codec, VLenUTF8Codec) and value.dtype.kind == "U":
+        from numcodecs.vlen import VLenUTF8  # type: ignore[import-untyped]
+
+        return VLenUTF8().encode(np.asarray(value, dtype=object))
+    return None
+
+
+def _same_order(dtype: Any, endian: Any) -> bool:
+    """Whether ``dtype``'s bytes are in the order of zarr's ``endian`` (``None``: one byte)."""
+    order = dtype.byteorder
+    if order == "|":
+        return True
+    if order == "=":
+        order = "<" if sys.byteorder == "little" else ">"
+    return endian is not None and order == ("<" if endian.value == "little" else ">")
 
 
 def _strings(values: list[str]) -> Any:
