@@ -107,14 +107,17 @@ def _layer_output(model: nn.Module, x: Tensor) -> Tensor:
 # Each takes (model, x) and returns what its reference returns on a plain model.
 
 
-def _capture(model: nn.Module, x: Tensor) -> Tensor:
-    with hs.capture(model, LAYER) as cap, _eval(model):
+OP = f"{LAYER}::relu"  # the operation that layer runs: an operation selector
+
+
+def _capture(model: nn.Module, x: Tensor, selector: str = LAYER) -> Tensor:
+    with hs.capture(model, selector) as cap, _eval(model):
         model(x)
-    return cap[LAYER].output
+    return cap[selector].output
 
 
-def _edit(model: nn.Module, x: Tensor) -> Tensor:
-    with hs.edit(model, {LAYER: hs.scale(0.5)}), torch.no_grad(), _eval(model):
+def _edit(model: nn.Module, x: Tensor, selector: str = LAYER) -> Tensor:
+    with hs.edit(model, {selector: hs.scale(0.5)}), torch.no_grad(), _eval(model):
         return model(x).detach()
 
 
@@ -125,20 +128,6 @@ def _edit_reference(model: nn.Module, x: Tensor) -> Tensor:
             return model(x)
     finally:
         handle.remove()
-
-
-OP = f"{LAYER}::relu"  # the operation that layer runs: an operation selector
-
-
-def _capture_op(model: nn.Module, x: Tensor) -> Tensor:
-    with hs.capture(model, OP) as cap, _eval(model):
-        model(x)
-    return cap[OP].output
-
-
-def _edit_op(model: nn.Module, x: Tensor) -> Tensor:
-    with hs.edit(model, {OP: hs.scale(0.5)}), torch.no_grad(), _eval(model):
-        return model(x).detach()
 
 
 def _features(model: nn.Module, x: Tensor) -> Tensor:
@@ -211,8 +200,8 @@ class Entry:
 ENTRIES: dict[str, Entry] = {
     "capture": Entry(_capture, _layer_output, wraps=True),
     "edit": Entry(_edit, _edit_reference, wraps=True),
-    "capture op": Entry(_capture_op, _layer_output, wraps=True),
-    "edit op": Entry(_edit_op, _edit_reference, wraps=True),
+    "capture op": Entry(lambda m, x: _capture(m, x, OP), _layer_output, wraps=True),
+    "edit op": Entry(lambda m, x: _edit(m, x, OP), _edit_reference, wraps=True),
     "features": Entry(_features, _layer_output, wraps=False),
     "summary": Entry(_summary, _summary_reference, wraps=False),
     "nonfinite": Entry(_nonfinite, lambda m, x: (True, 1), wraps=True),
