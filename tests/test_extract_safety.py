@@ -154,6 +154,25 @@ def test_the_fingerprint_of_fixed_weights_never_changes() -> None:
     ]  # fmt: skip
 
 
+def test_the_fingerprint_does_not_depend_on_the_number_of_torch_threads() -> None:
+    """A store made in a process with 2 torch threads resumes in one with 1 or 3 (another
+    machine, a worker): sums of 2**20 float32 values added up by a different number of
+    threads differ in their last bits, so the sums are float64 (it failed with float32)."""
+    from hookscope.extract._identity import fingerprint
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2000, 3000), nn.Linear(3000, 10))
+    threads = torch.get_num_threads()
+    try:
+        seen = set()
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            seen.add(fingerprint(model))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(seen) == 1
+
+
 def test_a_dataloader_that_pads_each_batch(tmp_path: Path) -> None:
     """Batches of 7 padded to their own longest, blocks of 8: batches straddle blocks."""
     model = _TokenModel()

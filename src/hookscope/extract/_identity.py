@@ -23,8 +23,12 @@ def fingerprint(model: nn.Module) -> str:
     Values enter through weighted sums: each run of up to 2**20 values of a tensor, dotted
     with fixed pseudo-random weights (``frac(i * golden ratio)``, one per position), so that a
     change of values, or a permutation of them, changes the result. That costs one read of the
-    weights, on their device (as a plain sum would); the sums are read with one host transfer
-    for the whole model and rounded to 7 significant digits (float32's). Wrappers
+    weights, on their device (as a plain sum would; MPS, which has no float64, on the CPU);
+    the sums are read with one host transfer for the whole model and rounded to 7
+    significant digits. They are accumulated in float64: a float32 sum of 2**20 values
+    depends on how many threads add it up (the order of the additions), which changed the
+    fingerprint of the same weights between a process with 1 torch thread and one with 2 and
+    refused the resume. Wrappers
     (``torch.compile``, DataParallel) are seen through, so a compiled model resumes its eager
     twin's store.
     """
@@ -47,15 +51,17 @@ def fingerprint(model: nn.Module) -> str:
 def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
     """One weighted sum per run of ``_SLICE`` values of ``t`` (float32)."""
     flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
+    if flat.device.type == "mps":  # no float64 there
+        flat = flat.cpu()
+    device = flat.device
     need = min(_SLICE, flat.numel())  # a prefix of the 2**20 weights: the same values, and a
-    if t.device not in weights or len(weights[t.device]) < need:  # small model pays little
-        i = torch.arange(1, need + 1, dtype=torch.float64, device=t.device)
-        weights[t.device] = torch.frac(i * 0.6180339887498949).float()
-    w = weights[t.device]
-    if flat.dtype != torch.float32:
-        flat = flat.float()
+    if device not in weights or len(weights[device]) < need:  # small model pays little
+        i = torch.arange(1, need + 1, dtype=torch.float64, device=device)
+        weights[device] = torch.frac(i * 0.6180339887498949).float().double()
+    w = weights[device]
     runs = [flat[i : i + _SLICE] for i in range(0, flat.numel(), _SLICE)]
-    return torch.stack([torch.dot(x, w[: len(x)]) for x in runs])
+    # float32 values (as before), then float64 sums: the same in every thread count
+    return torch.stack([torch.dot(x.float().double(), w[: len(x)]) for x in runs])
 
 
 def probe(first: Any) -> str | None:
