@@ -170,7 +170,8 @@ def extract(
         )
         raise
     finally:
-        store.close()  # this thread's event loop, if it wrote (Ray's arrays, an empty store)
+        # this thread's event loop, if it wrote (blocks in line, Ray's arrays, an empty store)
+        store.close()
     return open_features(out)
 
 

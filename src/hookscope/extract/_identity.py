@@ -49,7 +49,7 @@ def fingerprint(model: nn.Module) -> str:
 
 
 def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
-    """One weighted sum per run of ``_SLICE`` values of ``t`` (float32)."""
+    """One weighted sum per run of ``_SLICE`` values of ``t`` (as float32, summed in float64)."""
     flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
     if flat.device.type == "mps":  # no float64 there
         flat = flat.cpu()

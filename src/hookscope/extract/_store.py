@@ -11,16 +11,19 @@ arrays are made again. Resuming recomputes every block not marked done, overwrit
 it left. Metadata lives in the group's attributes under ``"hookscope"``, written with the group
 itself (one file, replaced atomically).
 
-A block's rows go through zarr's asynchronous API, all arrays at once on an event loop of the
-writing thread, then its ``done`` entry: two waits per block instead of one per array. The
-store is zarr's ``LocalStore`` except that a chunk file is written on that thread rather than
-handed to a file thread (:func:`_local_store`): on a busy machine every hand-over waits for
-the other thread to be scheduled, which made a small ``done`` entry cost as much as 0.6 ms and
-a block of an IO-bound extraction 1.7 ms more than ``np.save`` of the same rows. ``ids``,
-``errors`` and ``done`` are stored uncompressed (a compressor is another hand-over to a
-thread, for a few bytes). Layer arrays are written with ``write_empty_chunks``, so zarr does not
-compare every 16 MiB chunk with the fill value (an all-NaN block, every sample unreadable, is
-then a chunk file rather than none: it reads the same). Chunk keys use zarr's ``"."``
+A block that fills whole chunks of arrays with no compressor (the default codec, and ``ids``
+and ``done``) is written as the files' bytes directly (:meth:`Store._whole_chunk`: what zarr
+itself would write); the rest (a compressed layer, the last, partial block) goes through
+zarr's asynchronous API, all arrays at once on an event loop of the writing thread, then its
+``done`` entry. Either way files are written on that thread: the store is zarr's
+``LocalStore`` except that a file is not handed to a file thread (:func:`_local_store`). On a
+busy machine every hand-over waits for the other thread to be scheduled, which made a small
+``done`` entry cost as much as 0.6 ms and a block of an IO-bound extraction 1.7 ms more than
+``np.save`` of the same rows. ``ids``, ``errors`` and ``done`` are stored uncompressed (a
+compressor is another hand-over to a thread, for a few bytes). Layer arrays are written with
+``write_empty_chunks``, so zarr does not compare every 16 MiB chunk with the fill value (an
+all-NaN block, every sample unreadable, is then a chunk file rather than none: it reads the
+same). Chunk keys use zarr's ``"."``
 separator (``1/c.3.0.0.0``, not ``1/c/3/0/0/0``): one folder per array instead of one per chunk
 and dimension, to make on every write and remove on every overwrite (the key encoding is in
 each array's metadata, so stores made with ``"/"`` resume and read as before).

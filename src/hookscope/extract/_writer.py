@@ -97,8 +97,7 @@ class Writer:
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if not self.thread:
-            self._store.close()
+        if not self.thread:  # written in line: the caller closes its own event loop
             return
         try:
             self._hand(None, check=False)  # the queued blocks are finished: write them, stop
