@@ -244,6 +244,28 @@ def test_minus_inf_padding_before_the_faulty_block_is_not_blamed() -> None:
     assert info.value.op == "aten.mul"
 
 
+@pytest.mark.parametrize("n", [4, 1000, 100_000])
+def test_a_freed_temporarys_address_taken_by_a_later_tensor_is_another_value(n: int) -> None:
+    """The replay tells values apart by storage and version. A temporary freed mid-forward
+    leaves its address to the next tensor of its size (the allocator reuses it), which must
+    not be mistaken for it: once, following the NaN back from the output looped through the
+    later tensor and named no operator (the failure depended on the allocator's history, and
+    made a dropout test fail in one full run of the suite)."""
+
+    class Reuse(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            t = x.sqrt()  # the NaN's producer
+            y = t + 1
+            del t  # its storage is freed here: ``u`` may get the same address
+            u = y * 2
+            return u + y
+
+    model = nn.Sequential(nn.Identity(), Reuse())
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        model(-torch.ones(n))
+    assert (info.value.phase, info.value.module, info.value.op) == ("forward", "1", "aten.sqrt")
+
+
 @pytest.mark.mutates_model  # a training step: BatchNorm statistics move
 def test_dropout_under_deterministic_algorithms_does_not_blame_filled_memory() -> None:
     """torch.use_deterministic_algorithms fills fresh memory with NaN before operators write

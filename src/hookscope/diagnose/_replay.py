@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import (
@@ -107,14 +108,6 @@ def kind(t: Tensor) -> int:
     if bool(v.isnan().any()):
         return NAN
     return FINITE if bool(torch.isfinite(v).all()) else INF
-
-
-def _key(t: Tensor) -> tuple[int, int] | None:
-    """A value: the tensor's storage at its current version (views share both)."""
-    try:
-        return t.untyped_storage().data_ptr(), t._version
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 # -- the replay ---------------------------------------------------------------------------------
@@ -208,18 +201,40 @@ class _Op:
     name: str
     module: str | None
     call: int
-    inputs: list[tuple[tuple[int, int] | None, int]]  # (value, kind) read, before the op ran
+    inputs: list[tuple[Value | None, int]]  # (value, kind) read, before the op ran
     index: int
     deliberate: bool  # given an infinity as a constant, or run by an allowed layer
+
+
+#: A value: a storage's address, which storage that was at this address (a storage freed
+#: during the forward leaves its address to a later one), and its version.
+Value = tuple[int, int, int]
 
 
 @dataclass
 class _Flow:
     """What the dispatch mode saw: the operator that wrote each value, and what it was."""
 
-    writer: dict[tuple[int, int], tuple[_Op, int]] = field(default_factory=dict)
-    external: dict[tuple[int, int], str] = field(default_factory=dict)
+    writer: dict[Value, tuple[_Op, int]] = field(default_factory=dict)
+    external: dict[Value, str] = field(default_factory=dict)
     count: int = 0
+    #: address -> (weak reference to the storage last seen there, its generation)
+    storages: dict[int, tuple[StorageWeakRef, int]] = field(default_factory=dict)
+
+    def key(self, t: Tensor) -> Value | None:
+        """The value ``t`` holds: its storage at its current version (views share both). A
+        storage at an address whose previous storage was freed is a new generation, so that
+        a temporary's address taken over by a later tensor is not mistaken for it."""
+        try:
+            storage = t.untyped_storage()
+            address, version = storage.data_ptr(), t._version
+        except (RuntimeError, NotImplementedError):
+            return None
+        seen = self.storages.get(address)
+        if seen is None or seen[0].expired():  # type: ignore[no-untyped-call]
+            ref = StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+            seen = self.storages[address] = (ref, seen[1] + 1 if seen else 0)
+        return address, seen[1], version
 
 
 class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -240,7 +255,7 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
             out = func(*args, **kwargs)
             self.measured = {"inputs": before, "outputs": stats(floats(out))}
             raise _Stop
-        read = [(_key(t), kind(t)) for t in ins]
+        read = [(self.flow.key(t), kind(t)) for t in ins]
         out = func(*args, **kwargs)
         name, call = self.tracker.where()
         deliberate = self.tracker.in_allowed() or _infinite_constant((args, kwargs))
@@ -251,9 +266,11 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
         fresh = [t for t in floats(out) if not any(t is m for m in mutated)]
         reads = {k for k, _ in read}
         for t, bump in [*((t, 0) for t in fresh), *((t, 1) for t in mutated)]:
-            k = _key(t)
-            if k is not None and (bump or k not in reads):  # an alias of an input (an
-                self.flow.writer[k[0], k[1] + bump] = (op, kind(t))  # _unsafe_view) writes nothing
+            k = self.flow.key(t)
+            # an alias of an input (an _unsafe_view) writes nothing
+            if k is not None and (bump or k not in reads):
+                address, generation, version = k
+                self.flow.writer[address, generation, version + bump] = (op, kind(t))
         return out
 
 
@@ -283,11 +300,11 @@ def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
     return out
 
 
-def _source(flow: _Flow, start: tuple[int, int], want: int) -> tuple[_Op | None, str | None]:
+def _source(flow: _Flow, start: Value, want: int) -> tuple[_Op | None, str | None]:
     """Follow the values back from ``start`` (holding ``want``: NAN, or INF for any non-finite
     value) to the first operator on their path that made them from inputs without; or the
     outside value (``"<input>"``, a parameter's name) they came from."""
-    seen: set[tuple[int, int]] = set()
+    seen: set[Value] = set()
     todo = [start]
     while todo:
         value = todo.pop()
@@ -314,7 +331,7 @@ def holds(found: int, want: int) -> bool:
 INTENDED = "<intended>"
 
 
-def producer(flow: _Flow, start: tuple[int, int], want: int) -> tuple[_Op | None, str | None]:
+def producer(flow: _Flow, start: Value, want: int) -> tuple[_Op | None, str | None]:
     """The operator to blame for the non-finite value at ``start``, or the outside source, or
     :data:`INTENDED`.
 
@@ -363,7 +380,7 @@ def replay_forward(
     if not bad:
         return None, None
     want, tensor = max(bad, key=lambda kt: kt[0])  # a NaN first
-    start = _key(tensor)
+    start = flow.key(tensor)
     op, outside = producer(flow, start, want) if start is not None else (None, None)
     if op is None:
         return None, outside
@@ -375,12 +392,12 @@ def replay_forward(
 
 def _register_outside(flow: _Flow, module: nn.Module, names: dict[int, str], inputs: Any) -> None:
     for t in floats(inputs):
-        if (k := _key(t)) is not None:
+        if (k := flow.key(t)) is not None:
             flow.external[k] = "<input>"
     for prefix, m in module.named_modules():
         owner = names.get(id(m), prefix)
         for pname, p in [*m._parameters.items(), *m._buffers.items()]:
-            if isinstance(p, Tensor) and (k := _key(p)) is not None:
+            if isinstance(p, Tensor) and (k := flow.key(p)) is not None:
                 flow.external.setdefault(k, f"{owner}.{pname}" if owner else pname)
 
 
