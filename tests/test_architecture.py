@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -93,3 +95,16 @@ def test_every_internal_resolves_on_this_torch() -> None:
 
     assert _torch.missing() == []
     assert len(_torch.INTERNALS) >= 10
+
+
+def test_importing_hookscope_or_its_command_line_does_not_import_dynamo() -> None:
+    """``torch._dynamo`` takes most of a second to import (twice torch's own time here): the
+    internals hookscope needs from it are looked up when a compiled model needs them, so
+    ``import hookscope`` and ``hookscope --help`` cost about what ``import torch`` does."""
+    code = (
+        "import sys, torch; before = 'torch._dynamo' in sys.modules; "
+        "import hookscope, hookscope.show; print(before, 'torch._dynamo' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    before, after = done.stdout.split()
+    assert after == before, "importing hookscope imported torch._dynamo"

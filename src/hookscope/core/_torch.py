@@ -1,10 +1,12 @@
 """Every private PyTorch internal hookscope relies on, in one place.
 
 PyTorch does not promise these names. Each is looked up once, here, when hookscope is
-imported; a missing one does not break the import but makes the feature that needs it raise
+imported, except ``torch._dynamo``'s: importing it takes most of a second, so they are looked
+up when first needed (only for a compiled model, by when torch has imported dynamo). A missing
+one does not break the import but makes the feature that needs it raise
 :class:`~hookscope.errors.TorchCompatError` naming the internal, the torch version and what
 to do, instead of failing somewhere deep or, worse, silently doing nothing.
-``tests/test_torch_compat.py`` checks that every internal resolves on the torch CI tests.
+``tests/test_architecture.py`` checks that every internal resolves on the torch CI tests.
 
 CI tests torch 2.13; the CUDA tests ran on torch 2.11.
 """
@@ -47,6 +49,8 @@ __all__ = [
 
 #: name -> the object, or None when this torch lacks it
 INTERNALS: dict[str, Any] = {}
+#: name -> how to find it, for internals looked up when first needed (see the docstring)
+_LATER: dict[str, Callable[[], Any]] = {}
 
 
 def _find(name: str, get: Callable[[], Any]) -> Any:
@@ -58,8 +62,16 @@ def _find(name: str, get: Callable[[], Any]) -> Any:
     return value
 
 
+def _resolve_later() -> None:
+    for name, get in list(_LATER.items()):
+        if name not in INTERNALS:
+            _find(name, get)
+
+
 def need(name: str) -> Any:
     """The internal ``name``; raises TorchCompatError if this torch does not have it."""
+    if name not in INTERNALS and (get := _LATER.get(name)) is not None:
+        _find(name, get)
     value = INTERNALS.get(name)
     if value is None:
         raise TorchCompatError(
@@ -72,6 +84,7 @@ def need(name: str) -> Any:
 
 def missing() -> list[str]:
     """The internals this torch lacks (empty on a supported torch)."""
+    _resolve_later()
     return sorted(name for name, value in INTERNALS.items() if value is None)
 
 
@@ -244,7 +257,7 @@ def _cache_lister() -> Any:
     return _debug_get_cache_entry_list
 
 
-_CACHE = _find("torch._dynamo.eval_frame._debug_get_cache_entry_list", _cache_lister)
+_LATER["torch._dynamo.eval_frame._debug_get_cache_entry_list"] = _cache_lister
 
 
 def dynamo_cache_entries(code: types.CodeType) -> list[Any]:
@@ -260,7 +273,7 @@ def _wrap_inline() -> Any:
     return [c for c in consts if isinstance(c, types.CodeType)]
 
 
-_WRAP_INLINE = _find("torch._dynamo.external_utils.wrap_inline", _wrap_inline)
+_LATER["torch._dynamo.external_utils.wrap_inline"] = _wrap_inline
 
 
 def wrap_inline_codes() -> list[types.CodeType]:
@@ -276,7 +289,7 @@ def _stance_api() -> Any:
     return eval_frame
 
 
-_STANCE = _find("torch._dynamo.eval_frame._set_stance", _stance_api)
+_LATER["torch._dynamo.eval_frame._set_stance"] = _stance_api
 
 
 def set_stance(stance: Any) -> Any:
