@@ -98,7 +98,8 @@ def _env(name: str, quick: bool) -> dict[str, str]:
 
 
 def run_jobs(jobs: list[Job], cfg: Config, parallel: int, t0: float) -> None:
-    """Run worker processes, ``parallel`` at a time; a failure leaves an error record."""
+    """Run worker processes, ``parallel`` at a time (the next starts as soon as any one ends);
+    a failure leaves an error record."""
     pending, running = list(jobs), []
     while pending or running:
         while pending and len(running) < parallel:
@@ -109,16 +110,19 @@ def run_jobs(jobs: list[Job], cfg: Config, parallel: int, t0: float) -> None:
             cmd += ["--spec", json.dumps(job.spec)]
             proc = subprocess.Popen(cmd, env=_env(job.env, cfg.quick), stderr=log, text=True)
             running.append((job, path, log, proc, time.perf_counter()))
-        job, path, log, proc, start = running.pop(0)
-        proc.wait()
-        log.close()
-        took = f"({time.perf_counter() - start:.0f} s) {job.module} {job.name}"
-        if proc.returncode:
-            tail = Path(log.name).read_text()[-3000:]
-            path.write_text(json.dumps({"kind": "error", "job": job.name, "stderr": tail}))
-            _log(f"FAILED {took}\n{tail}", t0)
-        else:
-            _log(f"done {took}", t0)
+        while not (ended := [r for r in running if r[3].poll() is not None]):
+            time.sleep(0.05)
+        for item in ended:
+            running.remove(item)
+            job, path, log, proc, start = item
+            log.close()
+            took = f"({time.perf_counter() - start:.0f} s) {job.module} {job.name}"
+            if proc.returncode:
+                tail = Path(log.name).read_text()[-3000:]
+                path.write_text(json.dumps({"kind": "error", "job": job.name, "stderr": tail}))
+                _log(f"FAILED {took}\n{tail}", t0)
+            else:
+                _log(f"done {took}", t0)
 
 
 def _meta_path(out: Path, only: str | None) -> Path:
@@ -134,10 +138,14 @@ def run_all(
     for old in [*cfg.out.glob(f"{prefix}*.json"), *cfg.out.glob(f"{prefix}*.log")]:
         old.unlink()
     jobs = [j for m in modules for j in importlib.import_module(m).jobs(cfg)]
-    # Timing processes run alone (2 threads, 2 cores) except in --quick; memory figures are
-    # per process, so memory processes may share the machine.
-    run_jobs([j for j in jobs if j.alone], cfg, 2 if cfg.quick else 1, t0)
-    run_jobs([j for j in jobs if not j.alone], cfg, 2, t0)
+    # Timing processes run alone (2 threads, 2 cores) except in --quick (two at a time, one
+    # thread each, all jobs in one queue); memory figures are per process, so memory
+    # processes may share the machine.
+    if cfg.quick:
+        run_jobs(jobs, cfg, 2, t0)
+    else:
+        run_jobs([j for j in jobs if j.alone], cfg, 1, t0)
+        run_jobs([j for j in jobs if not j.alone], cfg, 2, t0)
     meta = {
         "command": " ".join(["python bench/run.py", *argv]),
         "started": started,

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,12 @@ def hookscope(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )  # fmt: skip
 
 
+def hookscopes(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
+    """Independent commands, two processes at a time (each mostly imports torch), in order."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda args: hookscope(*args), commands))
+
+
 @pytest.mark.hf
 def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
@@ -44,16 +51,18 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval()
     model.save_pretrained(tmp_path / "bert")
-    done = hookscope("summary", str(tmp_path / "bert"), "--input-size", "2,64", "--json")
+    bert = str(tmp_path / "bert")
+    done, floats, text = hookscopes(
+        ("summary", bert, "--input-size", "2,64", "--json"),
+        ("summary", bert, "--input-size", "2,64", "--dtype", "float32"),
+        ("summary", bert, "--text", "hello world"),
+    )
     assert done.returncode == 0, done.stderr
     ours = hs.Summary.from_json(done.stdout)
     direct = hs.summary(model, torch.randint(0, 100, (2, 64)))
     assert ours.total_flops == direct.total_flops and ours.inputs == {"input_ids": (2, 64)}
     assert done.stderr == ""  # no progress bar or warning in the way
 
-    floats = hookscope(
-        "summary", str(tmp_path / "bert"), "--input-size", "2,64", "--dtype", "float32"
-    )
     assert floats.returncode == 1 and floats.stdout == ""
     assert floats.stderr.count("\n") == 1 and "Traceback" not in floats.stderr
     assert (
@@ -61,31 +70,34 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
         "float32 - token ids must be integers: pass --dtype long" in floats.stderr
     )
 
-    text = hookscope("summary", str(tmp_path / "bert"), "--text", "hello world")
     assert text.returncode == 2 and "has no tokenizer files" in text.stderr
 
 
 def test_exit_statuses(tmp_path: Path) -> None:
-    found = hookscope("nan", f"{MODELS}:nan_model", "--input-size", "8,4")
+    out = str(tmp_path / "r.html")
+    failing = [("summary",), ("report", "--out", out), ("cam", "--layer", "0")]
+    found, crashed, usage, *failed = hookscopes(
+        ("nan", f"{MODELS}:nan_model", "--input-size", "8,4"),
+        ("nan", CNN, "--input-size", "1,5,8,8"),  # 5 channels into 3
+        ("summary", CNN, "--input-size", "1,x,3"),
+        *((*args, CNN, "--input-size", "1,5,8,8") for args in failing),
+    )
     assert found.returncode == 1 and "aten.log" in found.stdout
-    crashed = hookscope("nan", CNN, "--input-size", "1,5,8,8")  # 5 channels into 3
     assert crashed.returncode == 3 and "Traceback" not in crashed.stderr
     assert "failed in '0' (Conv2d) called with input=Tensor[1, 5, 8, 8] float32" in crashed.stderr
-    out = str(tmp_path / "r.html")
-    for args in (("summary",), ("report", "--out", out), ("cam", "--layer", "0")):
-        failed = hookscope(*args, CNN, "--input-size", "1,5,8,8")
-        assert failed.returncode == 1, (args, failed.stderr)
-        assert "failed in '0' (Conv2d)" in failed.stderr and failed.stderr.count("\n") == 1
-    usage = hookscope("summary", CNN, "--input-size", "1,x,3")
+    for args, done in zip(failing, failed, strict=True):
+        assert done.returncode == 1, (args, done.stderr)
+        assert "failed in '0' (Conv2d)" in done.stderr and done.stderr.count("\n") == 1
     assert usage.returncode == 2
     assert usage.stderr.startswith("Usage: hookscope summary [OPTIONS] MODEL\n")
     assert "--input-size must be positive integers" in usage.stderr
 
 
 def test_a_pickle_named_pt2_is_refused_in_one_line(tmp_path: Path) -> None:
-    for name in ("model.pt2", "model.pt", "weights.bin"):
+    names = ("model.pt2", "model.pt", "weights.bin")
+    for name in names:
         torch.save(small_cnn(), tmp_path / name)
-        done = hookscope("names", str(tmp_path / name))
+    for name, done in zip(names, hookscopes(*(("names", str(tmp_path / n)) for n in names))):
         assert done.returncode == 2, (name, done.stderr)
         assert "written by torch.save" in done.stderr and "Traceback" not in done.stderr
         assert "deserializ" not in done.stderr  # torch.export's own logged traceback
@@ -183,22 +195,25 @@ def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
     transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
-    known = hookscope("summary", str(folder), "--text", "hello world", "--json")
+    known, unknown = hookscopes(
+        ("summary", str(folder), "--text", "hello world", "--json"),
+        ("summary", str(folder), "--text", "bonjour le monde"),
+    )
     assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
     assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
-    unknown = hookscope("summary", str(folder), "--text", "bonjour le monde")
     assert unknown.returncode == 0
     assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr
 
 
 def test_budgets_device_and_seed_from_a_shell(tmp_path: Path) -> None:
     args = ("cam", CNN, "--input-size", "4,3,16,16", "--layer", "3", "--out", str(tmp_path))
-    budgeted = hookscope(*args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3")
+    budgeted, *seeded = hookscopes(
+        (*args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3"),
+        *((*args, "--json", "--device", "cpu", "--seed", seed) for seed in ("3", "3", "4")),
+    )
     assert budgeted.returncode == 0, budgeted.stderr
     # 4 images x 2 of layer 3's 6 channels, 3 images per forward
     assert "scorecam: 8 extra image forwards in 3 calls of up to 3 images" in budgeted.stderr
-    seeded = [
-        hookscope(*args, "--json", "--device", "cpu", "--seed", seed).stdout
-        for seed in ("3", "3", "4")
-    ]
-    assert json.loads(seeded[0]) == json.loads(seeded[1]) != json.loads(seeded[2])
+    assert all(done.returncode == 0 for done in seeded), [done.stderr for done in seeded]
+    maps = [json.loads(done.stdout) for done in seeded]
+    assert maps[0] == maps[1] != maps[2]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -211,9 +212,8 @@ def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) ->
 def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     assert _child(tmp_path / "clean", kill_at=0) == 0
     clean = hs.open_features(tmp_path / "clean")
-    # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first
-    # batch, right after block 2 was committed), 20 (the last batch); twice for 12
-    for points in ([1], [6], [7], [20], [12, 3]):
+
+    def killed_at(points: list[int]) -> None:
         out = tmp_path / f"kill{'_'.join(map(str, points))}"
         for i, point in enumerate(points):
             assert _child(out, kill_at=point, resume=i > 0) == -signal.SIGKILL
@@ -221,8 +221,8 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
                 hs.open_features(out)
         assert _child(out, kill_at=0, resume=True) == 0
         _assert_same(hs.open_features(out), clean)
-    # killed at random moments (inside chunk writes too), then resumed
-    for seed in range(3):
+
+    def killed_by_timer(seed: int) -> None:  # at a random moment (inside chunk writes too)
         out = tmp_path / f"timer{seed}"
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(out), "0", "0.01", "new"],
@@ -236,6 +236,15 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
             child.wait()
         assert _child(out, kill_at=0, resume=out.exists()) == 0
         _assert_same(hs.open_features(out), clean)
+
+    # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first
+    # batch, right after block 2 was committed), 20 (the last batch); twice for 12. The
+    # scenarios are independent processes: two at a time (each mostly imports torch)
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(killed_at, points) for points in ([1], [6], [7], [20], [12, 3])]
+        runs += [pool.submit(killed_by_timer, seed) for seed in range(3)]
+        for run in runs:
+            run.result()
 
 
 def _assert_same(a: hs.FeatureStore, b: hs.FeatureStore) -> None:

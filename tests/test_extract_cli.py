@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,11 @@ def _env() -> dict[str, str]:
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=300, check=False,
                           env=_env())  # fmt: skip
+
+
+def _runs(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(_run, commands))
 
 
 def _done(out: Path) -> int:
@@ -155,17 +161,20 @@ def test_messages_use_the_flags_and_usage_problems_exit_2(
     x = tmp_path / "small.npy"
     np.save(x, np.load(data)[:10])
     out = tmp_path / "s"
-    first = _run(_command(model, x, out, "--json"))
+    first, missing, bad = _runs(  # independent processes, two at a time
+        _command(model, x, out, "--json"),
+        _command(model, tmp_path / "nope.npy", tmp_path / "t"),
+        _command(model, x, tmp_path / "u", "--batch-size", "0"),
+    )
     assert first.returncode == 0, first.stderr
     assert '"chunk": 16' in first.stdout  # --chunk reached the store
-    again = _run(_command(model, x, out))
+    again, other = _runs(  # both find the store the first made
+        _command(model, x, out), _command(model, x, out, "--resume", "--batch-size", "4")
+    )
     assert again.returncode == 2
     assert "pass --resume to finish it or --overwrite to replace it" in again.stderr
     assert "resume=True" not in again.stderr and "Traceback" not in again.stderr
-    other = _run(_command(model, x, out, "--resume", "--batch-size", "4"))
     assert other.returncode == 2 and "or --overwrite to start again" in other.stderr
-    missing = _run(_command(model, tmp_path / "nope.npy", tmp_path / "t"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
     assert "FileNotFoundError" not in missing.stderr
-    bad = _run(_command(model, x, tmp_path / "u", "--batch-size", "0"))
     assert bad.returncode == 2 and "--batch-size must be an int >= 1" in bad.stderr
