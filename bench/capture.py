@@ -88,15 +88,20 @@ class Case:
             return self.forward()
 
 
-def _resnet50(quick: bool) -> Case:
+def _resnet50(quick: bool, full_width: bool = False) -> Case:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     torch.manual_seed(0)
-    model = ResNetForImageClassification(ResNetConfig(num_labels=1000)).eval()
+    # --quick keeps the 16 bottleneck blocks (same names and selections) but narrows them
+    # (unless ``full_width``: look's host-bound case, ResNet-50 itself on a small input).
+    narrow = quick and not full_width
+    widths = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]} if narrow else {}
+    model = ResNetForImageClassification(ResNetConfig(num_labels=1000, **widths)).eval()
     batch, side = (1, 64) if quick else (8, 224)
     torch.manual_seed(1)
     x = torch.randn(batch, 3, side, side)
-    what = f"ResNetForImageClassification(ResNetConfig()), input {batch}x3x{side}x{side}"
+    config = "ResNetConfig(narrow)" if narrow else "ResNetConfig()"
+    what = f"ResNetForImageClassification({config}), input {batch}x3x{side}x{side}"
     stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
     return Case("resnet50", model, (x,), {}, stages, stages[1], "spatial_mean", 32, what)
 
@@ -117,8 +122,10 @@ def _gpt2(quick: bool) -> Case:
     return Case("gpt2", model, (ids,), kw, blocks, blocks[5], "token_mean", 0, what)
 
 
-def build_case(name: str, quick: bool) -> Case:
-    return {"resnet50": _resnet50, "gpt2": _gpt2}[name](quick)
+def build_case(name: str, quick: bool, full_width: bool = False) -> Case:
+    """The case ``name``; ``quick``: a small input and (unless ``full_width``) narrow layers."""
+    builders = {"resnet50": lambda: _resnet50(quick, full_width), "gpt2": lambda: _gpt2(quick)}
+    return builders[name]()
 
 
 # -- variants ----------------------------------------------------------------------------------

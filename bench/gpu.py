@@ -92,18 +92,24 @@ def _logits(out: Any) -> Tensor:
 # -- cases -------------------------------------------------------------------------------------
 
 
-def _resnet() -> tuple[nn.Module, list[str], str]:
-    try:
-        import torchvision
+def _resnet(quick: bool) -> tuple[nn.Module, list[str], str]:
+    """torchvision's ResNet-50 where it works, else HF's; with ``quick``, HF's with the same
+    16 bottleneck blocks narrowed (a smoke run)."""
+    if not quick:
+        try:
+            import torchvision
 
-        model: nn.Module = torchvision.models.resnet50()
-        return model, [f"layer{i}" for i in range(1, 5)], "torchvision resnet50"
-    except Exception:  # missing, or a build whose operators do not load
-        from transformers import ResNetConfig, ResNetForImageClassification
+            model: nn.Module = torchvision.models.resnet50()
+            return model, [f"layer{i}" for i in range(1, 5)], "torchvision resnet50"
+        except Exception:  # missing, or a build whose operators do not load
+            pass
+    from transformers import ResNetConfig, ResNetForImageClassification
 
-        stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-        what = "HF ResNetForImageClassification(ResNetConfig()), as torchvision is missing"
-        return ResNetForImageClassification(ResNetConfig(num_labels=1000)), stages, what
+    stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
+    widths = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]} if quick else {}
+    config = ResNetConfig(num_labels=1000, **widths)
+    what = f"HF ResNetForImageClassification(ResNetConfig({'narrow' if quick else ''}))"
+    return ResNetForImageClassification(config), stages, what
 
 
 def _lm(name: str, quick: bool) -> tuple[nn.Module, list[str], int, str]:
@@ -131,7 +137,7 @@ def build(case: str, device: torch.device, quick: bool) -> tuple[capture.Case, T
     torch.manual_seed(0)
     with torch.device(device):
         if name == "resnet50":
-            model, blocks, what = _resnet()
+            model, blocks, what = _resnet(quick)
             classes, reduce, middle = 1000, "spatial_mean", blocks[2]
         else:
             model, blocks, classes, what = _lm(name, quick)
