@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import hookscope as hs
 from extract_oracle import hand
@@ -45,10 +46,10 @@ def _writes(monkeypatch: pytest.MonkeyPatch, fn: Callable[[str, Any], None]) -> 
     store = importlib.import_module("hookscope.extract._store")
     real = store._put
 
-    def spy(target: Path, data: Any) -> None:
+    def spy(target: Path, data: Any, exclusive: bool = False) -> None:
         if target.name != "zarr.json":
             fn(target.parent.name, np.frombuffer(data, dtype=np.uint8))
-        real(target, data)
+        real(target, data, exclusive)
 
     monkeypatch.setattr(store, "_put", spy)
     yield
@@ -201,6 +202,34 @@ def test_codecs(tmp_path: Path) -> None:
 
 
 @pytest.mark.mutates_model  # Static writes its outputs into its own tensor
+@pytest.mark.parametrize("thread", [True, False])
+def test_rows_kept_without_a_copy_are_let_go_once_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, thread: bool
+) -> None:
+    """A block of one batch keeps the forward's output itself; once written, the store must
+    not hold it through the next forwards (it did until the caller's loop moved on, one
+    forward later: a third batch of memory in use, and forwards 1.4x slower in an IO-bound
+    extraction). Written in line, no earlier output is alive when a forward starts; from the
+    writer thread, at most the queued block and the one being written."""
+    _writer_thread(monkeypatch, thread)
+    outputs: list[StorageWeakRef] = []  # the storage: the store keeps a view of the output
+    alive: list[int] = []  # per forward: earlier outputs still alive when it starts
+
+    class Recorded(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            alive.append(sum(not r.expired() for r in outputs))
+            out = super().forward(x)
+            outputs.append(StorageWeakRef(out.untyped_storage()))
+            return out
+
+    torch.manual_seed(0)
+    model = Recorded(nn.Linear(6, 8), nn.ReLU())
+    store = hs.extract(model, X, ["1"], out=tmp_path / "s", batch_size=10, chunk=10, stop=False)
+    np.testing.assert_allclose(store.to_numpy("1"), hand(model, X, "1").numpy(), atol=1e-6)
+    assert len(alive) == 11  # sample 0 (the probe), then ten batches
+    assert max(alive) <= (2 if thread else 0), alive
+
+
 def test_rows_kept_without_a_copy_are_the_rows_computed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -32,6 +32,7 @@ each array's metadata, so stores made with ``"/"`` resume and read as before).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import shutil
@@ -71,9 +72,11 @@ _STORE: list[Any] = []  # the LocalStore subclass, made on first use (zarr is an
 
 
 def _local_store(path: Path) -> Any:
-    """zarr's ``LocalStore`` at ``path``, writing each file on the calling thread (see the
-    module docstring), to a temporary name renamed into place, as zarr does."""
+    """zarr's ``LocalStore`` at ``path``, reading and writing each file on the calling thread
+    (see the module docstring); files are written to a temporary name renamed into place, as
+    zarr does."""
     if not _STORE:
+        from zarr.core.buffer import default_buffer_prototype
         from zarr.storage import LocalStore
 
         class _Local(LocalStore):
@@ -83,18 +86,44 @@ def _local_store(path: Path) -> Any:
                 self._check_writable()
                 _put(self.root / key, value.as_buffer_like())
 
+            async def set_if_not_exists(self, key: str, value: Any) -> None:
+                if not self._is_open:
+                    await self._open()
+                self._check_writable()
+                with contextlib.suppress(FileExistsError):
+                    _put(self.root / key, value.as_buffer_like(), exclusive=True)
+
+            async def get(self, key: str, prototype: Any = None, byte_range: Any = None) -> Any:
+                if byte_range is not None:  # parts of files: not read by the writing code
+                    return await super().get(key, prototype, byte_range)
+                if not self._is_open:
+                    await self._open()
+                try:
+                    data = (self.root / key).read_bytes()
+                except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                    return None
+                return (prototype or default_buffer_prototype()).buffer.from_bytes(data)
+
+            async def exists(self, key: str) -> bool:
+                return (self.root / key).is_file()
+
         _STORE.append(_Local)
     return _STORE[0](path)
 
 
-def _put(target: Path, data: Any) -> None:
-    """``data`` (bytes-like) in the file ``target``: written to a temporary name, renamed."""
+def _put(target: Path, data: Any, exclusive: bool = False) -> None:
+    """``data`` (bytes-like) in the file ``target``: written to a temporary name, renamed
+    (``exclusive``: linked, so that an existing file is kept and FileExistsError raised)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f"{target.name}.{uuid.uuid4().hex}.partial")
     try:
         with open(partial, "wb") as f:
             f.write(data)
-        os.replace(partial, target)
+        if exclusive:
+            os.link(partial, target)
+            partial.unlink()
+        else:
+            os.replace(partial, target)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

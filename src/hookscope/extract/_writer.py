@@ -137,7 +137,7 @@ class Writer:
         self._held -= 1
         if not self.thread:
             self._write(block)
-            self._free.put(block.buffers)
+            self._done(block)
             return
         self._hand(block)
 
@@ -165,9 +165,17 @@ class Writer:
                         self._write(block)
                     except BaseException as e:  # raised in the caller (see _check)
                         self._error = e
-                self._free.put(block.buffers)
+                self._done(block)
         finally:
             self._store.close()  # the event loop of the store's writes lives in this thread
+
+    def _done(self, block: Block) -> None:
+        """A written block: its buffers go back for a later block, and the rows it kept
+        without a copy are let go now, not when the caller's loop drops the block after the
+        next forward (during which they kept a third batch of memory in use: the forwards of
+        an IO-bound extraction ran 1.4x slower than the same forwards in a hand loop)."""
+        block.held.clear()
+        self._free.put(block.buffers)
 
     def _write(self, block: Block) -> None:
         block.wait()
