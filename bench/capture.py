@@ -88,6 +88,11 @@ class Case:
             return self.forward()
 
 
+#: ``ResNetConfig`` arguments of --quick's narrow ResNet-50: its 16 bottleneck blocks and
+#: names, fewer channels (here and in gpu.py)
+NARROW_RESNET: dict[str, Any] = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]}
+
+
 def _resnet50(quick: bool, full_width: bool = False) -> Case:
     from transformers import ResNetConfig, ResNetForImageClassification
 
@@ -95,7 +100,7 @@ def _resnet50(quick: bool, full_width: bool = False) -> Case:
     # --quick keeps the 16 bottleneck blocks (same names and selections) but narrows them
     # (unless ``full_width``: look's host-bound case, ResNet-50 itself on a small input).
     narrow = quick and not full_width
-    widths = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]} if narrow else {}
+    widths = NARROW_RESNET if narrow else {}
     model = ResNetForImageClassification(ResNetConfig(num_labels=1000, **widths)).eval()
     batch, side = (1, 64) if quick else (8, 224)
     torch.manual_seed(1)

@@ -106,7 +106,7 @@ def _resnet(quick: bool) -> tuple[nn.Module, list[str], str]:
     from transformers import ResNetConfig, ResNetForImageClassification
 
     stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-    widths = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]} if quick else {}
+    widths = capture.NARROW_RESNET if quick else {}
     config = ResNetConfig(num_labels=1000, **widths)
     what = f"HF ResNetForImageClassification(ResNetConfig({'narrow' if quick else ''}))"
     return ResNetForImageClassification(config), stages, what
