@@ -196,6 +196,11 @@ def _call(module: nn.Module, inputs: Any) -> Any:
     return module(*args, **kwargs)
 
 
+#: A value: a storage's address, which storage that was at this address (a storage freed
+#: during the forward leaves its address to a later one), and its version.
+Value = tuple[int, int, int]
+
+
 @dataclass
 class _Op:
     name: str
@@ -204,11 +209,6 @@ class _Op:
     inputs: list[tuple[Value | None, int]]  # (value, kind) read, before the op ran
     index: int
     deliberate: bool  # given an infinity as a constant, or run by an allowed layer
-
-
-#: A value: a storage's address, which storage that was at this address (a storage freed
-#: during the forward leaves its address to a later one), and its version.
-Value = tuple[int, int, int]
 
 
 @dataclass
