@@ -334,6 +334,31 @@ def test_chunk_files_are_written_by_the_writer_thread_itself(
     np.testing.assert_allclose(store.to_numpy("1"), hand(_mlp(), X, "1").numpy(), atol=1e-6)
 
 
+def test_written_in_line_every_file_of_the_store_is_written_by_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In line, the whole store (the group's and arrays' metadata, the chunks, the final
+    attributes that say it is complete) is written on the calling thread: zarr's synchronous
+    API would hand each metadata write to its own thread and wait for it."""
+    import os
+
+    caller = _writer_thread(monkeypatch, False)
+    real = os.replace
+    seen: list[tuple[str, str]] = []
+
+    def spy(src: Any, dst: Any) -> None:
+        seen.append((Path(dst).name, threading.current_thread().name))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", spy)
+    store = hs.extract(_mlp(), X, ["1"], out=tmp_path / "f", batch_size=16, chunk=32)
+    monkeypatch.setattr(os, "replace", real)
+    assert {name for name, _ in seen} >= {"zarr.json", "c.0", "c.0.0"}
+    assert {thread for _, thread in seen} == {caller}
+    assert store.meta["complete"] and store.meta["samples"] == len(X)
+    np.testing.assert_allclose(store.to_numpy("1"), hand(_mlp(), X, "1").numpy(), atol=1e-6)
+
+
 def test_whole_chunks_written_directly_are_the_bytes_zarr_writes(tmp_path: Path) -> None:
     """The store writes whole chunks of uncompressed layers, ids and done without zarr's
     machinery: each file is byte for byte what plain zarr writes for the same values into an
