@@ -5,6 +5,7 @@ accumulation, and the JSONL / CSV / TensorBoard files read back."""
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import os
 from pathlib import Path
@@ -25,6 +26,16 @@ def _net() -> nn.Module:
     return net
 
 
+@pytest.fixture(params=["fewest operators", "least arithmetic"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test with the statistics a GPU computes (fewest operators) and with those the CPU
+    computes (least arithmetic), both on the CPU."""
+    stats = importlib.import_module("hookscope.diagnose._stats")
+    few = request.param == "fewest operators"
+    monkeypatch.setattr(stats, "few_operators", lambda device: few)
+    return str(request.param)
+
+
 def _expected(t: Tensor) -> dict[str, float]:
     finite = t[torch.isfinite(t)].double()
     return {
@@ -39,7 +50,7 @@ def _expected(t: Tensor) -> dict[str, float]:
 
 
 @pytest.mark.mutates_model  # an optimizer trains the model
-def test_statistics_dead_units_and_accumulation() -> None:
+def test_statistics_dead_units_and_accumulation(path: str) -> None:
     net = _net()
     opt = torch.optim.SGD(net.parameters(), lr=0.01)
     seen: dict[str, list[Tensor]] = {"1": [], "2": []}
@@ -84,7 +95,7 @@ def test_statistics_dead_units_and_accumulation() -> None:
     assert param["update_ratio"] == pytest.approx(param["update_norm"] / param["norm"])
 
 
-def test_nonfinite_values_are_counted_not_hidden() -> None:
+def test_nonfinite_values_are_counted_not_hidden(path: str) -> None:
     class Spiky(nn.Module):
         def forward(self, x: Tensor) -> Tensor:
             y = x.clone()
@@ -364,7 +375,29 @@ def test_checkpoint_recomputations_and_nonfinite_replays_are_not_forwards(reentr
     assert report.findings and _activation(mon.records(), "0")["norm"] == pytest.approx(want)
 
 
-def test_dead_channels_of_conv1d_outputs() -> None:
+def test_moments_of_a_large_offset_tensor_on_both_paths(path: str) -> None:
+    """Mean and std of a million values around 1,000 with spread 0.01 (where E[x^2] - E[x]^2
+    in float32 would lose every digit), NaN and Inf among them, against float64 by hand."""
+    torch.manual_seed(0)
+    x = 1000 + 0.01 * torch.randn(1000, 1000)
+    x[0, :3] = torch.tensor([float("nan"), float("inf"), 0.0])
+
+    class Same(nn.Module):
+        def forward(self, t: Tensor) -> Tensor:
+            return t * 1
+
+    net = nn.Sequential(Same())
+    with hs.Monitor(net, layers="0", every=1) as mon:
+        with torch.no_grad():
+            net(x)
+        mon.step()
+    (record,) = mon.records()
+    want = _expected(x)
+    for key in ("mean", "std", "norm", "min", "max", "zeros", "nonfinite"):
+        assert record[key] == pytest.approx(want[key], rel=1e-4), key
+
+
+def test_dead_channels_of_conv1d_outputs(path: str) -> None:
     """(N, C, L) maps: channels are dim 1, not the last dim as for (N, T, C) tokens."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Conv1d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 6, 2))
