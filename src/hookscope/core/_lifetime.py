@@ -233,13 +233,17 @@ class HookSet:
 
 @contextlib.contextmanager
 def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
-    """Set every module's ``training`` flag to ``train``; restore each one's own flag after."""
+    """Set every module's ``training`` flag to ``train``; restore each one's own flag after.
+    Flags already right are left alone (``nn.Module.__setattr__`` is slow, and this runs
+    once per call of an explainer)."""
     flags = [(m, m.training) for m in model.modules()]
     try:
-        # a torch.export module refuses train(): its mode was fixed when it was exported
-        with contextlib.suppress(NotImplementedError):
-            model.train(train)
+        if any(flag != train for _, flag in flags):
+            # a torch.export module refuses train(): its mode was fixed when it was exported
+            with contextlib.suppress(NotImplementedError):
+                model.train(train)
         yield
     finally:
         for module, flag in flags:
-            module.training = flag
+            if module.training != flag:
+                module.training = flag
