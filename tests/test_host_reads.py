@@ -96,6 +96,11 @@ def _features(model: nn.Module, x: Tensor) -> None:
     assert feats["attn"].shape == (4, 4, 16)
 
 
+def _extractor(model: nn.Module, x: Tensor) -> None:
+    feats = hs.FeatureExtractor(model, ["bn", "attn"])(x)
+    assert feats["bn"].shape == (4, 16, 8, 8)
+
+
 def _operation(model: nn.Module, x: Tensor) -> None:
     with hs.capture(model, "attn::scaled_dot_product_attention", grads=True) as cap:
         model(x).sum().backward()
@@ -128,6 +133,7 @@ SCENARIOS: dict[str, Callable[[nn.Module, Tensor], None]] = {
     "edit outputs": _edit,
     "edit gradients": _edit_grad,
     "features": _features,
+    "a FeatureExtractor": _extractor,
     "an operation and its gradient": _operation,
     "attention weights of the fused kernel": _attention_weights,
     "edit an operation": _edit_operation,
@@ -196,3 +202,24 @@ def test_the_counter_sees_a_read(
     finally:
         handle.remove()
     assert seen
+
+
+@pytest.mark.mutates_model  # training steps change the weights on purpose
+@pytest.mark.parametrize("device", DEVICES)
+def test_monitor_steps_between_logs_read_nothing(
+    device: str, model_and_input: tuple[nn.Module, Tensor]
+) -> None:
+    model, x = model_and_input
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with hs.Monitor(model, every=5, optimizer=opt):
+        step()  # step 0 is logged
+        with _counter(device) as seen:
+            for _ in range(4):
+                step()
+    assert seen == [], seen
