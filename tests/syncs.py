@@ -30,7 +30,8 @@ def syncs() -> Iterator[list[str]]:
 #: on the CPU: ``tolist`` and ``numpy`` read the memory directly).
 _PY_READS = ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__")
 #: aten operators that read values to the host, or whose output's shape depends on them: on a
-#: GPU each one waits for the device.
+#: GPU each one waits for the device. Listed here, not taken from hookscope's own
+#: ``look._flops.DATA_DEPENDENT``: the oracle stays outside the code it checks.
 _ATEN_READS = frozenset(
     getattr(torch.ops.aten, n)
     for n in [

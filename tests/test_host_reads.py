@@ -153,10 +153,14 @@ def _counter(device: str) -> AbstractContextManager[list[str]]:
     return host_reads() if device == "cpu" else syncs()
 
 
+@pytest.fixture(params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def model_and_input(request: pytest.FixtureRequest) -> tuple[nn.Module, Tensor]:
+def model_and_input(device: str) -> tuple[nn.Module, Tensor]:
     torch.manual_seed(0)
-    device = request.node.callspec.params["device"]
     model = Net().to(device).eval()  # eval: the forwards leave batch-norm's statistics alone
     x = torch.randn(4, 3, 8, 8, device=device)
     model(x).sum().backward()  # the first forward and backward: torch's own lazy set-up
@@ -164,7 +168,6 @@ def model_and_input(request: pytest.FixtureRequest) -> tuple[nn.Module, Tensor]:
     return model, x
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_reads_nothing_back_to_the_host(
     name: str, device: str, model_and_input: tuple[nn.Module, Tensor]
@@ -184,7 +187,6 @@ READS: dict[str, Callable[[Tensor], object]] = {
 }
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("read", list(READS))
 def test_the_counter_sees_a_read(
     read: str, device: str, model_and_input: tuple[nn.Module, Tensor]
@@ -205,7 +207,6 @@ def test_the_counter_sees_a_read(
 
 
 @pytest.mark.mutates_model  # training steps change the weights on purpose
-@pytest.mark.parametrize("device", DEVICES)
 def test_monitor_steps_between_logs_read_nothing(
     device: str, model_and_input: tuple[nn.Module, Tensor]
 ) -> None:
