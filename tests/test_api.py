@@ -143,10 +143,51 @@ def test_string_modes_are_literals() -> None:
     assert not loose, loose
 
 
-def test_extract_device_was_renamed(tmp_path: pathlib.Path) -> None:
+def test_a_keyword_an_entry_point_lacks_is_a_type_error(tmp_path: pathlib.Path) -> None:
+    """No rename tombstones: a misspelled or old keyword fails as Python fails it (and a type
+    checker catches it before)."""
     net = torch.nn.Sequential(torch.nn.Linear(4, 3))
-    with pytest.raises(hs.UsageError, match="renamed input_device="):
-        hs.extract(net, torch.randn(4, 4), ["0"], out=tmp_path / "a", device="cpu")
+    with pytest.raises(TypeError, match="device"):
+        hs.extract(net, torch.randn(4, 4), ["0"], out=tmp_path / "a", device="cpu")  # type: ignore[call-arg]
     assert not (tmp_path / "a").exists()
+    with pytest.raises(TypeError, match="device"):
+        hs.summary(net, input_size=(1, 4), device="cpu")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="device"):
+        hs.capture(net, "0", device="cpu")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="positional"):
+        hs.summary(net, torch.ones(1, 4), torch.ones(1, 4))  # type: ignore[misc]
     store = hs.extract(net, torch.randn(4, 4), ["0"], out=tmp_path / "b", input_device="cpu")
     assert store["0"].shape == (4, 3)
+
+
+def test_the_declared_platforms_are_the_tested_ones() -> None:
+    """The package declares the Python CI runs (3.11, the version of the pinned CPU torch
+    wheel at hand), and every tool checks against that same version; the torch version
+    hookscope says it is tested on is the one CI pins."""
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert config["project"]["requires-python"] == ">=3.11"
+    assert "Programming Language :: Python :: 3.11" in config["project"]["classifiers"]
+    assert config["tool"]["ruff"]["target-version"] == "py311"
+    assert config["tool"]["mypy"]["python_version"] == "3.11"
+    assert sys.version_info[:2] >= (3, 11)
+    pinned = (ROOT / "constraints.txt").read_text().split("torch==", 1)[1].split()[0]
+    from hookscope.core import _torch
+
+    with pytest.raises(hs.TorchCompatError, match=rf"tested on torch {pinned[:4]}\b"):
+        _torch.need("no such internal")
+
+
+def test_an_exception_inside_a_captured_model_keeps_its_type_and_gets_a_note() -> None:
+    """``add_note`` (3.11+) names the last layer the capture saw finish; the exception stays
+    the model's own."""
+
+    class Boom(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise KeyError("from the model")
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), Boom())
+    with pytest.raises(KeyError, match="from the model") as info, hs.capture(model, "0"):
+        model(torch.ones(1, 2))
+    assert any("last layer this capture saw finish was '0'" in n for n in info.value.__notes__)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -290,7 +292,7 @@ def test_bad_options_are_refused() -> None:
 def test_device_move_copies() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(inplace=True))
     x = torch.tensor([[1.0, -1.0]])
-    with torch.no_grad(), hs.capture(model, "0", device="cpu") as cap:
+    with torch.no_grad(), hs.capture(model, "0", capture_device="cpu") as cap:
         model(x)
     assert torch.equal(cap["0"].output, model[0](x))
 
@@ -310,3 +312,45 @@ def test_functional_inplace_after_layer() -> None:
         model(x)
     assert (cap["norm"].output < 0).any()
     assert torch.equal(cap["norm"].output, model.norm(x))
+
+
+def test_a_capture_opened_again_follows_a_replaced_layer() -> None:
+    """``model.a = ...`` between two blocks of one capture (or edit): the next block hooks
+    the module now under that name; a layer removed altogether is refused saying so."""
+    model = nn.Sequential(OrderedDict(a=nn.Linear(2, 3), b=nn.ReLU()))
+    first, x = model.a, torch.ones(1, 2)
+    cap = hs.capture(model, ["a", "a::linear"])
+    ed = hs.edit(model, {"a": hs.scale(2.0)})
+    with cap:
+        model(x)
+    model.a = nn.Linear(2, 3)
+    try:
+        with cap, ed:
+            out = model(x)
+        with torch.no_grad():
+            want = model.a(x)
+        assert torch.equal(cap["a"].output, want) and torch.equal(cap["a::linear"].output, want)
+        assert torch.equal(out, torch.relu(2 * want))
+        del model.a
+        with pytest.raises(hs.LayerNotFoundError, match="'a' is no longer in the model"):
+            cap.open()
+    finally:
+        second = model.b
+        del model.b
+        model.a, model.b = first, second  # the model as the test found it (in its order)
+
+
+def test_autograd_grad_wrt_a_capture_needs_the_tensor_itself() -> None:
+    """detach=False with copy="reference" keeps the model's own tensor: autograd.grad of the
+    model's loss w.r.t. it works; the default differentiable clone is another tensor, as its
+    docstring says."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.Tanh(), nn.Linear(3, 1))
+    x = torch.ones(4, 2)
+    with hs.capture(model, "1", detach=False, copy="reference") as cap:
+        loss = model(x).sum()
+    (g,) = torch.autograd.grad(loss, cap["1"].output)
+    torch.testing.assert_close(g, model[2].weight.expand(4, 3))
+    with hs.capture(model, "1", detach=False) as clone:
+        loss = model(x).sum()
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(loss, clone["1"].output)

@@ -118,3 +118,29 @@ def test_clip_grad_report_with_a_capture_open_and_checkpointing() -> None:
     report = clip.report()
     assert set(report.layers) == {"0.weight", "0.bias"} and report.clipped
     assert block[0].weight.grad.norm() <= 1e-3 + 1e-6  # clipped once, not per recompute
+
+
+def test_hookscopes_own_forwards_are_invisible_to_the_users_sessions(tmp_path: Path) -> None:
+    """extract's forwards (its probe of sample 0 included), summary's (on random inputs too)
+    and the report's are hookscope's own: an open Monitor does not count them and an open
+    capture does not record them; the user's own forward is still seen."""
+    pytest.importorskip("matplotlib")
+    model = _cnn()
+    x = X[:2]
+    with hs.capture(model, ["0", "4"], keep="all") as cap, hs.Monitor(model, every=1) as mon:
+        hs.extract(model, X, ["1"], out=tmp_path / "f", reduce="spatial_mean")
+        hs.summary(model, input_size=(1, 3, 8, 8))
+        hs.summary(model, x)
+        hs.report(model, x, tmp_path / "r.html")
+        assert cap["0"].count == cap["4"].count == 0
+        model(x).sum().backward()  # the user's forward
+        mon.step()
+    assert cap["0"].count == cap["4"].count == 1
+    steps = {r["step"] for r in mon.records if r["kind"] == "activation"} if not callable(
+        mon.records
+    ) else {r["step"] for r in mon.records() if r["kind"] == "activation"}
+    norms = [r["norm"] for r in (mon.records if not callable(mon.records) else mon.records())
+             if r["kind"] == "activation" and r["layer"] == "4"]  # fmt: skip
+    assert steps == {0}
+    with torch.no_grad():
+        assert norms == [pytest.approx(float(model(x).norm()), rel=1e-5)]

@@ -257,7 +257,7 @@ def test_cuda_offload_of_outputs_and_gradients_waits_on_read() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(inplace=True), nn.Linear(256, 8)).cuda()
     x = torch.randn(64, 256, device="cuda", requires_grad=True)
-    with hs.capture(model, ["0", "2"], grads=True, device="cpu") as cap:
+    with hs.capture(model, ["0", "2"], grads=True, capture_device="cpu") as cap:
         model(x).pow(2).sum().backward()
         # no torch.cuda.synchronize() here: every read must wait for its own copy
         out, grad, grad_in = cap["0"].output, cap["2"].grad, cap["2"].grad_input
@@ -269,3 +269,25 @@ def test_cuda_offload_of_outputs_and_gradients_waits_on_read() -> None:
         torch.testing.assert_close(grad, (2 * y).cpu())  # d sum(y^2) / dy
         torch.testing.assert_close(grad_in, (2 * y @ model[2].weight).cpu())  # at 2's input
     model.zero_grad(set_to_none=True)
+
+
+def test_closing_removes_every_hook_even_when_one_removal_raises() -> None:
+    """One handle whose removal raises does not keep the hooks registered after it: every
+    one is removed, then the error is raised."""
+    from hookscope.core import HookSet
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    hooks = HookSet()
+    for layer in model:
+        hooks.forward(layer, lambda *a: None)
+
+    class Broken:
+        def remove(self) -> None:
+            raise RuntimeError("this handle cannot be removed")
+
+    hooks._handles.insert(1, Broken())  # type: ignore[arg-type]  # between two real ones
+    with pytest.raises(RuntimeError, match="cannot be removed"):
+        hooks.close()
+    assert all(not layer._forward_hooks for layer in model)
+    assert len(hooks) == 0
+    hooks.close()  # idempotent afterwards

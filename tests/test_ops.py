@@ -685,5 +685,58 @@ def test_features_and_feature_extractor_take_operations() -> None:
     torch.testing.assert_close(got, probs, rtol=1e-6, atol=1e-6)
     extractor = hs.FeatureExtractor(m, "::attention_weights", stop=False)
     torch.testing.assert_close(extractor(x)["::attention_weights"], probs, rtol=1e-6, atol=1e-6)
-    with pytest.raises(hs.LayerNotFoundError, match=r"Operation selectors .* work with"):
-        hs.names(m, "::softmax")  # entry points that take layers only say so
+    with pytest.raises(hs.UsageError, match=r"selects an operation .* ops=True, inputs="):
+        hs.names(m, "::softmax")  # entry points that take layers only say why, and what to do
+
+
+class _InPlace(nn.Module):
+    """Code that throws the in-place calls' return values away, as real code does."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * 1.0
+        h.add_(1)
+        F.relu(h, inplace=True)
+        h += 2
+        torch.relu_(h)
+        return h * 3
+
+
+@pytest.mark.parametrize(
+    ("selector", "calls", "reference"),
+    [
+        ("::add_#1", 1, lambda x: ((torch.zeros_like(x)).relu() + 2).relu() * 3),
+        ("::add_", 2, lambda x: torch.zeros_like(x)),  # h.add_(1) and h += 2
+        ("::relu", 1, lambda x: ((torch.zeros_like(x)) + 2).relu() * 3),
+        ("::relu_", 1, lambda x: torch.zeros_like(x) * 3),
+    ],
+)
+def test_an_edit_of_an_in_place_operation_changes_the_tensor_it_changed(
+    selector: str, calls: int, reference: Any
+) -> None:
+    """The edit is written into the tensor the operation changed, so the code that goes on
+    using that tensor sees it (ablating ``y.add_(1)`` used to do nothing, silently)."""
+    m, x = _InPlace(), torch.randn(2, 5)
+    with hs.edit(m, {selector: hs.ablate()}) as ed:
+        out = m(x)
+    assert ed.applied == {selector: calls}
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+
+
+def test_an_in_place_operation_has_no_input_or_gradient_to_edit() -> None:
+    m, x = _InPlace(), torch.randn(2, 5, requires_grad=True)
+    with pytest.raises(hs.EditError, match="in-place operation changes its input"):
+        with hs.edit(m, {"::add_": hs.scale(2.0, on="grad")}):
+            m(x)
+    with pytest.raises(hs.EditError, match="must return a tensor of that shape"):
+        with hs.edit(m, {"::add_": hs.transform(lambda t: t[:, :2], allow_shape_change=True)}):
+            m(x)
+
+
+def test_multihead_attention_weights_say_where_they_are() -> None:
+    """nn.MultiheadAttention's SDPA runs inside F.multi_head_attention_forward, one operation
+    to a function mode: the selector is refused with the way to get its weights, not with
+    advice (select its softmax) that cannot apply."""
+    mha = nn.TransformerEncoderLayer(8, 2, batch_first=True).eval()
+    with pytest.raises(hs.LayerNotFoundError, match=r"need_weights=True.*capture the module"):
+        with hs.capture(mha, "self_attn::attention_weights"):
+            mha(torch.randn(1, 3, 8))

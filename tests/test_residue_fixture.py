@@ -21,7 +21,7 @@ TESTS = ROOT / "tests"
 FAULTS: dict[str, tuple[str, str, str, str]] = {
     "module_hook": (
         "_lifetime.py",
-        "            while self._handles:",
+        "        while self._handles:",
         "            self._handles = self._handles[1:]  # leak the first hook",
         "hooks changed on ''",
     ),
@@ -33,8 +33,8 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
     ),
     "training_flag": (
         "_lifetime.py",
-        "        for module, flag in flags:",
-        "        flags = flags[1:]",
+        "                    if h.module.training != h.flag:",
+        "                    if h is held[0]: continue  # forget the root's flag",
         "module tree or training flags changed",
     ),
     "requires_grad": (
@@ -81,7 +81,7 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
     ),
     "copy_hooks": (
         "_lifetime.py",
-        "            while self._classes:",
+        "        while self._classes:",
         "            self._classes.clear()  # forget to release the copy rules",
         "global state changed: copyreg.dispatch_table",
     ),
@@ -93,8 +93,8 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
     ),
     "tensor_hook": (
         "_grad.py",
-        "        self._hooks.close()",
-        "        self._hooks._handles.clear()  # forget the hook instead of removing it",
+        "            hooks.close()",
+        "            hooks._handles.clear()  # forget the hook instead of removing it",
         "a tensor's hooks changed",
     ),
 }

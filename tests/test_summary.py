@@ -497,8 +497,6 @@ def test_usage_errors() -> None:
         hs.summary(model, torch.ones(1, 2), dtypes=[torch.long])
     with pytest.raises(hs.UsageError, match="pass input_size too"):
         hs.summary(model, torch.ones(1, 2), input_device="cpu")
-    with pytest.raises(hs.UsageError, match=r"device= was renamed input_device= \(where the"):
-        hs.summary(model, input_size=(1, 2), device="cpu")  # type: ignore[call-arg]
     with pytest.raises(hs.UsageError, match=r"nn\.Module"):
         hs.summary(lambda x: x, torch.ones(1))  # type: ignore[arg-type]
 

@@ -326,3 +326,19 @@ def test_exception_caught_after_a_muted_call_counts_what_follows() -> None:
     ]
     assert calls[0] == 3 + 3 + 1  # two watched calls, then the muted one, then the matmul
     assert s.rows[0].flops == s.total_flops == 2 * 3 * 4 * 4
+
+
+def test_a_formula_that_raises_is_uncounted_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A FLOP formula that does not fit its arguments never crashes the summary, and the
+    operator is listed as uncounted saying why, not silently."""
+    from hookscope.look import _formulas
+
+    def broken(*args: Any, **kwargs: Any) -> int:
+        raise ValueError("shapes this formula does not know\nsecond line")
+
+    monkeypatch.setitem(_formulas.FORMULAS, torch.ops.aten.addmm, broken)
+    s = hs.summary(nn.Linear(4, 3), torch.randn(2, 4))
+    key = "aten.addmm (its FLOP formula raised ValueError: shapes this formula does not know)"
+    assert s.uncounted == {key: 1}
+    assert s.total_flops == 0
+    assert key in str(s)

@@ -1,4 +1,16 @@
-"""``capture``: record the inputs, outputs and gradients of selected layers, per call."""
+"""``capture``: record the inputs, outputs and gradients of selected layers, per call.
+
+A layer and an operation site (``"layer::op"``, ``ops/``) are recorded by the same code: the
+hooks :meth:`Capture._on_input` / :meth:`Capture._on_output` of a layer's module are called,
+for an operation, by :meth:`Capture._run_op` around the intercepted call, with the
+operation's function in the role of the module's ``forward`` (its arguments bound to the
+function's parameters, ``ops/_select.op_binder``). An ``attention_weights`` site is
+:meth:`Capture._capture_weights` (``ops/_attention``).
+
+Threads: each thread's forward is a pass of its own (``_calls``). With ``keep="pass"`` a
+layer keeps the calls of the latest pass to start; other ``keep=`` modes keep calls in the
+order of their passes, as if the forwards had run one after another.
+"""
 
 from __future__ import annotations
 
@@ -11,21 +23,25 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import LayerNotFoundError, UnsupportedModelError
-from . import _torch
-from ._autograd import Boundary, backward_id
+from . import _torch, _tree
+from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
+from ._calls import ModuleCall, private_sessions
 from ._lifetime import HookSet
-from ._ops import OpSelector, has_ops
-from ._ops import select as select_ops
-from ._opsites import OpSession, capture_op, op_plan
-from ._opwatch import OpWatch
 from ._records import _OUTPUT, Call, LayerRecord
-from ._session import _PRIVATE, replica_error
+from ._session import Run, Session, replica_error
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
-from ._watch import GradWatch
+from ._watch import PENDING, GradWatch
+from .ops._attention import WAITING, attention_args, probabilities, weights_grad
+from .ops._select import OpSelector, forward_op, op_binder
 
 __all__ = ["Capture", "StopForward", "capture"]
+
+_NO_INPUT_GRADS = (
+    "attention weights are computed from the call's inputs, not part of its graph: select "
+    "'...::scaled_dot_product_attention' (grads=True) for the gradients of its inputs"
+)
 
 
 class StopForward(BaseException):
@@ -41,11 +57,9 @@ class StopForward(BaseException):
 
 
 class _Site:
-    """Per-layer state of one capture (a layer's, or an operation's: ``op``, see ``_ops``)."""
+    """Per-layer state of one capture (a layer's, or an operation's: ``op``, see ``ops/``)."""
 
-    __slots__ = (
-        "binder", "done_in", "module", "name", "op", "open", "record", "replays", "used_in"
-    )  # fmt: skip
+    __slots__ = ("binder", "module", "name", "op", "record", "used_in")
 
     def __init__(
         self, name: str, module: nn.Module, store: Store, op: OpSelector | None = None
@@ -55,14 +69,15 @@ class _Site:
         self.op = op
         kind = type(module).__name__
         self.record = LayerRecord(name, f"{kind}::{op.op}" if op else kind, store)
-        self.binder: Binder | None = None  # set in open() when inputs are needed
-        self.open: list[tuple[Call, Boundary | str | None]] = []  # calls running (recursion)
-        self.replays: list[tuple[Call, Boundary] | None] = []  # replayed calls running
-        self.used_in = -2  # the last pass in which this layer started a call
-        self.done_in = -2  # the last pass in which it finished one (for stop=True)
+        self.binder: Binder | None = None  # a layer's, set in _install when inputs are needed
+        self.used_in = -2  # the latest pass in which this layer started a call
 
 
-class Capture(OpSession):
+#: an open call: the call, and its gradient boundary (or why it has none)
+_Open = tuple[Call, Boundary | str | None]
+
+
+class Capture(Session):
     """Record selected layers' outputs (and inputs, gradients) for every call.
 
     Use as a context manager; hooks exist only inside the ``with`` block and are removed on
@@ -82,23 +97,31 @@ class Capture(OpSession):
         copy: ``"clone"`` (default) stores detached copies; ``"reference"`` stores the live
             tensors (no copy) and raises StaleCaptureError on read if they were changed
             in place later. Inference tensors, which carry no version counter, are copied.
-        device: move captured tensors there (CUDA -> CPU goes to pinned memory, non-blocking;
-            reading a value waits for its copy).
-        reduce: applied to each captured floating-point tensor at capture time:
-            ``"spatial_mean"`` (N, C, ...) -> (N, C), ``"token_mean"`` (N, T, D) -> (N, D),
-            ``"batch_mean"``, or any function (a Python number it returns becomes a 0-d
-            tensor). Built-in reductions keep integer tensors (token ids, masks) as they are.
+        capture_device: move captured values there (CUDA -> CPU goes to pinned memory,
+            non-blocking; reading a value waits for its copy).
+        reduce: applied to each captured floating-point tensor at capture time (see
+            :data:`hookscope.Reduce`): ``"spatial_mean"`` (N, C, ...) -> (N, C),
+            ``"token_mean"`` (N, T, ...) -> (N, ...) over the tokens the forward's
+            ``attention_mask`` keeps, ``"batch_mean"``, or any function (a Python number it
+            returns becomes a 0-d tensor). Built-in reductions keep integer tensors (token
+            ids, masks) as they are.
         keep: which calls to keep: ``"pass"`` (default: every call of the latest forward),
             ``"all"``, ``"last"``, or an int N (ring of the last N calls).
         max_bytes: raise CaptureBudgetError before the stored bytes would exceed this.
         stop: end the forward as soon as every selected layer has run (in execution order);
             the ``with`` block then exits quietly.
-        detach: ``False`` keeps captured values attached to the autograd graph (a
-            differentiable clone), e.g. for feature losses in training.
+        detach: ``False`` keeps captured values attached to the autograd graph: a
+            differentiable clone (gradients of a loss on it flow into the model), e.g. for
+            feature losses in training. A clone is a new tensor, so
+            ``torch.autograd.grad(loss, captured)`` of a loss the model computed finds it
+            unused; with ``copy="reference"`` too the capture is the model's tensor itself.
         recompile: allow hooking a ``torch.compile``d model that already ran, by running
             compiled code eagerly while open (otherwise CompiledModelError).
 
     ``cap["layer"]`` is then a :class:`LayerRecord`; ``cap.nbytes`` is the bytes held.
+
+    Forwards from several threads are each a pass of their own: the records are those of the
+    same forwards run one after another, in the order they started.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -117,40 +140,37 @@ class Capture(OpSession):
         inputs: bool = False,
         grads: bool = False,
         copy: CopyMode = "clone",
-        device: torch.device | str | None = None,
+        capture_device: torch.device | str | None = None,
         reduce: Reduce | None = None,
         keep: Keep = "pass",
         max_bytes: int | None = None,
         stop: bool = False,
         detach: bool = True,
         recompile: bool = False,
+        this_thread: bool = False,
     ) -> None:
         check_options(copy, keep, max_bytes, reduce, stop, grads)
-        super().__init__(model, recompile=recompile)
+        super().__init__(model, recompile=recompile, this_thread=this_thread)
         self._store = Store(
             copy=copy,
-            device=torch.device(device) if device is not None else None,
+            device=torch.device(capture_device) if capture_device is not None else None,
             reduce=reduce,
             detach=detach,
             max_bytes=max_bytes,
         )
-        if has_ops(layers):  # operation selectors ("layer::op"): see _ops
-            chosen = select_ops(self._layers, layers)
-            self._sites = {n: _Site(n, m, self._store, op) for n, (m, op) in chosen.items()}
-            self._ops = self._op_watch()
-        else:
-            selected = self._layers.select(layers)
-            self._sites = {n: _Site(n, m, self._store) for n, m in selected.items()}
+        chosen = self._layers.sites(layers)
+        self._sites = {n: _Site(n, s.module, self._store, s.op) for n, s in chosen.items()}
         self._records = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads = inputs, grads
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
         self._per_pass = keep == "pass"
         self._stop = stop
-        self._remaining = len(self._sites)  # layers still to run in this pass (stop=True)
-        self._used: list[_Site] = []  # layers that ran in this pass
+        self._used: list[_Site] = []  # layers that ran in the latest pass
         self._stale: list[_Site] = []  # layers that ran in the pass before, maybe not since
-        self._last_done: str | None = None
+        self._open_calls: dict[int, Call] = {}  # calls started and not finished, any thread
         self._watch = GradWatch()
+        # replays: a reentrant checkpoint's gradients come with its replay in backward
+        self._watch_ops(self._sites, replays=grads)
 
     @property
     def nbytes(self) -> int:
@@ -170,9 +190,13 @@ class Capture(OpSession):
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._sites)
         self._store.closed = False
+        if self._store.reduces_tokens:  # token_mean: the forward's attention_mask
+            self._root_binder = Binder(self._layers.root)
+            hooks.forward_pre(self._layers.root, self._on_model_inputs, with_kwargs=True)
+            hooks.forward(self._layers.root, self._on_model_end, always_call=True)
         for site in self._sites.values():
             if site.op is not None:
-                continue  # an operation: its module's calls are followed by self._ops
+                continue  # an operation: its module's calls are followed by the session
             if self._inputs or self._grads:
                 site.binder = Binder(site.module)
                 pre = functools.partial(self._on_input, site)
@@ -180,19 +204,18 @@ class Capture(OpSession):
                 hooks.forward(site.module, functools.partial(self._on_output, site))
             else:
                 hooks.forward(site.module, self._output_only(site))
-        if self._ops is not None:  # replays: a reentrant checkpoint's gradients come there
-            self._ops.install(hooks, replays=self._grads)
 
     def _closed(self) -> None:
         self._store.closed = True
         self._sweep()
-        for site in self._sites.values():
-            self._drop_open(site)
-        self._close_ops()
+        self._drop_open(list(self._open_calls.values()))
 
-    def _op_watch(self) -> OpWatch:
-        plan = op_plan((site.op, site) for site in self._sites.values())
-        return OpWatch(self, plan, functools.partial(capture_op, self))
+    def _drop_open(self, calls: list[Call]) -> None:
+        """Calls that started and never finished (a forward ended by an exception): their
+        bytes are refunded, late gradients dropped."""
+        for call in calls:
+            self._open_calls.pop(id(call), None)
+            call._evict()
 
     def open(self) -> Capture:
         """Install the hooks (``with`` does this); pair with :meth:`close`."""
@@ -206,15 +229,16 @@ class Capture(OpSession):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        super().__exit__(et, ev, tb)
+        done = self.now.last_done
         if isinstance(ev, StopForward) and ev.owner is self:
             self._abandon()  # the calls the stop left open end now (operation modes too)
+        super().__exit__(et, ev, tb)
+        if isinstance(ev, StopForward) and ev.owner is self:
             return True
         if isinstance(ev, Exception) and _raised_in_a_module(tb):
-            done = f"'{self._last_done}'" if self._last_done else "none"
             ev.add_note(
-                f"hookscope: raised inside the model's forward; the last layer this capture "
-                f"saw finish was {done}"
+                "hookscope: raised inside the model's forward; the last layer this capture "
+                f"saw finish was {repr(done) if done else 'none'}"
             )
         return False
 
@@ -257,6 +281,16 @@ class Capture(OpSession):
             f"{self.nbytes / 2**20:.1f} MiB, {state})"
         )
 
+    def _hooked(self) -> list[tuple[str, nn.Module]]:
+        return [(s.op.module if s.op else s.name, s.module) for s in self._sites.values()]
+
+    def _rebind(self) -> None:
+        for site in self._sites.values():
+            name = site.op.module if site.op else site.name
+            site.module = self._layers.root if name == "" else self._layers.modules[name]
+            kind = type(site.module).__name__
+            site.record.module_type = f"{kind}::{site.op.op}" if site.op else kind
+
     # -- passes and calls -----------------------------------------------------------------
     # With keep="pass", a layer's calls of the previous pass are dropped when the layer first
     # runs in the new pass, or, for layers that do not run again, when the capture is read or
@@ -264,62 +298,90 @@ class Capture(OpSession):
     def _new_pass(self) -> None:
         if _functorch_level() is not None:  # once per forward; see also _enter_pass
             raise _transformed(type(self._layers.root).__name__)
-        self._sweep(self._pass - 1)  # the pass that just ended is the latest one
-        self._remaining = len(self._sites)
-        self._stale, self._used = self._used, []
+        now = self.now
+        for opens in now.open.values():  # calls an interrupted forward of this thread left
+            self._drop_open([entry[0] for entry in opens if entry is not None])
+        now.open.clear()
+        now.extra["done"] = set()  # stop=True: sites that finished a call in this pass
+        with self._lock:
+            self._sweep(now.pass_index - 1)  # the pass before this one is the latest ended
+            self._stale, self._used = self._used, []
 
     def _sweep(self, latest: int | None = None) -> None:
         """Drop what layers that did not run in the latest pass still hold from before."""
-        latest = self._pass if latest is None else latest
-        for site in self._stale:
-            if site.used_in != latest:
-                self._reset(site)
-        self._stale.clear()
+        latest = self.latest_pass if latest is None else latest
+        with self._lock:
+            for site in self._stale:
+                if site.used_in < latest and self._per_pass:
+                    site.record._evict_all(grads=self._grads)
+            self._stale.clear()
 
-    def _enter_pass(self, site: _Site) -> None:
-        """The layer's first call in this pass (it runs once per layer and forward: the body
-        of _reset is repeated here rather than called)."""
-        if not self._depth and _functorch_level() is not None:  # a call outside a forward
+    def _enter_pass(self, site: _Site, pass_index: int) -> None:
+        """The layer's first call in this pass (once per layer and forward)."""
+        if not self.now.depth and _functorch_level() is not None:  # a call outside a forward
             raise _transformed(site.name)  # of the model (the model's is checked above)
-        site.used_in = self._pass
-        self._used.append(site)
-        if site.open or site.replays:  # left over only if a forward was interrupted
-            self._drop_open(site)
-        if self._per_pass:
-            site.record._evict_all(grads=self._grads)
+        with self._lock:
+            if pass_index < site.used_in:  # another thread's later forward already ran it
+                site.record._unordered = True
+                return
+            site.used_in = pass_index
+            self._used.append(site)
+            if self._per_pass:
+                site.record._evict_all(grads=self._grads)
 
-    def _reset(self, site: _Site) -> None:
-        """Drop a layer's calls left from earlier passes (keep="pass")."""
-        if site.open or site.replays:
-            self._drop_open(site)
+    def _late(self, site: _Site, pass_index: int) -> None:
+        """A call of ``pass_index`` was kept while a later pass had started on another thread:
+        with ``keep="pass"`` the latest pass alone is kept."""
         if self._per_pass:
-            site.record._evict_all(grads=self._grads)
+            with self._lock:
+                site.record._evict_passes_before(site.used_in, grads=self._grads)
+        else:
+            site.record._unordered = True
 
-    def _drop_open(self, site: _Site) -> None:
-        for call, _ in site.open:
-            call._evict()
-        site.open.clear()
-        site.replays.clear()
+    def _trim(self, record: LayerRecord) -> None:
+        """A ring the forwards of several threads filled past its size at once."""
+        assert self._ring is not None
+        with self._lock:
+            if len(record) > self._ring:
+                record._evict(len(record) - self._ring, grads=self._grads)
 
     def _make_room(self, record: LayerRecord) -> None:
         """A ring of N calls: drop the oldest before storing (the budget sees the room)."""
         assert self._ring is not None
         if len(record) >= self._ring:
-            record._evict(len(record) - self._ring + 1, grads=self._grads)
+            with self._lock:
+                if len(record) >= self._ring:
+                    record._evict(len(record) - self._ring + 1, grads=self._grads)
 
     def _new_call(self, site: _Site) -> Call:
-        if site.used_in != self._pass:
-            self._enter_pass(site)
+        pass_index = self.now.pass_index
+        if site.used_in != pass_index:
+            self._enter_pass(site, pass_index)
         if self._ring is not None:
             self._make_room(site.record)
-        return Call(site.name, self._pass, self._store)
+        return Call(site.name, pass_index, self._store)
+
+    def _keep(self, site: _Site, call: Call) -> None:
+        """Keep a finished call in its layer's record."""
+        record = site.record
+        with self._lock:
+            if call.pass_index < site.used_in and self._per_pass:
+                call._evict()  # another thread's later forward is the latest pass
+                return
+            record._add(call)
+            if self._ring is not None and len(record) > self._ring:  # nested calls
+                record._evict(len(record) - self._ring, grads=self._grads)
+        self._finished(site)
 
     def _finished(self, site: _Site) -> None:
-        """stop=True: end the forward once every layer has finished a call in this pass."""
-        if site.done_in != self._pass:
-            site.done_in = self._pass
-            self._remaining -= 1
-            if not self._remaining:
+        """After a layer's call: note it, and with stop=True end the forward once every
+        layer has finished a call in this pass."""
+        now = self.now
+        now.last_done = site.name
+        if self._stop:
+            done: set[str] = now.extra.setdefault("done", set())
+            done.add(site.name)
+            if len(done) == len(self._sites):
                 raise StopForward(self)
 
     def _output_only(self, site: _Site) -> Callable[[nn.Module, Any, Any], None]:
@@ -329,100 +391,212 @@ class Capture(OpSession):
         module, name, record, store = site.module, site.name, site.record, self._store
         append, ring, stop, where = record._appender(), self._ring, self._stop, (name, _OUTPUT)
         keep = None if store.keep == store._keep_clone else store.keep
+        threads = self._threads
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
             if mod is not module:
                 raise replica_error(mod)
-            if _backward_id() != -1 or (_PRIVATE and self not in _PRIVATE):
-                return  # a checkpoint's replay (the call is already recorded), or a private forward
-            if site.used_in != self._pass:
-                self._enter_pass(site)
+            if _backward_id() != -1:
+                return  # a checkpoint's replay: the call is already recorded
+            if (_private_sessions() or threads is not None) and self._ignores():
+                return  # a private forward, or another thread's (see Session._ignores)
+            now = self._now
+            pass_index = now.pass_index
+            if site.used_in != pass_index:
+                self._enter_pass(site, pass_index)
             if ring is not None:
                 self._make_room(record)
             if type(output) is not Tensor:
-                call = Call(name, self._pass, store)
+                call = Call(name, pass_index, store)
                 call._set_output(output)
-                record._add(call)
-            elif keep is None:  # Store._keep_clone, inlined
+                self._keep(site, call)
+                return
+            if keep is None:  # Store._keep_clone, inlined
                 value = (output.detach() if output.requires_grad else output).clone()
-                append((value, None, self._pass))
+                append((value, None, pass_index))
             else:
-                append((*keep(output, where), self._pass))
-            self._last_done = name
+                append((*keep(output, where), pass_index))
+            if site.used_in != pass_index:  # another thread's forward started meanwhile
+                self._late(site, pass_index)
+            if ring is not None and len(record) > ring:  # another thread's call came too
+                self._trim(record)
+            now.last_done = name
             if stop:
                 self._finished(site)
 
         return on_output
 
     # -- hooks ----------------------------------------------------------------------------
+    def _on_model_inputs(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """``reduce="token_mean"``: note the forward's token mask (this thread's)."""
+        if self.now.depth == 1 and not (self._in_backward() or self._ignores()):
+            self._store.note_inputs(self._root_binder.bind(args, kwargs))
+
+    def _on_model_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not self.now.depth and not (self._in_backward() or self._ignores()):
+            self._store.note_inputs({})  # a layer called outside a forward has no mask
+
     def _on_input(
-        self, site: _Site, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        site: _Site,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module is not site.module:
             raise replica_error(module)
-        if _PRIVATE and self not in _PRIVATE:
+        if self._ignores():
             return None
+        binder = binder or site.binder
+        assert binder is not None
         if _backward_id() != -1:
-            return self._replayed_input(site, args, kwargs)
+            self._replayed_input(site, binder.bind(args, kwargs))
+            return None
         call = self._new_call(site)
-        assert site.binder is not None
-        bound = site.binder.bind(args, kwargs)
-        site.open.append((call, None))  # first: if storing raises, closing refunds it
+        bound = binder.bind(args, kwargs)
+        opens = self.now.open.setdefault(site, [])
+        opens.append((call, None))  # first: if storing raises, closing refunds it
+        self._open_calls[id(call)] = call
         if self._inputs:
             call._set_inputs(bound)
         if not self._grads:
             return None
         call._expect_grads(None if self._inputs else bound)
-        site.open[-1] = (call, self._watch.start(site.name, call, bound))
+        opens[-1] = (call, self._watch.start(site.name, call, bound))
         return None
 
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not site.module:
             raise replica_error(module)
-        if _PRIVATE and self not in _PRIVATE:
+        if self._ignores():
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
-        if site.open:
-            call, boundary = site.open.pop()
+        opens = self.now.open.get(site)
+        if opens:
+            call, boundary = opens.pop()
+            self._open_calls.pop(id(call), None)
         else:
             call, boundary = self._new_call(site), None
         call._set_output(output)
         new_output = None
         if self._grads:
-            assert self._hooks is not None
-            new_output = self._watch.finish(self._hooks, call, boundary, output)
-        record = site.record
-        record._add(call)
-        if self._ring is not None and len(record) > self._ring:  # nested calls
-            record._evict(len(record) - self._ring, grads=self._grads)
-        self._last_done = site.name
-        if self._stop:
-            self._finished(site)
+            new_output = self._watch.finish(self.hooks, call, boundary, output)
+        self._keep(site, call)
         return new_output
 
     # -- checkpoint replays (only captures with grads=True hook them) ----------------------
-    def _replayed_input(
-        self, site: _Site, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    def _replayed_input(self, site: _Site, bound: dict[str, Any]) -> None:
         found = self._watch.replayed(site.name) if self._grads else None
-        if found is None:
-            site.replays.append(None)
-            return None
-        assert site.binder is not None
-        site.replays.append((found, Boundary(site.binder.bind(args, kwargs))))
-        return None
+        replaying = self.now.open.setdefault((site, "replay"), [])
+        replaying.append(None if found is None else (found, Boundary(bound)))
 
     def _replayed_output(self, site: _Site, output: Any) -> Any:
-        entry = site.replays.pop() if site.replays else None
+        replaying = self.now.open.get((site, "replay"))
+        entry = replaying.pop() if replaying else None
         if entry is None:
             return None
-        assert self._hooks is not None
         call, boundary = entry
-        return self._watch.finish(self._hooks, call, boundary, output)
+        return self._watch.finish(self.hooks, call, boundary, output)
+
+    # -- operation sites (see ``ops/``) ------------------------------------------------------
+    def _run_op(
+        self,
+        owner: ModuleCall,
+        sites: list[Any],
+        weights: list[Any],
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Record an operation call for each of ``sites`` and, for an SDPA call, its attention
+        weights for each of ``weights`` (the first selector outermost)."""
+        run: Run = functools.partial(forward_op, func)
+        for site in reversed(sites):
+            run = functools.partial(self._capture_value, site, func, run)
+        for wsite in reversed(weights):
+            run = functools.partial(self._capture_weights, wsite, func, run)
+        return run(args, kwargs)
+
+    def _capture_value(
+        self, site: _Site, func: Any, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        if self._inputs or self._grads:
+            self._on_input(site, site.module, args, kwargs, op_binder(func))
+        out = run(args, kwargs)
+        new = self._on_output(site, site.module, args, out)
+        return out if new is None else new
+
+    def _capture_weights(
+        self, wsite: _Site, func: Any, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        bound = op_binder(func).bind(args, kwargs)
+        if backward_id() != -1:  # a checkpoint's replay: only gradients may still be wanted
+            found = self._watch.replayed(wsite.name) if self._grads else None
+            out = run(args, kwargs)
+            if found is not None:
+                self._hook_weights_grad(found, bound, out)
+            return out
+        call = self._new_call(wsite)
+        eager = self._store._reduce is not None  # reduce= applies to the weights, not Q, K, V
+        if self._inputs or not eager:
+            call._set_inputs(bound)
+        slot: list[Tensor] = []
+        at = len(WAITING)
+        WAITING.append(slot)  # an edit below fills it with the probabilities it produces
+        try:
+            out = run(args, kwargs)
+        finally:
+            del WAITING[at:]
+        if slot:
+            call._set_output(slot[0])
+        elif eager:
+            with torch.no_grad():
+                call._set_output(probabilities(**attention_args(bound)))
+        else:
+            call._set_lazy(_lazy_weights)
+        if self._grads:
+            self._weights_grads(wsite, call, bound, out)
+        self._keep(wsite, call)
+        return out
+
+    def _weights_grads(self, wsite: _Site, call: Call, bound: dict[str, Any], out: Any) -> None:
+        call._expect_grads(None)
+        for path, _ in _tree.leaves(bound):
+            call._no_grad(("input", *path), _NO_INPUT_GRADS)
+        if float(bound.get("dropout_p", 0.0)) > 0:
+            why = "the call applied dropout (dropout_p > 0), whose mask the fused kernel hides"
+            call._no_grad(_OUTPUT, why)
+            return
+        boundary = self._watch.start(wsite.name, call, {})  # notes a reentrant checkpoint's call
+        if isinstance(boundary, str):
+            if boundary != PENDING:
+                call._no_grad(_OUTPUT, boundary)
+            return
+        self._hook_weights_grad(call, bound, out)
+
+    def _hook_weights_grad(self, call: Call, bound: dict[str, Any], out: Any) -> None:
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            call._no_grad(_OUTPUT, why_no_grad())
+            return
+        value: Tensor = bound["value"].detach()
+        heads = bound["query"].size(-3) if bound.get("enable_gqa") else None
+
+        def on_grad(grad: Tensor) -> None:
+            call._set_grad(_OUTPUT, weights_grad(value, heads, grad))
+
+        self.hooks.tensor(out, on_grad)
+
+
+def _lazy_weights(call: Call) -> Tensor:
+    return probabilities(**attention_args(call.inputs))
 
 
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest
+_private_sessions = private_sessions
 _functorch_level = _torch.functorch_level
 
 

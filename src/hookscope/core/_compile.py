@@ -16,13 +16,12 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
-from typing import Any
 
 from torch import nn
 
 from ..errors import CompiledModelError
 from . import _torch
-from ._lifetime import Shared
+from ._lifetime import EAGER
 
 __all__ = ["compile_guard", "is_compiled", "run_eagerly"]
 
@@ -47,14 +46,6 @@ def _candidate_codes(model: nn.Module) -> list[types.CodeType]:
 
 def _compiled_codes(model: nn.Module) -> list[types.CodeType]:
     return [c for c in _candidate_codes(model) if _torch.dynamo_cache_entries(c)]
-
-
-def _force_eager() -> Any:
-    return _torch.set_stance("force_eager")  # the prior stance
-
-
-#: Compiled code runs eagerly while a recompile=True session is open (see the docstring).
-EAGER = Shared(_force_eager, _torch.set_stance)
 
 
 @contextlib.contextmanager
@@ -99,7 +90,7 @@ def compile_guard(model: nn.Module, *, recompile: bool, python: bool = False) ->
             "shares compiled code between instances), so hooks added now would be silently "
             "ignored (pytorch/pytorch#117758). Fix: pass recompile=True (hookscope then runs "
             "compiled code eagerly while it is open), or add hooks before the first compiled "
-            "call, or call torch._dynamo.reset()."
+            "call, or call torch.compiler.reset()."
         )
     EAGER.acquire()
     try:

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..errors import EditError, UsageError
-from . import _tree
+from . import _torch, _tree
 from ._records import LayerRecord
 from ._types import EditTarget, Path, PathLike
 
@@ -195,9 +195,9 @@ def call_checked(
     cannot stand in for it (another shape / dtype / device, unless allowed; never for
     gradients). ``None`` means "unchanged" where ``allow_none``. Inference tensors have no
     version counter, so an in-place change of one cannot be detected."""
-    version = None if old.is_inference() else old._version
+    version = None if old.is_inference() else _torch.version(old)
     new = fn(old)
-    if version is not None and old._version != version:
+    if version is not None and _torch.version(old) != version:
         raise EditError(
             f"{where} modified its argument in place; return a new tensor instead "
             "(in-place edits of a hook's argument are unreliable in PyTorch)"

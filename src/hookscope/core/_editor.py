@@ -16,11 +16,17 @@ output's structure. Gradient edits hook the autograd graph:
 
 Under activation checkpointing a replayed call gets the same edits with the same call index
 (see ``_checkpoint``).
+
+An operation site (``"layer::op"``, ``ops/``) is edited by the same hooks, :meth:`Editor._pre`
+and :meth:`Editor._post`, called by :meth:`Editor._run_op` around the intercepted call; edits
+of an ``attention_weights`` site run its SDPA call explicitly (``ops/_attention``). Each
+thread's forward counts its own calls (``_calls``).
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,17 +34,16 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import EditError, UsageError
-from . import _tree
+from . import _torch, _tree
 from ._autograd import Boundary, backward_id, recomputing, stand_in, why_no_grad
 from ._bind import Binder
+from ._calls import ModuleCall
 from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
-from ._ops import OpSelector, has_ops
-from ._ops import select as select_ops
-from ._opsites import OpSession, check_edits, edit_op, op_plan
-from ._opwatch import OpWatch
-from ._session import hidden, replica_error
+from ._session import Run, Session, replica_error
+from .ops._attention import WAITING, chain_of, explicit
+from .ops._select import SDPA, WEIGHTS, OpSelector, forward_op, op_binder, op_name
 
 __all__ = ["Editor", "edit"]
 
@@ -49,7 +54,7 @@ class _Layer:
     """One edited layer (or operation: ``op``, see ``_ops``): its edits split by where they
     apply, and per-call state."""
 
-    __slots__ = ("binder", "module", "name", "on_in", "on_out", "op", "open", "params", "pre")
+    __slots__ = ("binder", "module", "name", "on_in", "on_out", "op", "params", "pre")
 
     def __init__(
         self, name: str, module: nn.Module, edits: list[Edit], op: OpSelector | None = None
@@ -61,19 +66,44 @@ class _Layer:
         # A pre-hook is needed for input edits, and to mark where the call starts for
         # output-gradient edits (which outputs existed before the call).
         self.pre = bool(self.on_in) or any(e.on == "grad" for e in self.on_out)
-        # an operation's binder depends on the function called: set per call (_opsites)
+        # an operation's binder depends on the function called: given per call (_run_op)
         self.binder = Binder(module) if self.pre and op is None else None
-        #: calls between pre-hook and forward hook: (index, grads possible, boundary,
-        #: input stand-ins to mirror back as (original, stand-in, version))
-        self.open: list[tuple[int, bool, Boundary | None, list[tuple[Tensor, Tensor, int]]]] = []
 
 
-class Editor(OpSession):
-    """Applies edits while open; see :func:`edit`.
+#: a call between pre-hook and forward hook (per thread, ``Session.now.open``): its index,
+#: whether gradient edits can apply, its boundary, and the input stand-ins to mirror back as
+#: (original, stand-in, version)
+_Open = tuple[int, bool, Boundary | None, list[tuple[Tensor, Tensor, int]]]
+_NO_ARGUMENTS = Binder(lambda: None)  # an attention-weights site's own call takes nothing
+
+
+class Editor(Session):
+    """Temporarily edit layers' outputs, inputs or gradients (``hs.edit`` is this class).
+
+    Args:
+        model: the model (wrappers are seen through).
+        edits: ``{selector: edit}`` (layer selectors, or operation selectors such as
+            ``"h.3.attn::softmax"`` and ``"h.3.attn::attention_weights"``, see the README's
+            "Inside the forward"); an edit is an :class:`Edit` (``hookscope.ablate()``,
+            ``scale(k)``, ``add(v)``, ``replace(v)``, ``mean_ablate()``, ``patch(cap)``,
+            ``transform(fn)``, ``clip_grad(...)``), a plain function tensor -> tensor (applied
+            to the output), or a list of them (applied in order).
+        recompile: see :class:`Capture`.
+
+    A context manager: edits apply only inside the ``with`` block (gradient edits only to
+    backward passes run inside it), to the forwards of every thread.
 
     Attributes:
         applied: how many times edits were applied per layer (forward edits when they run,
             gradient edits as gradients arrive).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+        >>> with hs.edit(model, {"1": hs.ablate()}):
+        ...     out = model(torch.ones(2, 3))
+        >>> torch.equal(out, model[2].bias.expand(2, 1))
+        True
     """
 
     def __init__(
@@ -92,27 +122,18 @@ class Editor(OpSession):
         plan: dict[str, list[Edit]] = {}
         where: dict[str, tuple[nn.Module, OpSelector | None]] = {}
         for selector, value in edits.items():
-            if has_ops(selector):  # operation selectors ("layer::op"): see _ops
-                chosen = select_ops(self._layers, selector)
-            else:
-                chosen = {n: (m, None) for n, m in self._layers.select(selector).items()}
-            for name, found in chosen.items():
+            for name, site in self._layers.sites(selector).items():
                 plan.setdefault(name, []).extend(_as_edits(value))
-                where[name] = found
+                where[name] = (site.module, site.op)
         self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}
-        if any(op is not None for _, op in where.values()):
-            self._ops = self._op_watch()
-        self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
-        self._calls: dict[str, int] = {}  # call index per layer in this pass
-        self._replay = Replay()
-        self._unknown: dict[tuple[str, int], int] = {}  # replays of unknown checkpoints
-
-    def _op_watch(self) -> OpWatch:
         for layer in self._plan.values():
             if layer.op is not None:
-                check_edits(layer.op, layer.on_in + layer.on_out + layer.params)
-        plan = op_plan((layer.op, layer) for layer in self._plan.values())
-        return OpWatch(self, plan, functools.partial(edit_op, self))
+                _check_op_edits(layer.op, layer.on_in + layer.on_out + layer.params)
+        self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
+        self._counting = threading.Lock()  # `applied` counts calls from every thread
+        self._replay = Replay()
+        self._unknown: dict[tuple[str, int], int] = {}  # replays of unknown checkpoints
+        self._watch_ops(self._plan, replays=True)  # edits apply to checkpoint replays too
 
     def open(self) -> Editor:
         """Install the edits (``with`` does this); pair with :meth:`close`."""
@@ -124,17 +145,10 @@ class Editor(OpSession):
         return opened
 
     def _new_pass(self) -> None:
-        self._calls.clear()
-        for layer in self._plan.values():
-            layer.open.clear()
-
-    def _closed(self) -> None:
-        self._close_ops()
+        self.now.open.clear()  # calls an interrupted forward of this thread left open
 
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._plan)
-        if self._ops is not None:  # replays: edits must apply to checkpoint replays too
-            self._ops.install(hooks, replays=True)
         for layer in self._plan.values():
             if layer.op is not None:
                 continue  # an operation: its module's calls are followed by self._ops
@@ -149,6 +163,16 @@ class Editor(OpSession):
                         ctx = EditContext(layer.name, 0, (pname,))
                         hooks.tensor(param, functools.partial(self._grad, edit, ctx))
 
+    def _hooked(self) -> list[tuple[str, nn.Module]]:
+        return [(x.op.module if x.op else x.name, x.module) for x in self._plan.values()]
+
+    def _rebind(self) -> None:
+        for layer in self._plan.values():
+            name = layer.op.module if layer.op else layer.name
+            layer.module = self._layers.root if name == "" else self._layers.modules[name]
+            if layer.op is None and layer.binder is not None:
+                layer.binder = Binder(layer.module)
+
     # -- call indices ---------------------------------------------------------------------------
     def _index(self, layer: _Layer) -> tuple[int, bool]:
         """This call's index in the pass, and whether gradient edits can apply to it. A
@@ -162,8 +186,9 @@ class Editor(OpSession):
                 self._unknown[key] = index + 1
             self._replay.note([k for k, _ in first_runs], layer.name, index)
             return index, kind == REENTRANT and torch.is_grad_enabled()
-        index = self._calls.get(layer.name, 0)
-        self._calls[layer.name] = index + 1
+        calls: dict[str, int] = self.now.extra.setdefault("calls", {})  # this pass's
+        index = calls.get(layer.name, 0)
+        calls[layer.name] = index + 1
         grads = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         if maybe_in_segment():
             _, _, first_runs = find_segments()
@@ -179,15 +204,21 @@ class Editor(OpSession):
 
     # -- hooks --------------------------------------------------------------------------------
     def _pre(
-        self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        layer: _Layer,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module is not layer.module:
             raise replica_error(module)
-        if hidden(self):
+        if self._ignores():
             return None
         index, grads = self._index(layer)
-        assert layer.binder is not None
-        bound = layer.binder.bind(args, kwargs)
+        binder = binder or layer.binder
+        assert binder is not None
+        bound = binder.bind(args, kwargs)
         new: Any = bound
         mirror: list[tuple[Tensor, Tensor, int]] = []
         for edit in layer.on_in:
@@ -196,16 +227,17 @@ class Editor(OpSession):
             elif grads:
                 new = self._stand_in_inputs(edit, new, layer.name, index, mirror)
         boundary = Boundary({}) if grads and any(e.on == "grad" for e in layer.on_out) else None
-        layer.open.append((index, grads, boundary, mirror))
-        return None if new is bound else layer.binder.unbind(args, kwargs, new)
+        self.now.open.setdefault(layer, []).append((index, grads, boundary, mirror))
+        return None if new is bound else binder.unbind(args, kwargs, new)
 
     def _post(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not layer.module:
             raise replica_error(module)
-        if hidden(self):
+        if self._ignores():
             return None
-        if layer.open:
-            index, grads, boundary, mirror = layer.open.pop()
+        opens: list[_Open] | None = self.now.open.get(layer)
+        if opens:
+            index, grads, boundary, mirror = opens.pop()
         else:
             (index, grads), boundary, mirror = self._index(layer), None, []
         new = _mirror_back(output, mirror) if mirror else output
@@ -229,9 +261,13 @@ class Editor(OpSession):
                 allow_shape_change=edit.allow_shape_change,
             )
             if not recomputing():
-                self.applied[name] += 1
+                self._count(name)
             tree = _tree.replace_at(tree, path, new)
         return tree
+
+    def _count(self, name: str) -> None:
+        with self._counting:
+            self.applied[name] += 1
 
     def _edit_output_grad(
         self, edit: Edit, output: Any, name: str, index: int, boundary: Boundary
@@ -257,21 +293,126 @@ class Editor(OpSession):
             s = made.get(id(x))
             if s is None:
                 s = made[id(x)] = stand_in(x)
-                mirror.append((x, s, s._version))
+                mirror.append((x, s, _torch.version(s)))
                 self._hook(s, edit, EditContext(name, index, path))
             bound = _tree.replace_at(bound, path, s)
         return bound
 
     def _hook(self, t: Tensor, edit: Edit, ctx: EditContext) -> None:
-        assert self._hooks is not None
-        self._hooks.tensor(t, functools.partial(self._grad, edit, ctx))
+        self.hooks.tensor(t, functools.partial(self._grad, edit, ctx))
 
     def _grad(self, edit: Edit, ctx: EditContext, grad: Tensor) -> Tensor:
-        self.applied[ctx.layer] += 1
+        self._count(ctx.layer)
         where = f"edit {edit.name!r} on {ctx.layer!r} {edit.on}{_tree.path_str(ctx.path)}"
         new = call_checked(_with_context(edit, ctx), grad, where, grad=True)
         assert new is not None
         return new
+
+    # -- operation sites (see ``ops/``) ------------------------------------------------------
+    def _run_op(
+        self,
+        owner: ModuleCall,
+        layers: list[Any],
+        weights: list[Any],
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Apply each of ``layers``' edits to an operation call (the first selector
+        outermost) and, for an SDPA call whose ``weights`` are edited, run it explicitly with
+        those edits."""
+        if weights:
+            func = self._edited_sdpa(weights, func)
+        run: Run = functools.partial(forward_op, func)
+        for layer in reversed(layers):
+            run = functools.partial(self._edit_value, layer, func, run)
+        return run(args, kwargs)
+
+    def _edit_value(
+        self, layer: _Layer, func: Any, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        binder = op_binder(func)
+        changed = _changed_in_place(func, binder, args, kwargs)
+        if changed is not None:
+            return self._edit_in_place(layer, changed, run, args, kwargs)
+        if layer.pre:
+            new = self._pre(layer, layer.module, args, kwargs, binder)
+            if new is not None:
+                args, kwargs = new
+        out = run(args, kwargs)
+        new_out = self._post(layer, layer.module, args, out)
+        return out if new_out is None else new_out
+
+    def _edit_in_place(
+        self, layer: _Layer, changed: Tensor, run: Run, args: tuple[Any, ...], kwargs: Any
+    ) -> Any:
+        """An in-place operation's result is the tensor it changed, which the code goes on
+        using (``y.add_(1)`` discards the return value): an output edit is written into that
+        tensor, so the edit is what the code sees. Input and gradient edits have no tensor of
+        their own there and are refused."""
+        other = [e for e in layer.on_in + layer.on_out if e.on != "output"]
+        if other:
+            raise EditError(
+                f"edit {other[0].name!r} ({other[0].on}) on {layer.name!r}: an in-place "
+                "operation changes its input and returns it, so it has no input or gradient "
+                "of its own to edit; edit its output (on='output'), or the layer's"
+            )
+        out = run(args, kwargs)
+        new = self._post(layer, layer.module, args, out)
+        if new is None or new is out:
+            return out
+        if out is not changed or not isinstance(new, Tensor) or new.shape != out.shape:
+            raise EditError(
+                f"edit on {layer.name!r}: an in-place operation's result is the tensor it "
+                f"changed ({tuple(changed.shape)}), so the edit must return a tensor of that "
+                f"shape, written back into it; got {_tree.describe(new)}"
+            )
+        return out.copy_(new)
+
+    def _edited_sdpa(self, weights: list[_Layer], func: Any) -> Callable[..., Tensor]:
+        """The SDPA call made explicit, with the edits of ``weights`` applied to its
+        probabilities before those of sessions opened later (already in ``func`` if it is
+        explicit)."""
+        waiting = list(WAITING)  # the captures above this edit see its result
+        own = [(functools.partial(self._edit_weights, layer), waiting) for layer in weights]
+        return explicit([*own, *chain_of(func)])
+
+    def _edit_weights(self, layer: _Layer, probs: Tensor) -> Tensor:
+        if layer.pre:  # gradient edits: mark where the call starts
+            self._pre(layer, layer.module, (), {}, _NO_ARGUMENTS)
+        new = self._post(layer, layer.module, (), probs)
+        return probs if new is None else new
+
+
+def _changed_in_place(
+    func: Any, binder: Binder, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor | None:
+    """The tensor an in-place call changes (``x.add_(y)``, ``torch.relu_(x)``,
+    ``F.relu(x, inplace=True)``, ``x += y``), or None for an out-of-place call."""
+    name = op_name(func)
+    inplace = name.endswith("_") and not name.startswith("_")
+    if not inplace and "inplace" in kwargs:
+        inplace = bool(kwargs["inplace"])
+    elif not inplace and len(args) > 1 and "inplace" in (binder.parameters() or ()):
+        inplace = bool(binder.bind(args, kwargs).get("inplace", False))
+    first = args[0] if args else None
+    return first if inplace and isinstance(first, Tensor) else None
+
+
+def _check_op_edits(op: OpSelector, edits: list[Edit]) -> None:
+    """Refuse edits an operation cannot take, before anything is hooked."""
+    for edit in edits:
+        if edit.on == "param_grad":
+            raise UsageError(
+                f"{edit.name} applies to a layer's parameter gradients; the operation "
+                f"{op.name!r} has no parameters: give it the layer ({op.module!r})"
+            )
+        if op.op == WEIGHTS and edit.on in ("input", "input_grad"):
+            raise EditError(
+                f"edit {edit.name!r} on {op.name!r}: attention weights have no inputs of their "
+                f"own; edit the SDPA call's inputs with "
+                f"'{op.module}::{SDPA}{f'#{op.k}' if op.k else ''}' instead"
+            )
 
 
 def _with_context(edit: Edit, ctx: EditContext) -> Callable[[Tensor], Tensor]:
@@ -283,7 +424,7 @@ def _mirror_back(output: Any, mirror: list[tuple[Tensor, Tensor, int]]) -> Any:
     are copied to the caller's tensor, and a returned stand-in is the caller's tensor again."""
     swap = {}
     for x, s, version in mirror:
-        if s._version != version:
+        if _torch.version(s) != version:
             x.copy_(s)
             swap[id(s)] = x
     if not swap:
@@ -335,34 +476,16 @@ def _as_edits(value: Any) -> list[Edit]:
     )
 
 
-def edit(
-    model: nn.Module,
-    edits: Mapping[Any, Edit | Callable[[Tensor], Tensor] | Sequence[Edit]],
-    *,
-    recompile: bool = False,
-) -> Editor:
-    """Temporarily edit layers' outputs, inputs or gradients.
+edit = Editor
+"""Temporarily edit layers' outputs, inputs or gradients: ``hs.edit(model, edits)`` is
+:class:`Editor` (the same class, named for ``with hs.edit(...)``), as ``hs.capture`` is
+:class:`Capture`.
 
-    Args:
-        model: the model (wrappers are seen through).
-        edits: ``{selector: edit}`` (layer selectors, or operation selectors such as
-            ``"h.3.attn::softmax"`` and ``"h.3.attn::attention_weights"``, see the README's
-            "Inside the forward"); an edit is an :class:`Edit` (``hookscope.ablate()``,
-            ``scale(k)``, ``add(v)``, ``replace(v)``, ``mean_ablate()``, ``patch(cap)``,
-            ``transform(fn)``, ``clip_grad(...)``), a plain function tensor -> tensor (applied
-            to the output), or a list of them (applied in order).
-        recompile: see :func:`capture`.
-
-    Returns:
-        An :class:`Editor`, a context manager; edits apply only inside the ``with`` block
-        (gradient edits only to backward passes run inside it).
-
-    Example:
-        >>> import torch, torch.nn as nn, hookscope as hs
-        >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
-        >>> with hs.edit(model, {"1": hs.ablate()}):
-        ...     out = model(torch.ones(2, 3))
-        >>> torch.equal(out, model[2].bias.expand(2, 1))
-        True
-    """
-    return Editor(model, edits, recompile=recompile)
+Example:
+    >>> import torch, torch.nn as nn, hookscope as hs
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    >>> with hs.edit(model, {"1": hs.ablate()}):
+    ...     out = model(torch.ones(2, 3))
+    >>> torch.equal(out, model[2].bias.expand(2, 1))
+    True
+"""

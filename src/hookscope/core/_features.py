@@ -12,8 +12,6 @@ from ..errors import CaptureError
 from ._capture import Capture
 from ._lifetime import training_mode
 from ._naming import Layers
-from ._ops import has_ops
-from ._ops import select as select_ops
 from ._records import LayerRecord
 from ._types import CopyMode, LayerSelector, Reduce
 
@@ -49,7 +47,7 @@ def features(
     layers: LayerSelector,
     *,
     reduce: Reduce | None = None,
-    device: torch.device | str | None = None,
+    capture_device: torch.device | str | None = None,
     train: bool = False,
     stop: bool = True,
     recompile: bool = True,
@@ -57,7 +55,8 @@ def features(
     """The outputs of ``layers`` for ``inputs``, computed as cheaply as possible.
 
     Runs under ``torch.no_grad()``, in eval mode (each module's flag is restored after), and
-    by default stops the forward as soon as every selected layer has run.
+    by default stops the forward as soon as every selected layer has run. Safe to call from
+    several threads on one model at once (each call sees its own forward only).
 
     Args:
         model: the model (wrappers are seen through).
@@ -65,8 +64,10 @@ def features(
             keyword arguments (e.g. a tokenizer's output).
         layers: any layer selector (see :func:`capture`).
         reduce: reduce each feature at capture time (``"spatial_mean"``, ``"token_mean"``,
-            ``"batch_mean"`` or a function).
-        device: move features there (e.g. ``"cpu"`` from CUDA).
+            ``"batch_mean"`` or a function; see :data:`hookscope.Reduce`). ``"token_mean"``
+            averages the tokens the inputs' ``attention_mask`` keeps, as :func:`extract` does:
+            the same inputs give the same rows.
+        capture_device: move features there (e.g. ``"cpu"`` from CUDA).
         train: run in training mode instead of eval mode.
         stop: end the forward once every selected layer has run (default). A layer that
             would run again after that point (a reused module) is then not seen; with
@@ -87,7 +88,15 @@ def features(
         >>> hs.features(model, torch.ones(2, 3), ["0"])["0"].shape
         torch.Size([2, 4])
     """
-    cap = Capture(model, layers, stop=stop, reduce=reduce, device=device, recompile=recompile)
+    cap = Capture(
+        model,
+        layers,
+        stop=stop,
+        reduce=reduce,
+        capture_device=capture_device,
+        recompile=recompile,
+        this_thread=True,
+    )
     with training_mode(model, train), torch.no_grad(), cap:
         call_model(model, inputs)
     return {name: _one_value(record) for name, record in cap.records.items()}
@@ -120,10 +129,7 @@ class FeatureExtractor(nn.Module):
     ) -> None:
         super().__init__()
         self.model = model
-        found = (
-            select_ops(Layers(model), layers) if has_ops(layers) else Layers(model).select(layers)
-        )
-        self.layers = list(found)  # fail now, not at the first call
+        self.layers = list(Layers(model).sites(layers))  # fail now, not at the first call
         self._options: dict[str, Any] = {"copy": copy, "reduce": reduce, "stop": stop}
 
     def forward(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -134,7 +140,7 @@ class FeatureExtractor(nn.Module):
             ran more than once), attached to the autograd graph. The model's own output is
             not returned: with ``stop=True`` (the default) it is never computed.
         """
-        cap = Capture(self.model, self.layers, detach=False, **self._options)
+        cap = Capture(self.model, self.layers, detach=False, this_thread=True, **self._options)
         with cap:
             self.model(*args, **kwargs)
         return {name: _one_value(record) for name, record in cap.records.items()}

@@ -16,7 +16,8 @@ __all__ = ["GradHook", "grad_of", "on_grad"]
 
 
 class GradHook:
-    """A hook on one tensor's gradient; remove it with :meth:`remove` or a ``with`` block.
+    """A hook on one tensor's gradient, installed like every session: by a ``with`` block (or
+    :meth:`open`), removed when it exits (or by :meth:`close`).
 
     Attributes:
         count: how many gradients have arrived.
@@ -30,11 +31,11 @@ class GradHook:
                 f"this {tuple(tensor.shape)} tensor will never have a gradient: "
                 + _why_not_requires_grad(tensor)
             )
-        self._fn = fn
+        self._tensor, self._fn = tensor, fn
         self._grad: Tensor | None = None
         self.count = 0
-        self._hooks = HookSet()
-        self._hooks.tensor(tensor, self._on_grad)
+        self._hooks: HookSet | None = None
+        self._opened = False
 
     def _on_grad(self, grad: Tensor) -> Tensor | None:
         self.count += 1
@@ -47,23 +48,38 @@ class GradHook:
     def grad(self) -> Tensor:
         """The latest gradient that arrived (before any rewrite by ``fn``)."""
         if self._grad is None:
+            if not self._opened:
+                raise GradientUnavailableError(
+                    "the gradient hook was never installed: use it as a context manager "
+                    "(`with hs.grad_of(t) as g: ...`) or call .open() before the backward"
+                )
             raise GradientUnavailableError(
                 "no gradient has arrived yet: call .backward() on a loss that depends on this "
                 "tensor first"
             )
         return self._grad
 
-    def remove(self) -> None:
+    def open(self) -> GradHook:
+        """Install the hook (``with`` does this); pair with :meth:`close`. Idempotent."""
+        if self._hooks is None:
+            self._hooks = HookSet()
+            self._hooks.tensor(self._tensor, self._on_grad)
+            self._opened = True
+        return self
+
+    def close(self) -> None:
         """Remove the hook; idempotent. Gradients already computed are unaffected."""
-        self._hooks.close()
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.close()
 
     def __enter__(self) -> GradHook:
-        return self
+        return self.open()
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.remove()
+        self.close()
 
 
 def _why_not_requires_grad(t: Tensor) -> str:

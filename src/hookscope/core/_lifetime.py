@@ -10,13 +10,18 @@ exit path (never ``__del__``). hookscope registers only:
   on the selected modules' parameters for gradient clipping;
 * post-hooks on autograd nodes created inside a selected module's call (the nodes that send
   gradient to its inputs, see ``_autograd``);
-* optimizer step hooks (``Monitor`` follows optimizer steps), through :meth:`HookSet.handle`.
+* optimizer step pre- and post-hooks (``Monitor`` follows optimizer steps),
+  :meth:`HookSet.optimizer_step`.
 
-Operation selectors (``"layer::op"``, ``_ops``) also push a ``TorchFunctionMode`` on the
-thread's torch function mode stack while a selected module's call runs: its pre-hook pushes
-it, its post-hook takes it off; a call ended by a ``BaseException`` (which skips the
-post-hook) leaves it there, passing every call through untouched, until the session's next
-forward or its close takes it off.
+Interceptors. Every torch function mode and dispatch mode hookscope uses is a subclass of
+:class:`FunctionInterceptor` or :class:`DispatchInterceptor`, defined here; both kinds live on
+per-thread stacks in PyTorch. Dispatch interceptors (the FLOP counter of ``summary``, the NaN
+tracer's operator replay) are entered with ``with`` around a forward hookscope runs itself.
+Function interceptors are pushed and taken off by hooks: operation selectors (``"layer::op"``,
+``ops/``) push one while a selected module's call runs (its pre-hook pushes it, its post-hook
+takes it off; a call ended by a ``BaseException``, which skips the post-hook, leaves it there,
+passing every call through untouched, until the session's next forward or its close takes it
+off); guided backpropagation enters one with ``with`` around its forward.
 
 Tensor and node hooks are removed on close like module hooks, so a backward that runs after
 the session ended sees none of them. It never uses module backward hooks: the legacy
@@ -31,24 +36,42 @@ undone exactly by the last one to close, whatever the order):
   that ``copy.deepcopy``, ``pickle`` and ``torch.save`` of a hooked model work and the copy
   carries none of hookscope's hooks (the user's own hooks are copied as PyTorch always does);
 * the compiler stance is ``force_eager`` while a session with ``recompile=True`` is open on a
-  compiled model that already ran (see ``_compile``).
+  compiled model that already ran (see ``_compile``); module hooks of a session on a compiled
+  model run outside compiled graphs (``torch.compiler.disable``);
+* the ``training`` flags of a model's modules while an entry point runs it in a mode of its
+  own (:func:`training_mode`): set by the first, restored by the last, per model.
 
 Module hooks live in the module's hook dicts, which PyTorch shares between every thread that
-calls the module: a capture also records calls other threads make while it is open.
+calls the module: a session sees the calls of every thread, each thread's forward its own pass
+(``_calls``), except sessions opened by entry points that run the model themselves, which see
+only their own thread's forwards.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copyreg
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["HookSet", "Shared", "training_mode"]
+from ..errors import UsageError
+from . import _torch
+
+__all__ = [
+    "EAGER",
+    "DispatchInterceptor",
+    "FunctionInterceptor",
+    "HookSet",
+    "Shared",
+    "training_mode",
+]
 
 #: Handle ids of module hooks hookscope holds right now (dropped from pickled state).
 _MODULE_HOOK_IDS: set[int] = set()
@@ -69,17 +92,20 @@ class Shared:
         self._apply, self._undo = apply, undo
         self._count = 0
         self._saved: Any = None
+        self._lock = threading.Lock()  # sessions open and close from several threads
 
     def acquire(self) -> None:
-        if self._count == 0:
-            self._saved = self._apply()
-        self._count += 1
+        with self._lock:
+            if self._count == 0:
+                self._saved = self._apply()
+            self._count += 1
 
     def release(self) -> None:
-        self._count -= 1
-        if self._count == 0:
-            self._undo(self._saved)
-            self._saved = None
+        with self._lock:
+            self._count -= 1
+            if self._count == 0:
+                self._undo(self._saved)
+                self._saved = None
 
 
 class _CleanCopies:
@@ -97,25 +123,28 @@ class _CleanCopies:
     def __init__(self) -> None:
         self._count: dict[type, int] = {}
         self._before: dict[type, Any] = {}  # what dispatch_table held for the class
+        self._lock = threading.Lock()
 
     def acquire(self, cls: type) -> None:
-        count = self._count.get(cls, 0)
-        if count == 0:
-            self._before[cls] = copyreg.dispatch_table.get(cls, self._MISSING)
-            copyreg.dispatch_table[cls] = self.reduce
-        self._count[cls] = count + 1
+        with self._lock:
+            count = self._count.get(cls, 0)
+            if count == 0:
+                self._before[cls] = copyreg.dispatch_table.get(cls, self._MISSING)
+                copyreg.dispatch_table[cls] = self.reduce
+            self._count[cls] = count + 1
 
     def release(self, cls: type) -> None:
-        count = self._count.pop(cls) - 1
-        if count:
-            self._count[cls] = count
-            return
-        before = self._before.pop(cls)
-        if copyreg.dispatch_table.get(cls) == self.reduce:  # leave a later owner's entry
-            if before is self._MISSING:
-                del copyreg.dispatch_table[cls]
-            else:
-                copyreg.dispatch_table[cls] = before
+        with self._lock:
+            count = self._count.pop(cls) - 1
+            if count:
+                self._count[cls] = count
+                return
+            before = self._before.pop(cls)
+            if copyreg.dispatch_table.get(cls) == self.reduce:  # leave a later owner's entry
+                if before is self._MISSING:
+                    del copyreg.dispatch_table[cls]
+                else:
+                    copyreg.dispatch_table[cls] = before
 
     def reduce(self, module: nn.Module) -> Any:
         before = self._before.get(type(module), self._MISSING)
@@ -136,6 +165,10 @@ def _without_our_hooks(state: dict[str, Any]) -> dict[str, Any]:
 
 #: Copies of a hooked model carry none of hookscope's hooks (see the module docstring).
 CLEAN_COPIES = _CleanCopies()
+
+#: Compiled code runs eagerly while a ``recompile=True`` session is open on a compiled model
+#: that already ran (``_compile``): ``torch.compiler.set_stance("force_eager")``.
+EAGER = Shared(lambda: _torch.set_stance("force_eager"), _torch.set_stance)
 
 
 class HookSet:
@@ -190,28 +223,36 @@ class HookSet:
         """Hook an autograd node: ``fn(grad_inputs, grad_outputs)`` after it runs."""
         self._keep(node.register_hook(fn))
 
-    def handle(self, handle: RemovableHandle) -> None:
-        """Keep a handle of a hook registered elsewhere (an optimizer's step hooks) to
-        remove it with the rest."""
-        self._handles.append(handle)
+    def optimizer_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        before: Callable[[torch.optim.Optimizer], None],
+        after: Callable[[torch.optim.Optimizer], None],
+    ) -> None:
+        """Call ``before(optimizer)`` / ``after(optimizer)`` around each of its steps."""
+        self._handles.append(optimizer.register_step_pre_hook(lambda o, *_: before(o)))
+        self._handles.append(optimizer.register_step_post_hook(lambda o, *_: after(o)))
 
     def close(self) -> None:
-        """Remove every hook, newest first. Safe to call more than once."""
-        try:
-            while self._handles:
+        """Remove every hook, newest first. Safe to call more than once. A hook whose removal
+        raises does not keep the others: every one is removed, then the first error raised."""
+        error: BaseException | None = None
+        while self._handles:
+            try:
                 self._handles.pop().remove()
-        finally:
-            _MODULE_HOOK_IDS.difference_update(self._module_ids)
-            self._module_ids.clear()
-            while self._classes:
-                CLEAN_COPIES.release(self._classes.pop())
+            except BaseException as e:
+                error = error or e
+        _MODULE_HOOK_IDS.difference_update(self._module_ids)
+        self._module_ids.clear()
+        while self._classes:
+            CLEAN_COPIES.release(self._classes.pop())
+        if error is not None:
+            raise error
 
     def _outside_graphs(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         if not self._eager:
             return fn
-        import torch._dynamo
-
-        disabled: Callable[..., Any] = torch._dynamo.disable(fn)  # type: ignore[no-untyped-call]
+        disabled: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
         return disabled
 
     def _module(self, module: nn.Module, handle: RemovableHandle) -> None:
@@ -231,19 +272,93 @@ class HookSet:
             self._prune_at = 2 * len(self._handles) + 256
 
 
+class FunctionInterceptor(TorchFunctionMode):
+    """Base of hookscope's torch function modes (see the module docstring): entered with
+    ``with``, or pushed by hooks with :meth:`attach` and taken off with :meth:`detach`."""
+
+    def attach(self) -> bool:
+        """Push the mode on this thread's stack unless it is there; whether it pushed."""
+        if _torch.function_mode_on(self):
+            return False
+        _torch.push_function_mode(self)
+        return True
+
+    def detach(self) -> None:
+        """Take the mode off this thread's stack wherever it is (modes above stay)."""
+        _torch.remove_function_mode(self)
+
+
+class DispatchInterceptor(_torch.DispatchMode):  # type: ignore[misc]
+    """Base of hookscope's torch dispatch modes (see the module docstring), entered with
+    ``with`` around a forward hookscope runs itself."""
+
+    def __init__(self) -> None:
+        _torch.need("torch.utils._python_dispatch.TorchDispatchMode")
+        super().__init__()
+
+
+class _Held:
+    """One module's ``training`` flag while entry points run it in a mode of their own."""
+
+    __slots__ = ("flag", "module", "threads", "train")
+
+    def __init__(self, module: nn.Module, train: bool) -> None:
+        self.module, self.flag, self.train = module, module.training, train
+        self.threads: list[int] = []  # one entry per call inside, by thread
+
+
+#: id(module) -> its hold, for every module some entry point runs in a mode of its own now
+_HELD: dict[int, _Held] = {}
+_HELD_CHANGED = threading.Condition()
+
+
 @contextlib.contextmanager
 def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
     """Set every module's ``training`` flag to ``train``; restore each one's own flag after.
-    Flags already right are left alone (``nn.Module.__setattr__`` is slow, and this runs
+
+    Entry points that run the model themselves (``features``, the attribution methods,
+    ``summary``, ``extract``, the report) may do so from several threads at once, on one model
+    or on models sharing modules: a module's flag is saved by the first call that needs it in
+    a mode, shared by later calls in the same mode, and restored by the last one to leave. A
+    call that needs the other mode waits until the modules are free; in a thread already
+    holding them in the other mode (a nested call) it is refused, since waiting would never
+    end. Flags already right are left alone (``nn.Module.__setattr__`` is slow, and this runs
     once per call of an explainer)."""
-    flags = [(m, m.training) for m in model.modules()]
+    modules = list(model.modules())
+    me = threading.get_ident()
+    with _HELD_CHANGED:
+        while clash := [h for m in modules if (h := _HELD.get(id(m))) and h.train != train]:
+            if any(me in h.threads for h in clash):
+                raise UsageError(
+                    f"this thread already runs {type(clash[0].module).__name__} in "
+                    f"{_mode_name(clash[0].train)} mode inside a hookscope call; it cannot run "
+                    f"it in {_mode_name(train)} mode at the same time. Make the two calls one "
+                    "after the other."
+                )
+            _HELD_CHANGED.wait()
+        held, new = [], []
+        for m in modules:  # every flag is read before any is set: a compile wrapper's flag
+            h = _HELD.get(id(m))  # is its module's
+            if h is None:
+                h = _HELD[id(m)] = _Held(m, train)
+                new.append(h)
+            h.threads.append(me)
+            held.append(h)
+        for h in new:
+            if h.module.training != train:
+                h.module.training = train
     try:
-        if any(flag != train for _, flag in flags):
-            # a torch.export module refuses train(): its mode was fixed when it was exported
-            with contextlib.suppress(NotImplementedError):
-                model.train(train)
         yield
     finally:
-        for module, flag in flags:
-            if module.training != flag:
-                module.training = flag
+        with _HELD_CHANGED:
+            for h in reversed(held):  # children first, wrappers last (as they were read)
+                h.threads.remove(me)
+                if not h.threads:
+                    del _HELD[id(h.module)]
+                    if h.module.training != h.flag:
+                        h.module.training = h.flag
+            _HELD_CHANGED.notify_all()
+
+
+def _mode_name(train: bool) -> str:
+    return "training" if train else "eval"

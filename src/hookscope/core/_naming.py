@@ -9,6 +9,10 @@ module (``enc2`` when ``self.enc2 = self.enc``), children included (``enc2.0``).
 Containers that are never called themselves (``nn.ModuleList``, ``nn.ModuleDict``: their
 class has no ``forward``) are not layers: naming one explicitly is refused with a pointer to
 its children, and patterns skip them.
+
+:meth:`Layers.sites` is the one resolver every entry point uses: layers and operation sites
+(``"layer::op"``, ``ops/_select.py``) alike, so a selector means the same everywhere; an entry
+point that cannot hook an operation says why (``refuse_ops=``).
 """
 
 from __future__ import annotations
@@ -17,15 +21,18 @@ import difflib
 import inspect
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..errors import LayerNotFoundError, UsageError
+from . import _torch
 from ._types import LayerSelector, SingleSelector
+from .ops._select import OpSelector, is_op, parse
 
-__all__ = ["Layers", "is_called", "names", "resolve", "unwrap"]
+__all__ = ["Layers", "Site", "is_called", "names", "resolve", "unwrap"]
 
 _GLOB_CHARS = re.compile(r"[*?\[]")
 _UNIMPLEMENTED = nn.Module.forward
@@ -36,7 +43,7 @@ def _wrapped(module: nn.Module) -> nn.Module | None:
     # Type checks first: getattr of a missing attribute on a Module raises and formats an
     # AttributeError, which made name resolution the main per-capture cost.
     if type(module).__name__ == "OptimizedModule":  # torch._dynamo's compile wrapper
-        inner = module._modules.get("_orig_mod")
+        inner = _torch.children(module).get("_orig_mod")
         return inner if isinstance(inner, nn.Module) else None
     if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
         wrapped: nn.Module = module.module
@@ -56,6 +63,22 @@ def is_called(module: nn.Module) -> bool:
     if isinstance(module, torch.jit.ScriptModule):  # its forward is compiled, not a method
         return True
     return getattr(type(module), "forward", _UNIMPLEMENTED) is not _UNIMPLEMENTED
+
+
+@dataclass(frozen=True, eq=False)
+class Site:
+    """One selected place: a layer (``op`` is None) or an operation inside a layer's own code.
+
+    Attributes:
+        name: the record key: ``"h.0.attn"``, or ``"h.0.attn::softmax#2"`` for an operation.
+        module: the layer; for an operation, the module whose own code runs it (the model's
+            root for ``"::op"``).
+        op: the operation selector, or None for a layer.
+    """
+
+    name: str
+    module: nn.Module
+    op: OpSelector | None = None
 
 
 class Layers:
@@ -97,7 +120,7 @@ class Layers:
                 self._scripted.add(canon)
         if canon and raw != canon:
             self.aliases[raw] = canon
-        for key, child in module._modules.items():
+        for key, child in _torch.children(module).items():
             if child is not None:
                 self._walk(
                     child,
@@ -123,23 +146,44 @@ class Layers:
                 return name
         return None
 
-    def select(self, selector: LayerSelector) -> dict[str, nn.Module]:
-        """Resolve a selector to ``{name: module}``; raise before any forward if it misses."""
-        items: Sequence[SingleSelector]
-        if isinstance(selector, (list, tuple)):
-            items = selector
-            if not items:
-                raise LayerNotFoundError("empty layer selection: name at least one layer")
-        else:
-            items = [selector]  # type: ignore[list-item]
-        out: dict[str, nn.Module] = {}
-        for item in items:
-            found = self._match(item)
-            if not found:
-                raise LayerNotFoundError(self._miss_message(item))
-            for name in found:
-                out.setdefault(name, self.modules[name])
+    def sites(self, selector: LayerSelector, *, refuse_ops: str | None = None) -> dict[str, Site]:
+        """Resolve layer and operation selectors to ``{record name: Site}``, in first-seen
+        order; raise before any forward if a layer part misses. ``refuse_ops``: this entry
+        point cannot hook operations, and this says why (and what to select instead)."""
+        out: dict[str, Site] = {}
+        for item in _items(selector):
+            if not is_op(item):
+                for name in self._found(item):
+                    out.setdefault(name, Site(name, self.modules[name]))
+                continue
+            assert isinstance(item, str)
+            if refuse_ops is not None:
+                raise UsageError(f"{item!r} selects an operation inside a layer: {refuse_ops}")
+            module, op, k = parse(item)
+            for name, found in self._op_owners(item, module).items():
+                spec = OpSelector(name, op, k)
+                out.setdefault(spec.name, Site(spec.name, found, spec))
         return out
+
+    def select(self, selector: LayerSelector) -> dict[str, nn.Module]:
+        """Resolve a selector of layers (modules only) to ``{name: module}``; raise before any
+        forward if it misses. Entry points resolve with :meth:`sites`."""
+        sites = self.sites(selector, refuse_ops="select the layer itself")
+        return {name: site.module for name, site in sites.items()}
+
+    def _found(self, item: SingleSelector) -> list[str]:
+        found = self._match(item)
+        if not found:
+            raise LayerNotFoundError(self._miss_message(item))
+        return found
+
+    def _op_owners(self, text: str, module: str) -> dict[str, nn.Module]:
+        if module == "":
+            return {"": self.root}
+        try:
+            return {name: self.modules[name] for name in self._found(module)}
+        except LayerNotFoundError as e:
+            raise LayerNotFoundError(f"operation selector {text!r}: {e}") from None
 
     def _match(self, item: SingleSelector) -> list[str]:
         if isinstance(item, str) or (isinstance(item, nn.Module) and unwrap(item) is self.root):
@@ -245,12 +289,15 @@ class Layers:
                 )
             if isinstance(item, re.Pattern):
                 msg += ". Regexes must match the whole name (re.fullmatch)"
-            if isinstance(item, str) and "::" in item:
-                msg += (
-                    ". Operation selectors ('layer::op') work with hookscope.capture, edit, "
-                    "features and FeatureExtractor"
-                )
         return msg + ". List the selectable names with hookscope.names(model)."
+
+
+def _items(selector: LayerSelector) -> Sequence[SingleSelector]:
+    if isinstance(selector, (list, tuple)):
+        if not selector:
+            raise LayerNotFoundError("empty layer selection: name at least one layer")
+        return selector
+    return [selector]  # type: ignore[list-item]
 
 
 def _link(wrapper: nn.Module) -> str:
@@ -308,7 +355,7 @@ def resolve(model: nn.Module, selector: LayerSelector) -> dict[str, nn.Module]:
     return Layers(model).select(selector)
 
 
-def names(model: nn.Module, select: LayerSelector | None = None) -> dict[str, str]:
+def names(model: nn.Module, layers: LayerSelector | None = None) -> dict[str, str]:
     """The selectable layers of ``model``: dotted name -> module type name.
 
     Names are those of ``named_modules()`` on the unwrapped model, so they are the same for
@@ -318,25 +365,33 @@ def names(model: nn.Module, select: LayerSelector | None = None) -> dict[str, st
 
     Args:
         model: any ``nn.Module``, wrapped or not.
-        select: optionally, a selector to preview what it matches.
+        layers: optionally, a selector to preview what it matches.
 
     Returns:
         An ordered dict of name to type name, in ``named_modules()`` order.
 
     Raises:
-        LayerNotFoundError: ``select`` matches nothing.
+        LayerNotFoundError: ``layers`` matches nothing.
 
     Example:
         >>> import torch.nn as nn, hookscope as hs
         >>> hs.names(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
         {'0': 'Linear', '1': 'ReLU'}
     """
-    layers = Layers(model)
-    chosen = layers.modules if select is None else layers.select(select)
-    if select is not None:
-        order = list(layers.modules)
+    known = Layers(model)
+    if layers is not None:
+        known.sites(layers, refuse_ops=_NAMES_OPS)
+    chosen = known.modules if layers is None else known.select(layers)
+    if layers is not None:
+        order = list(known.modules)
         chosen = dict(sorted(chosen.items(), key=lambda kv: order.index(kv[0])))
     return {name: _type_name(module) for name, module in chosen.items()}
+
+
+_NAMES_OPS = (
+    "hookscope.names(model, layers) previews the layers a selector picks; list the operations "
+    "of a layer's own code with hookscope.names(model, 'layer', ops=True, inputs=...)"
+)
 
 
 def _type_name(module: nn.Module) -> str:

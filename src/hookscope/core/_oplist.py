@@ -1,5 +1,5 @@
 """``hookscope.names``: the selectable layers, and with ``ops=True`` the operations one forward
-makes inside each of them (``_ops``)."""
+makes inside each of them (``ops/``)."""
 
 from __future__ import annotations
 
@@ -10,38 +10,34 @@ from torch import nn
 
 from ..errors import UsageError
 from . import _naming, _tree
+from ._calls import ModuleCall, private_forward
 from ._features import call_model
 from ._lifetime import HookSet
 from ._naming import Layers, is_called
-from ._ops import SDPA, WEIGHTS, op_qualname
-from ._opsites import OpSession
-from ._opwatch import OpWatch
-from ._session import ModuleCall, private_forward
+from ._session import Session
 from ._types import LayerSelector
+from .ops._select import SDPA, WEIGHTS, op_qualname
 
 __all__ = ["names"]
 
 _WEIGHTS_NOTE = "attention probabilities of that call, computed by hookscope"
 
 
-class _Lister(OpSession):
+class _Lister(Session):
     """One private forward that notes every operation each module's own code runs."""
 
     def __init__(self, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-        super().__init__(model, recompile=True)  # the forward is ours: compiled code runs eagerly
+        # the forward is ours: compiled code runs eagerly, and only this thread's is seen
+        super().__init__(model, recompile=True, this_thread=True)
         #: per module: {(operation, k): how it was called}, in the order they first ran
         self.found: dict[str, dict[tuple[str, int], str]] = {}
         #: per module and operation: most calls in one call of the module; whether any
         #: returned a tensor
         self.most: dict[tuple[str, str], list[Any]] = {}
-        self._ops = OpWatch(self, {n: {} for n in modules}, _never, self._listen)
+        self._listen_ops(modules, self._listen)
 
     def _install(self, hooks: HookSet) -> None:
-        assert self._ops is not None
-        self._ops.install(hooks, replays=False)
-
-    def _closed(self) -> None:
-        self._close_ops()
+        return None  # the modules' calls are followed for the listener (_listen_ops)
 
     def _listen(self, call: ModuleCall, name: str, k: int, func: Any, run: Any) -> Any:
         out = run()
@@ -64,13 +60,9 @@ class _Lister(OpSession):
         return out
 
 
-def _never(*args: Any) -> Any:
-    raise AssertionError("the lister has no sites")  # pragma: no cover
-
-
 def names(
     model: nn.Module,
-    select: LayerSelector | None = None,
+    layers: LayerSelector | None = None,
     *,
     ops: bool = False,
     inputs: Any = None,
@@ -93,7 +85,7 @@ def names(
 
     Args:
         model: any ``nn.Module``, wrapped or not.
-        select: optionally, a selector to preview what it matches (with ``ops=True``: only
+        layers: optionally, a selector to preview what it matches (with ``ops=True``: only
             those layers' operations).
         ops: also list the operations inside each layer's call.
         inputs: with ``ops=True``, the forward's inputs: a tensor, a tuple of positional
@@ -103,7 +95,7 @@ def names(
         An ordered dict of name to type name, in ``named_modules()`` order.
 
     Raises:
-        LayerNotFoundError: ``select`` matches nothing.
+        LayerNotFoundError: ``layers`` matches nothing.
         UsageError: ``ops=True`` without ``inputs``, or ``inputs`` without ``ops=True``.
 
     Example:
@@ -118,18 +110,18 @@ def names(
     if not ops:
         if inputs is not None:
             raise UsageError("inputs= is used only with ops=True (to run the forward once)")
-        return _naming.names(model, select)
+        return _naming.names(model, layers)
     if inputs is None:
         raise UsageError(
             "names(model, ops=True) runs one forward to see which operations each layer "
             "runs: pass its inputs, e.g. names(model, ops=True, inputs=x)"
         )
-    listed = _naming.names(model, select)
-    layers = Layers(model)
-    modules = {"": layers.root} if select is None else {}
+    listed = _naming.names(model, layers)
+    known = Layers(model)
+    modules = {"": known.root} if layers is None else {}
     for name in listed:
-        if is_called(layers.modules[name]) and not layers.in_script(name):
-            modules[name] = layers.modules[name]
+        if is_called(known.modules[name]) and not known.in_script(name):
+            modules[name] = known.modules[name]
     lister = _Lister(model, modules)
     with torch.no_grad(), private_forward(lister), lister:
         call_model(model, inputs)

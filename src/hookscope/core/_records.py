@@ -15,13 +15,14 @@ import torch
 from torch import Tensor
 
 from ..errors import CaptureError, GradientUnavailableError, StaleCaptureError
-from . import _tree
+from . import _torch, _tree
 from ._store import Store, describe
 from ._types import Inputs, Path
 
 __all__ = ["Call", "LayerRecord"]
 
 _OUTPUT: Path = ("output",)
+_version = _torch.version
 #: the structure of an output computed on read (a single tensor), for its gradient
 _ONE_TENSOR = torch.empty(0, device="meta")
 
@@ -166,13 +167,13 @@ class Call:
     def _ready(self) -> _Extra | None:
         """Wait for pending device copies, then check by-reference values (every read)."""
         extra = self._extra
-        if self._ref is not None and self._ref[0]._version != self._ref[1]:
+        if self._ref is not None and _version(self._ref[0]) != self._ref[1]:
             self._stale(("output",))
         if extra is not None:
             while extra.events:
                 extra.events.pop().synchronize()
             for tensor, version, path in extra.refs:
-                if tensor._version != version:
+                if _version(tensor) != version:
                     self._stale(path)
         return extra
 
@@ -295,6 +296,10 @@ class Call:
         return f"Call({', '.join(parts)})"
 
 
+def _pass_of(call: Call) -> int:
+    return call.pass_index
+
+
 class LayerRecord:
     """Every kept call of one layer, oldest first; ``.output`` etc. read the latest call.
 
@@ -306,13 +311,16 @@ class LayerRecord:
             no longer kept because of ``keep=``).
     """
 
-    __slots__ = ("_calls", "_dropped", "_pending", "_store", "module_type", "name")
+    __slots__ = ("_calls", "_dropped", "_pending", "_store", "_unordered", "module_type", "name")
 
     def __init__(self, name: str, module_type: str, store: Store) -> None:
         self.name = name
         self.module_type = module_type
         self._dropped = 0  # calls no longer kept
         self._calls: list[Call] = []
+        #: a call of an earlier pass was kept after one of a later pass (forwards from several
+        #: threads): the calls are put in pass order when read
+        self._unordered = False
         # Output-only calls as recorded: (value, tag, pass), made into Call objects when
         # first read. Recording stores nothing else per call.
         self._pending: list[tuple[Tensor, Any, int]] = []
@@ -335,21 +343,42 @@ class LayerRecord:
         used three times in a forward has three), as many as ``keep=`` keeps."""
         if self._pending:
             first, name, store = self._dropped + len(self._calls), self.name, self._store
+            # (the list is kept: the capture's hot path holds its append; a call another
+            # thread appends meanwhile stays for the next read)
+            taken = self._pending[: len(self._pending)]
+            del self._pending[: len(taken)]
             self._calls += [
-                Call._made(name, store, first + i, *entry) for i, entry in enumerate(self._pending)
+                Call._made(name, store, first + i, *entry) for i, entry in enumerate(taken)
             ]
-            self._pending.clear()
+        if self._unordered:
+            self._unordered = False
+            self._calls.sort(key=_pass_of)  # stable: a pass's own calls keep their order
+            for i, call in enumerate(self._calls):
+                call.index = self._dropped + i
         return self._calls
 
+    def _evict_passes_before(self, latest: int, *, grads: bool) -> None:
+        """Stop keeping the calls of passes before ``latest`` (``keep="pass"`` when several
+        threads' forwards overlap: only the latest pass to start is kept)."""
+        calls = self.calls
+        old = sum(1 for call in calls if call.pass_index < latest)
+        if old:
+            self._unordered = True  # sorted by pass: the old calls come first
+            self._evict(old, grads=grads)
+
     def _add(self, call: Call) -> None:
-        """Keep a finished call as the newest."""
+        """Keep a finished call as the newest (of its pass)."""
         if self._pending:
             self.calls  # noqa: B018 - keeps the order
         call.index = self.count
+        if self._calls and self._calls[-1].pass_index > call.pass_index:
+            self._unordered = True
         self._calls.append(call)
 
     def _evict(self, n: int, *, grads: bool) -> None:
         """Stop keeping the ``n`` oldest calls (``grads``: they may still get gradients)."""
+        if self._unordered:
+            self.calls  # noqa: B018 - the oldest are those of the earliest passes
         self._dropped += min(n, len(self))
         gone = self._calls[:n]
         del self._calls[:n]

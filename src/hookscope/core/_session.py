@@ -4,8 +4,10 @@ Every entry point that hooks a model (``capture``, ``edit``, ``summary``, ``nonf
 ``Monitor``, the CAM methods, ``features`` and ``extract``) is a session, and so shares one
 set of policies, decided here:
 
-* **Layers** are resolved when the session is built, so a bad selector fails before any
-  forward (``_naming``).
+* **Sites** are resolved when the session is built, by one resolver (``Layers.sites``), so a
+  bad selector fails before any forward, and a selector means the same to every entry point:
+  a layer, or an operation inside a layer's own code (``"layer::op"``, ``ops/``). An
+  operation's calls reach a session like a module's (:meth:`Session._watch_ops`).
 * **Refusals** when it opens: ``nn.DataParallel`` over several devices (its replicas run in
   threads); TorchScript modules, whose calls run in C++ where PyTorch calls no Python hook; a
   ``torch.compile``d model that already ran, whose cached code would ignore new hooks, unless
@@ -17,6 +19,12 @@ set of policies, decided here:
   ``BaseException`` (an early stop, ``KeyboardInterrupt``) skips every end hook, so a root call
   that finds a pass still open checks the Python stack: if no call of the root is running, the
   old pass is over, the calls it left open are abandoned, and a new pass starts.
+* **Threads.** What a forward is doing is the state of the thread running it (``_calls``):
+  forwards from several threads under one session are each their own pass, numbered in the
+  order they start, as if they had run one after another. Sessions opened by entry points
+  that run the model themselves (``this_thread=True``) see only the forwards of the threads
+  inside their ``with`` block (or that called :meth:`open`): one such session may serve
+  several threads at once, each seeing its own forwards.
 * **Calls** (:meth:`Session._track`): a pre-hook and an always-called post-hook per module
   keep the stack of running calls, each a :class:`ModuleCall` with its canonical name, its
   index among the module's calls in this pass, its depth and parent. A call that raised ends
@@ -37,71 +45,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import sys
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModelError
+from ..errors import LayerNotFoundError, UnsupportedModelError
 from . import _torch
+from ._calls import ModuleCall, Now, hidden, private_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled
 from ._lifetime import HookSet
-from ._naming import Layers, is_called
+from ._naming import Layers, Site, is_called, unwrap
+from .ops._attention import attention_args, probabilities
+from .ops._select import forward_op, op_binder
+from .ops._watch import Listener, OpWatch
 
-__all__ = ["ModuleCall", "Session", "private_forward", "replica_error", "scripted_error"]
+__all__ = [
+    "ModuleCall",
+    "Session",
+    "private_forward",
+    "replica_error",
+    "scripted_error",
+]
 
-#: While a private forward runs: a marker and the sessions that see it (else empty).
-_PRIVATE: list[object] = []
-
-
-@contextlib.contextmanager
-def private_forward(*sessions: Session) -> Iterator[None]:
-    """Forwards run inside are seen by ``sessions`` only: every other session ignores them."""
-    added = [object(), *sessions]
-    _PRIVATE.extend(added)
-    try:
-        yield
-    finally:
-        del _PRIVATE[len(_PRIVATE) - len(added) :]
-
-
-def hidden(session: Session) -> bool:
-    """Whether a private forward that ``session`` must not see is running."""
-    return bool(_PRIVATE) and session not in _PRIVATE
-
-
-class ModuleCall:
-    """One call of a tracked module (plain data, made by the session).
-
-    Attributes:
-        name: the module's canonical dotted name (``""`` for the model itself).
-        module: the module.
-        index: how many calls of this module came before it in this pass (0 for the first).
-        depth: how many tracked calls enclose it.
-        parent: the innermost enclosing tracked call, or None.
-        pass_index: the top-level forward it belongs to.
-        replay: it is a checkpoint's recomputation inside backward.
-        original: for a replay, the call it repeats, if known.
-    """
-
-    __slots__ = ("depth", "index", "module", "name", "original", "parent", "pass_index", "replay")
-
-    def __init__(
-        self, name: str, module: nn.Module, index: int, parent: ModuleCall | None, pass_: int
-    ) -> None:
-        self.name, self.module, self.index, self.parent = name, module, index, parent
-        self.depth: int = 0 if parent is None else parent.depth + 1
-        self.pass_index = pass_
-        self.replay = False
-        self.original: ModuleCall | None = None
-
-    def __repr__(self) -> str:
-        kind = ", replay" if self.replay else ""
-        return f"ModuleCall({self.name!r}, index={self.index}, depth={self.depth}{kind})"
+#: ``run(args, kwargs) -> result``: the rest of an intercepted operation's handling
+Run = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 
 
 class Session:
@@ -110,10 +84,12 @@ class Session:
     A client subclasses it, registers its hooks in :meth:`_install` (usually
     ``self._track(hooks, modules)``, with ``modules`` from ``self.layers.select(...)`` or
     :meth:`every_module`) and reacts to calls in :meth:`_started`, :meth:`_returned` and
-    :meth:`_raised`; :meth:`_new_pass` marks each top-level forward. Gradient hooks taken
-    during a call go through ``self.hooks.tensor(t, fn)`` / ``self.hooks.node(node, fn)``, so
-    that closing removes them too. Entry points that run the model themselves pass
-    ``recompile=True`` and call it inside :func:`run_eagerly`.
+    :meth:`_raised`; :meth:`_new_pass` marks each top-level forward. Operation sites
+    (``self.layers.sites(...)``) are followed with :meth:`_watch_ops`: their calls reach the
+    same three methods, with ``call.op`` set. Gradient hooks taken during a call go through
+    ``self.hooks.tensor(t, fn)`` / ``self.hooks.node(node, fn)``, so that closing removes them
+    too. Entry points that run the model themselves pass ``recompile=True`` and
+    ``this_thread=True`` and call it inside :func:`run_eagerly`.
 
     Example:
         >>> import torch, torch.nn as nn
@@ -131,20 +107,31 @@ class Session:
         [('0', 1), ('1', 1), ('', 0)]
     """
 
-    def __init__(self, model: nn.Module, *, recompile: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, *, recompile: bool = False, this_thread: bool = False
+    ) -> None:
         self.model = model
         self._layers = Layers(model)
         self._recompile = recompile
+        #: this_thread sessions: the threads inside (thread id -> open ``with`` blocks)
+        self._threads: dict[int, int] | None = {} if this_thread else None
         self._hooks: HookSet | None = None
         self._exit = contextlib.ExitStack()
         self._entered = 0  # nesting of `with` blocks
-        self._depth = 0  # nesting of root calls: a recursive root is still one pass
-        self._pass = -1
+        self._now = Now()  # what each thread's forward is doing
+        self._passes = itertools.count()
+        self._lock = threading.RLock()  # for what threads share: records, pass bookkeeping
+        #: the highest pass index started so far, by any thread
+        self.latest_pass = -1
         # call tracking (_track)
-        self._stack: list[ModuleCall] = []
-        self._counts: dict[str, int] = {}
+        self._tracked: dict[str, nn.Module] = {}
+        self._reported: set[str] = set()  # tracked modules whose calls the client sees
         self._replays = False
         self._replay_log = Replay()
+        # operations (_watch_ops)
+        self._ops: OpWatch | None = None
+        self._op_owners: frozenset[str] = frozenset()
+        self._op_replays = False
 
     @property
     def layers(self) -> Layers:
@@ -164,21 +151,27 @@ class Session:
             raise RuntimeError("the session is not open")
         return self._hooks
 
+    @property
+    def now(self) -> Now:
+        """What the forward running on this thread is doing (its pass, its running calls);
+        ``now.extra`` holds a client's own per-pass state."""
+        return self._now
+
     # -- subclass API ---------------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
         """Register the session's hooks on its layers."""
         raise NotImplementedError
 
     def _new_pass(self) -> None:
-        """Called when a top-level forward of the model starts."""
+        """Called when a top-level forward of the model starts (on the thread running it)."""
 
     def _closed(self) -> None:
         """Called once the hooks are gone."""
 
     def _needs_python(self) -> bool:
-        """Whether the model's own Python code must run (operation selectors, ``_ops``): a
-        compiled model then runs eagerly while open (``recompile=True``), or is refused."""
-        return False
+        """Whether the model's own Python code must run (operation sites): a compiled model
+        then runs eagerly while open (``recompile=True``), or is refused."""
+        return self._ops is not None
 
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A tracked call starts; may return ``(args, kwargs)`` to replace its inputs."""
@@ -194,9 +187,17 @@ class Session:
     # -- lifecycle --------------------------------------------------------------------------------
     def open(self) -> Any:
         """Install the hooks (``with`` does this); pair with :meth:`close`."""
-        if self._hooks is not None:
-            return self
+        with self._lock:
+            if self._threads is not None:
+                me = threading.get_ident()
+                self._threads.setdefault(me, 0)
+            if self._hooks is None:
+                self._install_hooks()
+        return self
+
+    def _install_hooks(self) -> None:
         _check_model(self.model, self._layers.root)
+        self._follow_replaced()
         compiled = is_compiled(self.model)
         with contextlib.ExitStack() as stack:
             if compiled:
@@ -209,62 +210,130 @@ class Session:
             hooks.forward_pre(self._layers.root, self._on_root_start)
             hooks.forward(self._layers.root, self._on_root_end, always_call=True)
             self._install(hooks)
+            self._register_tracking(hooks)
             self._exit = stack.pop_all()
-        return self
 
     def close(self) -> None:
         """Remove every hook this session added. Idempotent; results stay readable."""
-        try:
-            self._exit.close()
-        finally:
-            self._hooks = None
-            self._depth = 0
-            self._entered = 0
-            self._stack.clear()
-            self._closed()
+        with self._lock:
+            try:
+                self._exit.close()
+            finally:
+                self._hooks = None
+                self._entered = 0
+                if self._threads is not None:
+                    self._threads.clear()
+                if self._ops is not None:
+                    self._ops.close()
+                self._now = Now()  # every thread's forward state starts afresh
+                self._tracked, self._reported = {}, set()
+                self._closed()
 
     def __enter__(self) -> Any:
-        opened = self.open()
-        self._entered += 1
+        with self._lock:
+            opened = self.open()
+            self._entered += 1
+            if self._threads is not None:
+                self._threads[threading.get_ident()] += 1
         return opened
 
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> bool | None:
-        self._entered -= 1
-        if self._entered <= 0:
-            self.close()
+        with self._lock:
+            self._entered -= 1
+            if self._threads is not None:
+                me = threading.get_ident()
+                left = self._threads.get(me, 1) - 1
+                if left > 0:
+                    self._threads[me] = left
+                else:
+                    self._threads.pop(me, None)
+            if self._entered <= 0:
+                self.close()
         return None
 
-    # -- passes ------------------------------------------------------------------------------------
-    def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._in_backward() or hidden(self):  # a replay, or a private forward
-            return
-        if module is not self._layers.root:
-            raise replica_error(module)
-        if self._depth and not _running(module, skip=1):
-            self._depth = 0  # that forward was ended by a BaseException: a new pass
-        self._depth += 1
-        if self._depth == 1:
-            self._abandon()
-            self._pass += 1
-            self._counts.clear()
-            self._new_pass()
+    def _hooked(self) -> list[tuple[str, nn.Module]]:
+        """``(name, module)`` of the modules the session's sites hook (an operation site's:
+        its module's), checked when it opens: see :meth:`_follow_replaced`."""
+        return []
 
-    def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self._in_backward() and not hidden(self):
-            self._depth = max(0, self._depth - 1)
+    def _rebind(self) -> None:
+        """The model's layers changed since the session was built: point the sites at the
+        modules now under their names (``self.layers`` is fresh)."""
+
+    def _follow_replaced(self) -> None:
+        """A session opened again after one of its layers was replaced (``model[0] = ...``)
+        hooks the module now under that name; one whose layer is gone is refused."""
+        root = unwrap(self.model)
+        stale = []
+        for name, module in self._hooked():
+            now = _module_at(root, name)
+            if now is None:
+                raise LayerNotFoundError(
+                    f"layer {name!r} is no longer in the model (it was removed after the "
+                    "session was built): build a new session for the model as it is now"
+                )
+            if now is not module:
+                stale.append(name)
+        if stale or root is not self._layers.root:
+            self._layers = Layers(self.model)
+            if self._ops is not None:
+                self._ops.rebind(self._layers)
+            self._rebind()
+
+    # -- which forwards ---------------------------------------------------------------------------
+    def _ignores(self) -> bool:
+        """Whether the forward running on this thread is not this session's to see: another
+        thread's (for a ``this_thread`` session), or a private forward it is not named in."""
+        threads = self._threads
+        if threads is not None and threading.get_ident() not in threads:
+            # (a checkpoint's replay may run on an autograd device thread: that one is ours)
+            return _backward_id() == -1 or hidden(self, True)
+        return hidden(self, threads is not None)
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
         from a backward callback is a forward of its own for the sessions it is for)."""
-        return _torch.backward_id() != -1 and not (_PRIVATE and self in _PRIVATE)
+        return _backward_id() != -1 and not private_to(self)
+
+    # -- passes ------------------------------------------------------------------------------------
+    def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if self._in_backward() or self._ignores():  # a replay, or not this session's forward
+            return
+        if module is not self._layers.root:
+            raise replica_error(module)
+        now = self._now
+        if now.depth and not _running(module, skip=1):
+            now.depth = 0  # that forward was ended by a BaseException: a new pass
+        now.depth += 1
+        if now.depth == 1:
+            self._abandon()
+            with self._lock:
+                now.pass_index = next(self._passes)
+                self.latest_pass = max(self.latest_pass, now.pass_index)
+            now.counts.clear()
+            now.extra.clear()
+            self._new_pass()
+
+    def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._in_backward() or self._ignores():
+            return
+        now = self._now
+        now.depth = max(0, now.depth - 1)
+
+    def _ops_pass_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        """After a forward returned (registered after every call hook of the root): operation
+        selectors whose operation part matched nothing in it raise."""
+        ours = not (self._now.depth or self._in_backward() or self._ignores())
+        if self._ops is not None and ours:
+            self._ops.check()
 
     # -- calls -------------------------------------------------------------------------------------
     def _check_hookable(self, names: Mapping[str, Any]) -> None:
         """Refuse layers inside TorchScript, where Python hooks never run."""
         for name in names:
-            if self._layers.in_script(name):
+            if "::" not in name and self._layers.in_script(name):
                 raise scripted_error(repr(name), self._layers.modules[name])
 
     def every_module(self) -> dict[str, nn.Module]:
@@ -285,15 +354,29 @@ class Session:
     ) -> None:
         """Follow every call of ``modules`` (see the module docstring); ``replays``: also the
         recomputations activation checkpointing runs in backward."""
-        self._replays = replays
+        self._replays = self._replays or replays
         self._check_hookable({n: m for n, m in modules.items() if n})
-        for name, module in modules.items():
+        self._tracked.update(modules)
+        self._reported.update(modules)
+
+    def _register_tracking(self, hooks: HookSet) -> None:
+        """Hook the tracked modules, and the modules whose own code runs watched operations:
+        one pre-hook and one post-hook per module, whoever needs its calls."""
+        if self._ops is not None:
+            owners = self._ops.modules()
+            self._check_hookable({n: m for n, m in owners.items() if n})
+            self._replays = self._replays or self._op_replays
+            for name, module in owners.items():
+                self._tracked.setdefault(name, module)
+        for name, module in self._tracked.items():
             hooks.forward_pre(module, functools.partial(self._call_pre, name), with_kwargs=True)
             hooks.forward(module, functools.partial(self._call_post, name), always_call=True)
+        if self._ops is not None:
+            hooks.forward(self._layers.root, self._ops_pass_end)
 
     def _track_outputs(self, hooks: HookSet, modules: Mapping[str, nn.Module]) -> None:
         """Follow only the outputs of ``modules`` (one forward hook each, no call stack):
-        :meth:`_output` gets each returned output, replays and private forwards excluded."""
+        :meth:`_output` gets each returned output, replays and others' forwards excluded."""
         self._check_hookable({n: m for n, m in modules.items() if n})
         for name, module in modules.items():
             hooks.forward(module, functools.partial(self._output_hook, name))
@@ -303,7 +386,7 @@ class Session:
         return None
 
     def _output_hook(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if (_PRIVATE and self not in _PRIVATE) or self._in_backward():
+        if self._ignores() or self._in_backward():
             return None
         if name and module is not self._layers.modules.get(name):
             raise replica_error(module)
@@ -312,51 +395,151 @@ class Session:
     def _call_pre(
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if _PRIVATE and self not in _PRIVATE:
+        if self._ignores():
             return None
         replay = self._in_backward()
         if replay and not self._replays:
             return None
         if name and module is not self._layers.modules.get(name):
             raise replica_error(module)
-        index = self._counts.get(name, 0)
-        call = ModuleCall(name, module, index, self._stack[-1] if self._stack else None, self._pass)
+        now = self._now
+        index = now.counts.get(name, 0)
+        call = ModuleCall(name, module, index, now.stack[-1] if now.stack else None, now.pass_index)
         if replay:
-            call.replay = True
-            call.index = -1
-            segment, _, first_runs = find_segments()
-            call.original = self._replay_log.find(segment, name, _torch.backward_id())
-            if call.original is not None:
-                call.index = call.original.index
-                self._replay_log.note([k for k, _ in first_runs], name, call.original)
+            self._replayed(call)
         else:
-            self._counts[name] = index + 1
+            now.counts[name] = index + 1
             if self._replays and maybe_in_segment():
                 _, _, first_runs = find_segments()
                 self._replay_log.note([k for k, _ in first_runs], name, call)
-        self._stack.append(call)
-        return self._started(call, args, kwargs)
+        now.stack.append(call)
+        if self._ops is not None and name in self._op_owners:
+            self._ops.enter(call)
+        return self._started(call, args, kwargs) if name in self._reported else None
+
+    def _replayed(self, call: ModuleCall) -> None:
+        call.replay = True
+        call.index = -1
+        segment, _, first_runs = find_segments()
+        call.original = self._replay_log.find(segment, call.name, _backward_id())
+        if call.original is not None:
+            call.index = call.original.index
+            self._replay_log.note([k for k, _ in first_runs], call.name, call.original)
 
     def _call_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if _PRIVATE and self not in _PRIVATE:
+        if self._ignores():
             return None
         if not self._replays and self._in_backward():
             return None
-        stack = self._stack
+        stack = self._now.stack
         while stack and stack[-1].module is not module:  # left open by a BaseException
-            self._raised(stack.pop())
+            self._end(stack.pop(), raised=True)
         if not stack:
             return None  # its start was not seen (the session opened during the call)
         call = stack.pop()
         if _torch.call_raised():
-            self._raised(call)
+            self._end(call, raised=True)
             return None
-        return self._returned(call, args, output)
+        new = self._returned(call, args, output) if name in self._reported else None
+        self._end(call, raised=False)
+        return new
+
+    def _end(self, call: ModuleCall, *, raised: bool) -> None:
+        if raised and call.name in self._reported:
+            self._raised(call)
+        if self._ops is not None and call.name in self._op_owners:
+            self._ops.leave(call)
 
     def _abandon(self) -> None:
-        """Calls a BaseException left open: they ended without returning."""
-        while self._stack:
-            self._raised(self._stack.pop())
+        """Calls a BaseException left open on this thread: they ended without returning."""
+        stack = self._now.stack
+        while stack:
+            self._end(stack.pop(), raised=True)
+
+    # -- operations ----------------------------------------------------------------------------
+    def _watch_ops(self, sites: Mapping[str, Any], *, replays: bool = False) -> None:
+        r"""Follow the operation sites among ``sites`` (call in ``__init__``): each call of a
+        selected operation goes through :meth:`_run_op` (by default: reported to
+        :meth:`_started` / :meth:`_returned` / :meth:`_raised` with ``call.op`` set; an
+        ``attention_weights`` site's output is the probabilities of its SDPA call).
+        ``replays``: also inside checkpoint recomputations. ``sites`` are :class:`Site`\ s, or a
+        client's own objects with the site's ``op`` (given back to :meth:`_run_op`)."""
+        plan: dict[str, dict[tuple[str, int | None], Any]] = {}
+        for site in sites.values():
+            if site.op is not None:
+                plan.setdefault(site.op.module, {})[site.op.op, site.op.k] = site
+        if plan:
+            self._ops = OpWatch(self._layers, plan, handler=self._run_op)
+            self._op_owners = frozenset(plan)
+            self._op_replays = replays
+
+    def _listen_ops(self, modules: Mapping[str, nn.Module], listener: Listener) -> None:
+        """See every operation the own code of ``modules``' calls runs (call in
+        ``__init__``): ``listener(call, name, k, func, run)`` runs it (listings, summaries)."""
+        self._ops = OpWatch(self._layers, {n: {} for n in modules}, listener=listener)
+        self._op_owners = frozenset(modules)
+
+    def _run_op(
+        self,
+        owner: ModuleCall,
+        sites: list[Any],
+        weights: list[Any],
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Run an operation call that ``sites`` select (and, for an SDPA call, whose attention
+        weights ``weights`` select), the first selector outermost."""
+        run: Run = functools.partial(forward_op, func)
+        for site in reversed(sites):
+            run = functools.partial(self._op_value, owner, site, run)
+        for site in reversed(weights):
+            run = functools.partial(self._op_weights, owner, site, func, run)
+        return run(args, kwargs)
+
+    def _op_call(self, owner: ModuleCall, site: Site) -> ModuleCall:
+        """The call record of one call of an operation site (its index counts this pass)."""
+        counts = self._now.counts
+        index = counts.get(site.name, 0)
+        counts[site.name] = index + 1
+        call = ModuleCall(site.name, owner.module, index, owner, owner.pass_index)
+        call.op, call.replay = site.op, owner.replay
+        return call
+
+    def _op_value(
+        self, owner: ModuleCall, site: Site, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        call = self._op_call(owner, site)
+        new = self._started(call, args, kwargs)
+        if new is not None:
+            args, kwargs = new
+        try:
+            out = run(args, kwargs)
+        except BaseException:
+            self._raised(call)
+            raise
+        replaced = self._returned(call, args, out)
+        return out if replaced is None else replaced
+
+    def _op_weights(
+        self,
+        owner: ModuleCall,
+        site: Site,
+        func: Any,
+        run: Run,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        call = self._op_call(owner, site)
+        self._started(call, (), {})
+        out = run(args, kwargs)
+        with torch.no_grad():
+            probs = probabilities(**attention_args(op_binder(func).bind(args, kwargs)))
+        self._returned(call, (), probs)
+        return out
+
+
+_backward_id = _torch.backward_id
 
 
 def _running(module: nn.Module, skip: int) -> bool:
@@ -373,6 +556,15 @@ def _running(module: nn.Module, skip: int) -> bool:
                 frame = frame.f_back
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+def _module_at(root: nn.Module, name: str) -> nn.Module | None:
+    """The module under the dotted ``name`` now (wrappers seen through), or None."""
+    module: nn.Module | None = root
+    for part in name.split(".") if name else ():
+        kids = _torch.children(unwrap(module)) if module is not None else {}
+        module = kids[part] if part in kids else None  # (TorchScript's dict has no .get)
+    return unwrap(module) if module is not None else None
 
 
 def _check_model(model: nn.Module, root: nn.Module) -> None:

@@ -10,22 +10,18 @@ summed from the kept calls when asked (``Capture.nbytes``).
 from __future__ import annotations
 
 import numbers
+import threading
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import CaptureBudgetError, CaptureError, UsageError
-from . import _tree
-from ._types import CopyMode, Keep, Path, Reduce, ReduceFn
+from . import _torch, _tree
+from ._reduce import check_reduce, keep_mask, reduce_tensor
+from ._types import CopyMode, Keep, Path, Reduce
 
-__all__ = ["REDUCERS", "Store", "Where", "check_options", "describe"]
-
-REDUCERS: dict[str, ReduceFn] = {
-    "spatial_mean": lambda t: t.mean(dim=tuple(range(2, t.ndim))) if t.ndim > 2 else t,
-    "token_mean": lambda t: t.mean(dim=1) if t.ndim > 2 else t,
-    "batch_mean": lambda t: t.mean(dim=0) if t.ndim > 0 else t,
-}
+__all__ = ["Store", "Where", "check_options", "describe"]
 
 
 class Store:
@@ -51,8 +47,11 @@ class Store:
         self._device = device
         self._reference = copy == "reference"
         self._detach = detach
-        self._builtin = isinstance(reduce, str)
-        self._reduce = REDUCERS[reduce] if isinstance(reduce, str) else reduce
+        self._reduce = reduce
+        #: ``reduce="token_mean"`` needs each forward's token mask (per thread: each thread's
+        #: forward has its own inputs), noted by the capture (:meth:`note_inputs`)
+        self.reduces_tokens = reduce == "token_mean"
+        self._mask = threading.local()
         plain = reduce is None and device is None and max_bytes is None and detach
         #: the policy, decided once: ``keep(t, where) -> (value, tag)``
         self.keep = (
@@ -69,7 +68,7 @@ class Store:
     def _keep_reference(self, t: Tensor, where: Where) -> tuple[Tensor, Any]:
         src = t.detach() if t.requires_grad else t
         try:
-            return src, src._version
+            return src, _version(src)
         except RuntimeError:  # an inference tensor has no version counter: copy it instead
             return src.clone(), None
 
@@ -82,7 +81,7 @@ class Store:
         int: the value *is* the live tensor, check it on read); or a CUDA event to wait for
         (the value is a non-blocking copy into pinned memory)."""
         src = t.detach() if t.requires_grad and (self._detach or grad) else t
-        if self._reduce is not None and not (self._builtin and not src.is_floating_point()):
+        if self._reduce is not None:
             value = self._reduced(src, where)
             self.charge(value, where)
             return self._moved(value) if self._device is not None else (value, None)
@@ -90,7 +89,7 @@ class Store:
         if self._device is not None and src.device != self._device:
             return self._moved(src)  # the move is the copy
         if self._reference and not src.is_inference():  # inference tensors have no
-            return src, src._version  # version counter: they are copied instead
+            return src, _version(src)  # version counter: they are copied instead
         return src.clone(), None
 
     def _moved(self, t: Tensor) -> tuple[Tensor, Any]:
@@ -105,9 +104,14 @@ class Store:
             return out, event
         return t.to(self._device, copy=True), None
 
+    def note_inputs(self, inputs: dict[str, Any]) -> None:
+        """The inputs of the forward starting on this thread (its token mask, for
+        ``reduce="token_mean"``)."""
+        self._mask.value = keep_mask(inputs)
+
     def _reduced(self, src: Tensor, where: Where) -> Tensor:
         assert self._reduce is not None
-        value = self._reduce(src)
+        value = reduce_tensor(self._reduce, src, getattr(self._mask, "value", None))
         if isinstance(value, numbers.Number):
             value = torch.tensor(value, device=src.device)
         if not isinstance(value, Tensor):
@@ -163,16 +167,15 @@ def check_options(
             f"max_bytes={max_bytes!r} must be a positive number of bytes (e.g. 2**30), not "
             f"{type(max_bytes).__name__}"
         )
-    if isinstance(reduce, str) and reduce not in REDUCERS:
-        raise UsageError(f"reduce={reduce!r}: use one of {sorted(REDUCERS)} or a function")
-    if reduce is not None and not isinstance(reduce, str) and not callable(reduce):
-        raise UsageError(f"reduce must be a name or a function Tensor -> Tensor, not {reduce!r}")
+    check_reduce(reduce)
     if stop and grads:
         raise UsageError(
             "stop=True ends the forward early, so no loss exists to take gradients of: "
             "use grads=True without stop=True"
         )
 
+
+_version = _torch.version
 
 #: Where a value comes from, for messages: (layer name, path such as ("output", 0)).
 Where = tuple[str, Path]

@@ -6,14 +6,18 @@ up when first needed (only for a compiled model, by when torch has imported dyna
 one does not break the import but makes the feature that needs it raise
 :class:`~hookscope.errors.TorchCompatError` naming the internal, the torch version and what
 to do, instead of failing somewhere deep or, worse, silently doing nothing.
-``tests/test_architecture.py`` checks that every internal resolves on the torch CI tests.
+``tests/test_architecture.py`` checks that every internal resolves on the torch CI tests, and
+that no other module of hookscope names a private torch name (``torch.*._name``, a tensor's
+``._version``, an operator's ``._schema``, a private ``nn`` base class): they are all here.
+Capabilities may import this module (and no other private module of ``core``).
 
-CI tests torch 2.13; the CUDA tests ran on torch 2.11.
+CI tests torch 2.13.
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 import types
 from collections.abc import Callable
@@ -26,24 +30,39 @@ from ..errors import TorchCompatError
 
 __all__ = [
     "CALL_CODES",
+    "FUSED_ATTENTION",
     "INTERNALS",
+    "LOCAL_SCALAR_DENSE",
+    "NN_BASES",
+    "DispatchMode",
     "backward_id",
+    "buffers_of",
     "call_raised",
     "checkpoint_codes",
+    "children",
+    "current_dispatch_mode",
     "dispatch_has_composite",
     "dynamo_cache_entries",
+    "foreach_mul",
+    "foreach_norm",
+    "foreach_sub",
     "function_mode_on",
     "functorch_level",
     "inner_code",
+    "is_mutable",
     "missing",
     "need",
+    "nested_sizes",
     "node_sequence_nr",
+    "parameters_of",
     "push_function_mode",
     "queue_callback",
     "remove_function_mode",
     "saved_tensor_hooks_active",
+    "schema_arguments",
     "sequence_nr",
     "set_stance",
+    "version",
     "wrap_inline_codes",
 ]
 
@@ -76,8 +95,8 @@ def need(name: str) -> Any:
     if value is None:
         raise TorchCompatError(
             f"hookscope needs the PyTorch internal {name!r}, which torch {torch.__version__} "
-            "does not have. hookscope is tested on torch 2.11-2.13: install one of those, or "
-            "report this at hookscope's issue tracker with your torch version."
+            "does not have. hookscope is tested on torch 2.13: install it, or report this at "
+            "hookscope's issue tracker with your torch version."
         )
     return value
 
@@ -213,7 +232,114 @@ def dispatch_has_composite(func: Any) -> bool:
     return has(func.name(), "CompositeImplicitAutograd")
 
 
-# -- torch function modes (operation selectors, ``_ops``) ---------------------------------------
+# -- tensors and operators ------------------------------------------------------------------------
+_find("torch.Tensor._version", lambda: torch.Tensor._version)
+version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+"""A tensor's version counter (bumped by every in-place change; an inference tensor has none
+and raises RuntimeError)."""
+
+
+def nested_sizes(t: torch.Tensor) -> torch.Tensor:
+    """The ``(samples, dims)`` sizes of a nested tensor's components (a CPU tensor)."""
+    sizes: torch.Tensor = need("torch.Tensor._nested_tensor_size")(t)
+    return sizes
+
+
+_find("torch.Tensor._nested_tensor_size", lambda: torch.Tensor._nested_tensor_size)
+
+
+def is_mutable(func: Any) -> bool:
+    """Whether an aten operator (an ``OpOverload``) writes one of its arguments."""
+    return bool(func._schema.is_mutable)
+
+
+def schema_arguments(func: Any) -> list[Any]:
+    """The schema's arguments of an aten operator (``name``, ``alias_info``, ...)."""
+    return list(func._schema.arguments)
+
+
+_find("torch._ops.OpOverload._schema", lambda: torch.ops.aten.add.Tensor._schema)
+LOCAL_SCALAR_DENSE: Any = _find(
+    "torch.ops.aten._local_scalar_dense", lambda: torch.ops.aten._local_scalar_dense
+)
+"""The operator behind ``.item()`` (and every other read of a value into Python)."""
+
+foreach_norm: Callable[..., Any] = _find("torch._foreach_norm", lambda: torch._foreach_norm)
+foreach_mul: Callable[..., Any] = _find("torch._foreach_mul", lambda: torch._foreach_mul)
+foreach_sub: Callable[..., Any] = _find("torch._foreach_sub", lambda: torch._foreach_sub)
+
+#: ``torch.nn``'s private base classes of module families (convolutions, norms, pooling)
+NN_BASES: dict[str, type[nn.Module]] = (
+    _find(
+        "torch.nn private base classes",
+        lambda: {
+            "_ConvNd": nn.modules.conv._ConvNd,
+            "_NormBase": nn.modules.batchnorm._NormBase,
+            "_MaxPoolNd": nn.modules.pooling._MaxPoolNd,
+            "_AvgPoolNd": nn.modules.pooling._AvgPoolNd,
+            "_AdaptiveAvgPoolNd": nn.modules.pooling._AdaptiveAvgPoolNd,
+            "_AdaptiveMaxPoolNd": nn.modules.pooling._AdaptiveMaxPoolNd,
+        },
+    )
+    or {}
+)
+
+
+# -- modules -------------------------------------------------------------------------------------
+_find("nn.Module._modules / _parameters / _buffers", lambda: nn.Module().__dict__["_modules"])
+
+
+def children(module: nn.Module) -> dict[str, nn.Module | None]:
+    """A module's own dict of child modules (``named_children()`` without the generator:
+    walking a model's tree reads it for every module)."""
+    found: dict[str, nn.Module | None] = module._modules
+    return found
+
+
+def parameters_of(module: nn.Module) -> dict[str, Any]:
+    """A module's own dict of parameters (entries may be None)."""
+    found: dict[str, Any] = module._parameters
+    return found
+
+
+def buffers_of(module: nn.Module) -> dict[str, Any]:
+    """A module's own dict of buffers (entries may be None); the NaN tracer's replay swaps
+    entries for clones while it runs."""
+    found: dict[str, Any] = module._buffers
+    return found
+
+
+#: the fused attention kernels' operators (``torch.ops.aten``), for FLOP formulas
+FUSED_ATTENTION: tuple[Any, ...] = _find(
+    "torch.ops.aten fused attention operators",
+    lambda: (
+        torch.ops.aten._flash_attention_forward,
+        torch.ops.aten._efficient_attention_forward,
+    ),
+) or ()
+
+
+# -- dispatch modes -------------------------------------------------------------------------------
+def _dispatch_module() -> Any:
+    from torch.utils import _python_dispatch
+
+    _python_dispatch.TorchDispatchMode  # noqa: B018 - resolve it now
+    return _python_dispatch
+
+
+_DISPATCH = _find("torch.utils._python_dispatch.TorchDispatchMode", _dispatch_module)
+#: the base class of dispatch modes (``object`` if this torch lacks it: instantiating a
+#: subclass then raises TorchCompatError, see ``_lifetime.DispatchInterceptor``)
+DispatchMode: type = _DISPATCH.TorchDispatchMode if _DISPATCH is not None else object
+
+
+def current_dispatch_mode() -> Any:
+    """The innermost dispatch mode on this thread's stack, or None."""
+    get = getattr(_DISPATCH, "_get_current_dispatch_mode", None)
+    return get() if get is not None else None
+
+
+# -- torch function modes (operation selectors, ``ops/``) ---------------------------------------
 _MODES = _find(
     "torch._C torch function mode stack",
     lambda: (

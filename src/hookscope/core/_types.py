@@ -43,6 +43,36 @@ PathLike: TypeAlias = PathKey | Path | None
 #: Tensor -> tensor function applied to captured tensors at capture time.
 ReduceFn: TypeAlias = Callable[[Tensor], Any]
 Reduce: TypeAlias = Literal["spatial_mean", "token_mean", "batch_mean"] | ReduceFn
+"""The type of every ``reduce=`` argument (``capture``, ``features``, ``FeatureExtractor``,
+``extract``): one name with one meaning everywhere, or a function of the tensor.
+
+* ``"spatial_mean"``: ``(N, C, *spatial) -> (N, C)``, the mean over every dim after the second;
+* ``"token_mean"``: ``(N, T, *rest) -> (N, *rest)``, each sample's mean over its real tokens,
+  those the forward's ``attention_mask`` keeps (or not its ``src_key_padding_mask``) when that
+  mask has the shape ``(N, T)``; without one, over every token. A padded batch gives each
+  sample the mean it would have alone (sentence-transformers' mean pooling);
+* ``"batch_mean"``: the mean over dim 0 (refused by ``extract``, whose stores keep a row per
+  sample).
+
+Built-in reductions keep integer tensors (token ids, masks) as they are, and tensors of two
+dims or fewer for the first two.
+
+Example:
+    >>> import torch, torch.nn as nn, hookscope as hs
+    >>> emb = nn.Embedding(10, 2)
+    >>> model = nn.Sequential(emb)
+    >>> ids, mask = torch.tensor([[1, 2, 0]]), torch.tensor([[1, 1, 0]])
+    >>> class Tokens(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb = emb
+    ...     def forward(self, input_ids, attention_mask):
+    ...         return self.emb(input_ids)
+    >>> got = hs.features(Tokens(), {"input_ids": ids, "attention_mask": mask}, "emb",
+    ...                   reduce="token_mean")["emb"]
+    >>> torch.allclose(got, emb.weight[[1, 2]].mean(0, keepdim=True))
+    True
+"""
 
 CopyMode: TypeAlias = Literal["clone", "reference"]
 Keep: TypeAlias = Literal["pass", "all", "last"] | int

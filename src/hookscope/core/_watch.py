@@ -37,7 +37,8 @@ class GradWatch:
 
     def __init__(self) -> None:
         self._replay = Replay()
-        self._sums: dict[tuple[Call, Path], Tensor] = {}  # input grads of this backward
+        #: per backward pass running (several threads may run one each): input gradients
+        self._sums: dict[int, dict[tuple[Call, Path], Tensor]] = {}
 
     def start(self, layer: str, call: Call, bound: Inputs) -> Boundary | str:
         """Start watching a call's gradients; a string says why none can exist (or PENDING)."""
@@ -99,17 +100,19 @@ class GradWatch:
     ) -> None:
         # A layer may use an input several times: sum what each use sends back, and store
         # the sum once this backward is over.
-        if not self._sums:
-            queue_after_backward(self._flush)
+        pass_id = backward_id()
+        sums = self._sums.get(pass_id)
+        if sums is None:
+            sums = self._sums[pass_id] = {}
+            queue_after_backward(functools.partial(self._flush, pass_id))
         for slot, key in slots:
             g = grad_inputs[slot]
             if g is not None:
-                old = self._sums.get((call, key))
-                self._sums[call, key] = g if old is None else old + g
+                old = sums.get((call, key))
+                sums[call, key] = g if old is None else old + g
 
-    def _flush(self) -> None:
-        sums, self._sums = self._sums, {}
-        for (call, key), g in sums.items():
+    def _flush(self, pass_id: int) -> None:
+        for (call, key), g in self._sums.pop(pass_id, {}).items():
             call._set_grad(key, g)
 
 

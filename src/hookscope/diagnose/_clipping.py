@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import ClipReport
+from ..core import ClipReport, _torch
 from ..errors import NonFiniteError, UsageError
 
 __all__ = ["ClipReport", "clip_grad_norm"]
@@ -68,7 +68,7 @@ def _norms(grads: list[Tensor], norm_type: float) -> Tensor:
     norms: list[Tensor | None] = [None] * len(grads)
     with torch.no_grad():
         for idx in groups.values():
-            found = torch._foreach_norm([grads[i].detach() for i in idx], norm_type)
+            found = _torch.foreach_norm([grads[i].detach() for i in idx], norm_type)
             for i, n in zip(idx, found, strict=True):
                 norms[i] = n
     dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)

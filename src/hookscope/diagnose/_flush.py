@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..core import _torch
 from . import _stats
 from ._stats import SUM, Moments, merged, summary
 
@@ -135,16 +136,16 @@ def _parameters(mon: Monitor, gather: _Gather) -> list[tuple[str, Any]]:
     if not flat:
         return []
     with torch.no_grad():
-        norms = torch._foreach_norm(flat)
+        norms = _torch.foreach_norm(flat)
         grads = [p.grad for p in flat if p.grad is not None]
-        gnorms = torch._foreach_norm(grads) if grads else []
+        gnorms = _torch.foreach_norm(grads) if grads else []
         # NaN and Inf times 0 are NaN, everything else 0: the count of non-zeros is theirs
-        gbad = torch._foreach_norm(torch._foreach_mul(grads, 0.0), 0) if grads else []
+        gbad = _torch.foreach_norm(_torch.foreach_mul(grads, 0.0), 0) if grads else []
         moved: list[Tensor] = [p for p in flat if id(p) in mon._before]
         unorms: Sequence[Tensor] = []
         if moved:
             before = [mon._before[id(p)] for p in moved]
-            unorms = torch._foreach_norm(torch._foreach_sub(moved, before))
+            unorms = _torch.foreach_norm(_torch.foreach_sub(moved, before))
     at = {id(p): gather.add(n, MEAN) for p, n in zip(flat, norms, strict=True)}
     with_grad = [p for p in flat if p.grad is not None]
     g_at = {id(p): gather.add(n, MEAN) for p, n in zip(with_grad, gnorms, strict=True)}

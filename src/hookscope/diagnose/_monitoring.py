@@ -32,7 +32,7 @@ from typing import Any, Literal, TypedDict
 import torch
 from torch import Tensor, nn
 
-from ..core import HookSet, LayerSelector, Session, is_called, unwrap
+from ..core import HookSet, LayerSelector, ModuleCall, Session, Site, _torch, is_called, unwrap
 from ..errors import UsageError
 from . import _stats
 from ._logsinks import Sink, make_sink
@@ -67,14 +67,20 @@ class MonitorRecord(TypedDict, total=False):
 
 
 _CHANNELS_FIRST: tuple[type[nn.Module], ...] = (
-    nn.modules.conv._ConvNd,
-    nn.modules.batchnorm._NormBase,  # batch and instance norms
+    *(
+        _torch.NN_BASES[name]
+        for name in (
+            "_ConvNd",
+            "_NormBase",  # batch and instance norms
+            "_MaxPoolNd",
+            "_AvgPoolNd",
+            "_AdaptiveAvgPoolNd",
+            "_AdaptiveMaxPoolNd",
+        )
+        if name in _torch.NN_BASES
+    ),
     nn.GroupNorm,
     nn.LocalResponseNorm,
-    nn.modules.pooling._MaxPoolNd,
-    nn.modules.pooling._AvgPoolNd,
-    nn.modules.pooling._AdaptiveAvgPoolNd,
-    nn.modules.pooling._AdaptiveMaxPoolNd,
     nn.Dropout1d,
     nn.Dropout2d,
     nn.Dropout3d,
@@ -156,8 +162,20 @@ class Monitor(Session):
         super().__init__(model, recompile=recompile)
         self.every, self.ranks = every, ranks
         self.optimizers = _optimizers(optimizer)
-        self.layers_watched = self.layers.select(layers) if layers is not None else self._default()
-        self._params = {n: _layer_params(m) for n, m in self.layers_watched.items()}
+        chosen = (
+            self.layers.sites(layers)
+            if layers is not None
+            else {n: Site(n, m) for n, m in self._default().items()}
+        )
+        #: the watched layers and operation sites (an operation's: the module running it)
+        self.layers_watched = {n: s.module for n, s in chosen.items()}
+        self._layer_sites = {n: s.module for n, s in chosen.items() if s.op is None}
+        self._watch_ops(chosen)  # operation sites come to _returned
+        #: parameters of each watched layer (an operation has none of its own)
+        self._params = {
+            n: _layer_params(m) if n in self._layer_sites else []
+            for n, m in self.layers_watched.items()
+        }
         made = [make_sink(s) for s in sinks]
         if self.ranks == "reduce" and _rank() > 0:
             for sink in made:  # rank 0 writes the reduced records
@@ -201,10 +219,9 @@ class Monitor(Session):
         return self
 
     def _install(self, hooks: HookSet) -> None:
-        self._track_outputs(hooks, self.layers_watched)
+        self._track_outputs(hooks, self._layer_sites)
         for opt in self.optimizers:  # optimizer step hooks, removed with the rest
-            hooks.handle(opt.register_step_pre_hook(lambda o, *a: self._before_step(o)))
-            hooks.handle(opt.register_step_post_hook(lambda o, *a: self._after_step(o)))
+            hooks.optimizer_step(opt, self._before_step, self._after_step)
         self._writer = _Writer(self.sinks)
         params = [p for ps in self._params.values() for p in ps]
         if params:
@@ -219,6 +236,10 @@ class Monitor(Session):
 
     def _new_pass(self) -> None:
         self._layout.clear()
+
+    def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
+        """An operation site's call returned (layers' outputs come to :meth:`_output`)."""
+        self._output(call.name, call.module, args, output)
 
     def _output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.logging:
@@ -295,7 +316,7 @@ class Monitor(Session):
             ]
             if params:
                 with torch.no_grad():
-                    copies = torch._foreach_mul(params, 1.0)
+                    copies = _torch.foreach_mul(params, 1.0)
                 self._before = {id(p): c for p, c in zip(params, copies, strict=True)}
 
     def _after_step(self, opt: torch.optim.Optimizer) -> None:

@@ -34,7 +34,7 @@ from ..core import (
     LayerSelector,
     ModuleCall,
     Session,
-    backward_id,
+    _torch,
     queue_after_backward,
     unwrap,
 )
@@ -127,7 +127,7 @@ class _Checks:
             ts = [t for _, t in pending]
             with torch.no_grad():
                 cpu = group[0].type == "cpu"
-                norms = _cpu_norms(ts) if cpu else torch._foreach_norm(ts, math.inf)
+                norms = _cpu_norms(ts) if cpu else _torch.foreach_norm(ts, math.inf)
             for (slot, _), norm in zip(pending, norms, strict=True):
                 self._norms[slot] = norm
 
@@ -155,9 +155,9 @@ def _cpu_norms(ts: list[Tensor]) -> list[Tensor]:
     finite (a NaN or Inf inside, or finite values so large their squares overflow) is checked
     again with the max-abs norm, which cannot overflow."""
     half = ts[0].dtype in (torch.float16, torch.bfloat16)
-    norms = list(torch._foreach_norm(ts, 2, dtype=torch.float32 if half else None))
+    norms = list(_torch.foreach_norm(ts, 2, dtype=torch.float32 if half else None))
     for i, norm in enumerate(norms):
-        value: float = norm.tolist()  # type: ignore[assignment]  # 0-d on the CPU: no dispatch
+        value: float = norm.tolist()  # 0-d on the CPU: no dispatch
         if not math.isfinite(value):
             norms[i] = torch.linalg.vector_norm(ts[i], math.inf)
     return norms
@@ -165,7 +165,7 @@ def _cpu_norms(ts: list[Tensor]) -> list[Tensor]:
 
 def _version(t: Tensor) -> int:
     try:
-        return t._version
+        return _torch.version(t)
     except RuntimeError:  # inference tensors have no version counter
         return -1
 
@@ -194,6 +194,13 @@ class _Pass:
     open: dict[int, _Rec] = field(default_factory=dict)  # id(ModuleCall) -> running record
     out_grads: dict[int, Tensor] = field(default_factory=dict)  # output leaf -> its gradient
     found: bool = False
+
+
+_ALLOW_OPS = (
+    "allow= names the layers whose non-finite outputs are intended, and the tracer checks "
+    "layers' outputs (it names the operator of a finding itself): allow the layer that runs "
+    "the operation"
+)
 
 
 class _Tracer(Session):
@@ -228,7 +235,10 @@ class _Tracer(Session):
         items = list(allow) if isinstance(allow, (list, tuple)) else [allow]
         inputs = INPUT in items
         items = [a for a in items if a != INPUT]
-        return inputs, set(self.layers.select(items)) if items else set()
+        if not items:
+            return inputs, set()
+        sites = self.layers.sites(items, refuse_ops=_ALLOW_OPS)
+        return inputs, set(sites)
 
     def _install(self, hooks: HookSet) -> None:
         self._track(hooks, self.every_module())
@@ -309,7 +319,7 @@ class _Tracer(Session):
         if rec is None:  # the model's own output: what came in from the loss
             p.out_grads[index] = grad
         self.arrived.append((p, rec, index, self.grads.add(grad)))
-        task = backward_id()
+        task = _torch.backward_id()
         if task not in self.queued:
             self.queued.add(task)
             queue_after_backward(functools.partial(self._end_backward, task))

@@ -32,17 +32,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..core import (
+    DispatchInterceptor,
     ModuleCall,
     Session,
+    _torch,
     leaves,
     map_tensors,
-    node_sequence_nr,
     private_forward,
-    sequence_nr,
 )
+from ..core._torch import node_sequence_nr, sequence_nr
 
 __all__ = [
     "INTENDED",
@@ -61,7 +61,6 @@ __all__ = [
 Found = tuple[str | None, str | None, int, dict[str, Any]]
 
 FINITE, INF, NAN = 0, 1, 2
-_aten = torch.ops.aten
 
 
 class _Stop(BaseException):
@@ -118,7 +117,7 @@ class _Tracker(Session):
     the autograd sequence numbers each call spanned (backward)."""
 
     def __init__(self, module: nn.Module, names: dict[int, str], *, seq: bool = False) -> None:
-        super().__init__(module, recompile=True)
+        super().__init__(module, recompile=True, this_thread=True)
         self.names, self.seq = names, seq
         self.ranges: list[list[Any]] = []  # [start, end, name, call]
         self.output: Any = None
@@ -135,14 +134,14 @@ class _Tracker(Session):
             self.ranges.append([sequence_nr(), -1, self._name(call), call.index + 1])
 
     def _returned(self, call: ModuleCall, args: Any, output: Any) -> None:
-        self._end(call)
+        self._close_range(call)
         if call.parent is None:
             self.output = output
 
     def _raised(self, call: ModuleCall) -> None:
-        self._end(call)
+        self._close_range(call)
 
-    def _end(self, call: ModuleCall) -> None:
+    def _close_range(self, call: ModuleCall) -> None:
         if not self.seq:
             return
         name = self._name(call)
@@ -152,14 +151,15 @@ class _Tracker(Session):
                 break
 
     def where(self) -> tuple[str | None, int]:
-        if not self._stack:
+        stack = self.now.stack
+        if not stack:
             return None, 0
-        call = self._stack[-1]
+        call = stack[-1]
         return self._name(call), call.index + 1
 
     def in_allowed(self) -> bool:
         """Whether an allowed layer's call is running (its infinities are intended)."""
-        return bool(self.allowed) and any(self._name(c) in self.allowed for c in self._stack)
+        return bool(self.allowed) and any(self._name(c) in self.allowed for c in self.now.stack)
 
     def owner(self, seq: int) -> tuple[str | None, int]:
         inside = [r for r in self.ranges if r[0] <= seq < r[1]]
@@ -174,12 +174,15 @@ def _replaying(module: nn.Module, rng: Any, tracker: _Tracker) -> Iterator[None]
     """The RNG as it was when the forward began (the caller's restored after), clones of every
     buffer in place of the real ones, and a private forward seen only by ``tracker``."""
     swapped = [
-        (m, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None
+        (m, name, b)
+        for m in module.modules()
+        for name, b in _torch.buffers_of(m).items()
+        if b is not None
     ]
     devices = [torch.device("cuda", i) for i in range(len(rng[1]))] if rng[1] else []
     try:
         for m, name, b in swapped:
-            m._buffers[name] = b.detach().clone()
+            _torch.buffers_of(m)[name] = b.detach().clone()
         with torch.random.fork_rng(devices=devices):
             torch.random.set_rng_state(rng[0])
             if rng[1]:
@@ -188,7 +191,7 @@ def _replaying(module: nn.Module, rng: Any, tracker: _Tracker) -> Iterator[None]
                 yield
     finally:
         for m, name, b in swapped:
-            m._buffers[name] = b
+            _torch.buffers_of(m)[name] = b
 
 
 def _call(module: nn.Module, inputs: Any) -> Any:
@@ -227,7 +230,7 @@ class _Flow:
         a temporary's address taken over by a later tensor is not mistaken for it."""
         try:
             storage = t.untyped_storage()
-            address, version = storage.data_ptr(), t._version
+            address, version = storage.data_ptr(), _torch.version(t)
         except (RuntimeError, NotImplementedError):
             return None
         seen = self.storages.get(address)
@@ -237,15 +240,15 @@ class _Flow:
         return address, seen[1], version
 
 
-class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class _Record(DispatchInterceptor):
     def __init__(self, tracker: _Tracker, flow: _Flow, stop_at: int | None = None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.tracker, self.flow, self.stop_at = tracker, flow, stop_at
         self.measured: dict[str, Any] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func.is_view or func.overloadpacket is _aten._local_scalar_dense:
+        if func.is_view or func.overloadpacket is _torch.LOCAL_SCALAR_DENSE:
             return func(*args, **kwargs)
         ins = floats((args, kwargs))
         index = self.flow.count
@@ -262,7 +265,7 @@ class _Record(TorchDispatchMode):  # type: ignore[no-untyped-call]
         op = _Op(f"aten.{func.overloadpacket.__name__}", name, call, read, index, deliberate)
         # Written in place: the version counter is bumped only once the operator has
         # returned through the dispatcher, after this mode (ADInplaceOrView), hence + 1.
-        mutated = _written(func, args, kwargs) if func._schema.is_mutable else []
+        mutated = _written(func, args, kwargs) if _torch.is_mutable(func) else []
         fresh = [t for t in floats(out) if not any(t is m for m in mutated)]
         reads = {k for k, _ in read}
         for t, bump in [*((t, 0) for t in fresh), *((t, 1) for t in mutated)]:
@@ -291,7 +294,7 @@ def _infinite_constant(args: Any) -> bool:
 def _written(func: Any, args: Any, kwargs: dict[str, Any]) -> list[Tensor]:
     """The tensors an operator writes in place (``Tensor(a!)`` in its schema)."""
     out = []
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(_torch.schema_arguments(func)):
         info = arg.alias_info
         if info is None or not info.is_write:
             continue
@@ -396,7 +399,7 @@ def _register_outside(flow: _Flow, module: nn.Module, names: dict[int, str], inp
             flow.external[k] = "<input>"
     for prefix, m in module.named_modules():
         owner = names.get(id(m), prefix)
-        for pname, p in [*m._parameters.items(), *m._buffers.items()]:
+        for pname, p in [*_torch.parameters_of(m).items(), *_torch.buffers_of(m).items()]:
             if isinstance(p, Tensor) and (k := flow.key(p)) is not None:
                 flow.external.setdefault(k, f"{owner}.{pname}" if owner else pname)
 
@@ -479,14 +482,14 @@ class Inputs:
         def keep(_: Any, t: Tensor) -> Tensor:
             if t.is_inference():
                 return t.clone()
-            self.versions.append((t, t._version))
+            self.versions.append((t, _torch.version(t)))
             return t
 
         self.args, self.kwargs = map_tensors(keep, args), map_tensors(keep, kwargs)
 
     @property
     def unchanged(self) -> bool:
-        return all(t._version == v for t, v in self.versions)
+        return all(_torch.version(t) == v for t, v in self.versions)
 
     @property
     def call(self) -> tuple[Any, Any]:

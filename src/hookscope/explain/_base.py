@@ -14,7 +14,7 @@ way (targets are checked on the host, see ``_targets``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -162,14 +162,14 @@ class LayerMethod:
 
     def _forward(self, x: Any, image: Tensor, target: Resolved) -> Context:
         tap, grad = self._tap, self.needs_grad
-        tap.values = True
+        tap.state.values = True
         inputs = with_grad(x, image)[0] if grad else x
         with torch.set_grad_enabled(grad):
             try:
                 with tap:
                     output = call_model(self.model, inputs)
             except BaseException:
-                tap.seen = []  # what it holds keeps the forward's graph alive
+                tap.state.seen = []  # what it holds keeps the forward's graph alive
                 raise
             act, edge, shape = tap.take()
             s, index = target.score(output)
@@ -184,7 +184,7 @@ class LayerMethod:
     def _gradient(self, s: Tensor, edge: Any) -> Tensor:
         """d sum(scores) / d (layer output), by ``autograd.grad`` to the layer only."""
         if edge is None:
-            why = self._tap.why
+            why = self._tap.state.why
             fix = (
                 ""
                 if "Fix:" in why
@@ -216,16 +216,10 @@ class LayerMethod:
         return Explanation(cam, maps, ctx.targets, ctx.scores, self.name, self.layer)
 
 
-@contextlib.contextmanager
-def evaluating(session: Any) -> Iterator[None]:
-    """Eval mode for the call, every module's flag restored after; nothing to do (and no
-    pass over the modules) when every module is already in eval mode, the usual case."""
-    modules = [session.model, session.layers.root, *session.layers.modules.values()]
-    if not any(m.training for m in modules):
-        yield
-        return
-    with training_mode(session.model, False):
-        yield
+def evaluating(session: Any) -> contextlib.AbstractContextManager[None]:
+    """Eval mode for the call, every module's flag restored after (shared with the calls
+    other threads make at the same time, see ``training_mode``)."""
+    return training_mode(session.model, False)
 
 
 def image_of(x: Any) -> Tensor:

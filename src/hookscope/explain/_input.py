@@ -20,9 +20,8 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-from ..core import call_model, run_eagerly
+from ..core import FunctionInterceptor, call_model, run_eagerly
 from ..errors import UsageError
 from ._base import Explanation, evaluating, image_of, with_grad
 from ._registry import MethodInfo, register
@@ -50,7 +49,7 @@ _OUT_OF_PLACE = {torch.relu, Tensor.relu}
 _IN_PLACE = {torch.relu_, Tensor.relu_, F.relu_}
 
 
-class _Guide(TorchFunctionMode):
+class _Guide(FunctionInterceptor):
     """Routes every ReLU call through :class:`_GuidedReLU` and counts them."""
 
     def __init__(self) -> None:

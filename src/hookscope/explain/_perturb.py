@@ -71,7 +71,7 @@ class Perturbation(LayerMethod):
 
     def _channels(self, x: Any, image: Tensor) -> int:
         tap = self._tap
-        tap.values = False  # the shape is enough
+        tap.state.values = False  # the shape is enough
         with run_eagerly(self.model), evaluating(tap), torch.no_grad(), tap:
             call_model(self.model, x)
         shape = tap.take()[2]

@@ -14,6 +14,7 @@ the model inside :func:`hookscope.core.run_eagerly`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -34,12 +35,21 @@ def first_float(output: Any, layer: str) -> Tensor:
     raise UsageError(f"layer {layer!r} returned no floating-point tensor to explain")
 
 
+_NO_OPS = (
+    "{method} explains a layer's output map, whose layout (channels, positions) is known "
+    "from the module that makes it, so its layer must be a module. Select the module (list "
+    "them with hookscope.names(model)), or capture the operation's output and gradient with "
+    "hookscope.capture(model, ..., grads=True) and weight it yourself."
+)
+
+
 class _OneLayer(Session):
     """A session on one layer, named by any selector that matches exactly one."""
 
     def __init__(self, model: nn.Module, layer: LayerSelector, method: str) -> None:
-        super().__init__(model, recompile=True)
-        found = self.layers.select(layer)
+        super().__init__(model, recompile=True, this_thread=True)
+        sites = self.layers.sites(layer, refuse_ops=_NO_OPS.format(method=method))
+        found = {name: site.module for name, site in sites.items()}
         if len(found) != 1:
             raise UsageError(
                 f"{method} explains one layer; {layer!r} matches {len(found)}: {sorted(found)[:5]}"
@@ -50,31 +60,41 @@ class _OneLayer(Session):
         self._track(hooks, {self.name: self.module})
 
 
+class _Call(threading.local):
+    """What one thread's call of a method set and saw (a method object serves any number of
+    threads at once: each has its own)."""
+
+    def __init__(self) -> None:
+        self.values = True  # keep a copy of the output (else only its shape and edge)
+        self.seen: list[tuple[Tensor | None, Any, tuple[int, ...]]] = []
+        self.why = ""  # why the output has no gradient edge, when it has none
+        self.change: Callable[[Tensor], Tensor] | None = None  # Ablate's
+
+
 class Tap(_OneLayer):
     """The layer's output in one forward: a detached copy (``values``), its gradient edge,
-    and its shape (see the module docstring)."""
+    and its shape (see the module docstring). Per thread: :attr:`state`."""
 
     def __init__(self, model: nn.Module, layer: LayerSelector, method: str) -> None:
         super().__init__(model, layer, method)
-        self.values = True
-        self.seen: list[tuple[Tensor | None, Any, tuple[int, ...]]] = []
-        self.why = ""  # why the output has no gradient edge, when it has none
+        self.state = _Call()
 
     def _new_pass(self) -> None:
-        self.seen.clear()
+        self.state.seen.clear()
 
     def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
         t = first_float(output, self.name)
         edge = torch.autograd.graph.get_gradient_edge(t) if t.requires_grad else None
-        self.why = "" if t.requires_grad else why_no_grad()
+        state = self.state
+        state.why = "" if t.requires_grad else why_no_grad()
         # a copy: the model may change its output in place later (ReLU(inplace=True))
-        value = t.detach().clone() if self.values else None
-        self.seen.append((value, edge, tuple(t.shape)))
+        value = t.detach().clone() if state.values else None
+        state.seen.append((value, edge, tuple(t.shape)))
 
     def take(self) -> tuple[Tensor | None, Any, tuple[int, ...]]:
         """What the layer's only call in the forward gave, forgotten here (a gradient edge
         keeps the forward's whole graph alive); refuses zero or several calls."""
-        seen, self.seen = self.seen, []
+        seen, self.state.seen = self.state.seen, []
         if len(seen) != 1:
             why = "did not run" if not seen else f"ran {len(seen)} times"
             raise UsageError(
@@ -89,13 +109,14 @@ class Ablate(_OneLayer):
 
     def __init__(self, model: nn.Module, layer: LayerSelector, method: str) -> None:
         super().__init__(model, layer, method)
-        self.change: Callable[[Tensor], Tensor] | None = None
+        self.state = _Call()
 
     def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> Any:
-        if self.change is None:
+        change = self.state.change
+        if change is None:
             return None
         t = first_float(output, self.name)
-        new = self.change(t)
+        new = change(t)
         return map_tensors(lambda _, u: new if u is t else u, output)
 
 
@@ -103,7 +124,7 @@ class Plain(Session):
     """A session that hooks nothing but the model's root (see the module docstring)."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(model, recompile=True)
+        super().__init__(model, recompile=True, this_thread=True)
 
     def _install(self, hooks: HookSet) -> None:
         return None

@@ -49,7 +49,6 @@ def extract(
     engine: Literal["local", "ray"] = "local",
     workers: int = 2,
     codec: Codec | Any = "none",
-    device: None = None,
 ) -> FeatureStore:
     """Write the outputs of ``layers`` for every sample of ``data`` to a Zarr store at ``out``.
 
@@ -107,7 +106,6 @@ def extract(
             float features rarely shrink much), ``"lz4"`` (Blosc, byte shuffle: fast, and small
             for maps full of ReLU zeros), ``"zstd"`` (smaller, slower), or zarr codec objects
             (zarr's ``compressors=``). A resumed store keeps its arrays' codec.
-        device: renamed ``input_device`` (refused, saying so).
 
     Returns:
         The store, opened for reading (:func:`open_features`).
@@ -126,11 +124,6 @@ def extract(
         >>> store["1"].shape, len(store.ids)
         ((100, 8), 100)
     """
-    if device is not None:
-        raise UsageError(
-            "device= was renamed input_device= (where the inputs go; capture and features' "
-            "device= is where captured values go)"
-        )
     _check(batch_size, workers, chunk, engine, resume, overwrite, reduce, codec)
     wanted(progress)
     factory = None
@@ -224,7 +217,7 @@ def _meta(job: Job, chunk: int, codec: Any) -> dict[str, Any]:
         "codec": codec if isinstance(codec, str) else repr(codec),
         "hookscope": __version__,
         "torch": torch.__version__,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(),
     }
 
 

@@ -30,9 +30,11 @@ from ..core import (
     ModuleCall,
     Session,
     StopForward,
+    _torch,
     call_model,
     leaves,
     map_tensors,
+    own_forward,
     run_eagerly,
     training_mode,
 )
@@ -51,14 +53,18 @@ class Tap(Session):
     to ``deliver``; with ``stop`` the forward ends once every layer has done so."""
 
     def __init__(self, model: nn.Module, layers: Any, stop: bool) -> None:
-        super().__init__(model, recompile=True)  # the forwards are ours: compiled code runs eagerly
-        self.chosen = self.layers.select(layers)
+        # the forwards are ours: compiled code runs eagerly, only this thread's are seen
+        super().__init__(model, recompile=True, this_thread=True)
+        sites = self.layers.sites(layers)  # layers and operation sites ("layer::op")
+        self.chosen = {name: site.module for name, site in sites.items()}
+        self._layers_only = {n: s.module for n, s in sites.items() if s.op is None}
+        self._watch_ops(sites)
         self._stop = stop
         self._seen: set[str] = set()
         self.deliver: Callable[[str, Tensor], None] = lambda name, t: None
 
     def _install(self, hooks: HookSet) -> None:
-        self._track(hooks, self.chosen)
+        self._track(hooks, self._layers_only)
 
     def _new_pass(self) -> None:
         self._seen = set()
@@ -155,7 +161,13 @@ class Job:
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
         """Hooks in, eval mode, no autograd, compiled code run eagerly; all undone after."""
-        with training_mode(self.model, False), torch.no_grad(), run_eagerly(self.model), self.tap:
+        with (
+            training_mode(self.model, False),
+            torch.no_grad(),
+            run_eagerly(self.model),
+            own_forward(),  # the user's open sessions do not see extract's forwards
+            self.tap,
+        ):
             self.tap.deliver = self._deliver
             yield
 
@@ -251,7 +263,7 @@ class Job:
         finally:
             self._places, self._mask = [], None
             held, self._held = self._held, []
-        changed = {name for name, rows, version in held if rows._version != version}
+        changed = {name for name, rows, version in held if _torch.version(rows) != version}
         if changed:  # changed in place after the hook: this batch again, those layers copied
             self._copied |= changed
             for p in places:
@@ -289,7 +301,7 @@ class Job:
             )
         if self._can_hold(name, rows):
             self._places[0].block.held[name] = rows
-            self._held.append((name, rows, rows._version))
+            self._held.append((name, rows, _torch.version(rows)))
             return
         for p in self._places:
             buffer = self._buffer(p.block, name)

@@ -1,6 +1,7 @@
 """A layer's output as one row per sample, as the store keeps it.
 
-The output's first tensor is reduced (a built-in name or a function, which must work per
+The output's first tensor is reduced (a name of core's one reducer table, ``core/_reduce.py``,
+with the same meaning as in ``capture`` and ``features``, or a function, which must work per
 sample: the store has one row per sample), a nested tensor (``TransformerEncoder``'s fast
 path over padded inputs) is reduced sample by sample or padded back to the inputs' length,
 and the result is cast to the storage dtype. Anything that would store wrong rows is refused:
@@ -9,20 +10,17 @@ a first dimension that is not the batch's samples, a reduce that mixes samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from ..core import REDUCERS, keep_mask, reduce_tensor
+from ..core import check_reduce as check_name
 from ..errors import UsageError
 
-__all__ = ["REDUCES", "Rows", "check_reduce", "keep_mask"]
-
-REDUCES: dict[str, Callable[[Tensor], Tensor]] = {
-    "spatial_mean": lambda t: t.mean(dim=tuple(range(2, t.ndim))) if t.ndim > 2 else t,
-    "token_mean": lambda t: t.mean(dim=1) if t.ndim > 2 else t,
-}
+__all__ = ["Rows", "check_reduce", "keep_mask"]
 
 
 def check_reduce(reduce: Any) -> None:
@@ -33,24 +31,7 @@ def check_reduce(reduce: Any) -> None:
             "keeps one row per sample: use reduce='spatial_mean' or 'token_mean', a function "
             "that keeps dim 0 (the samples), or hs.features for a batch mean"
         )
-    if isinstance(reduce, str) and reduce not in REDUCES:
-        raise UsageError(f"reduce={reduce!r}: use one of {sorted(REDUCES)} or a function")
-    if reduce is not None and not isinstance(reduce, str) and not callable(reduce):
-        raise UsageError(f"reduce must be a name or a function Tensor -> Tensor, not {reduce!r}")
-
-
-def keep_mask(inputs: Any) -> Tensor | None:
-    """``(N, T)``, true where a token counts: a tokenizer's ``attention_mask``, or the
-    negation of ``TransformerEncoder``'s ``src_key_padding_mask`` (true at padding)."""
-    if not isinstance(inputs, Mapping):
-        return None
-    mask = inputs.get("attention_mask")
-    if isinstance(mask, Tensor) and mask.dim() == 2:
-        return mask.bool()
-    padding = inputs.get("src_key_padding_mask")
-    if isinstance(padding, Tensor) and padding.dim() == 2:
-        return ~padding.bool()
-    return None
+    check_name(reduce)
 
 
 class Rows:
@@ -58,7 +39,9 @@ class Rows:
 
     def __init__(self, reduce: Any, dtype: torch.dtype | None) -> None:
         self.reduce, self.dtype = reduce, dtype
-        self._fn = REDUCES[reduce] if isinstance(reduce, str) else reduce
+        self._fn: Callable[[Tensor], Any] | None = (
+            _unmasked(reduce) if isinstance(reduce, str) else reduce
+        )
         self._checked: set[str] = set()  # layers whose reduce was checked on one sample
 
     def __call__(self, name: str, t: Tensor, n: int, mask: Tensor | None) -> Tensor:
@@ -72,13 +55,7 @@ class Rows:
         return t if t.dtype == dtype else t.to(dtype)  # bfloat16 (no NumPy type): float32
 
     def _reduced(self, name: str, t: Tensor, mask: Tensor | None) -> Tensor:
-        if isinstance(self.reduce, str) and not t.is_floating_point():
-            return t  # as in hs.capture: built-in reductions keep integer tensors (ids, masks)
-        if self.reduce == "token_mean" and mask is not None and _per_token(mask, t):
-            m = mask.to(t.dtype).unsqueeze(-1)  # padding excluded from the mean
-            return (t * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        assert self._fn is not None
-        value = self._fn(t)
+        value = reduce_tensor(self.reduce, t, mask)  # as capture and features reduce it
         if not isinstance(value, Tensor):
             raise UsageError(
                 f"reduce={_spelled(self.reduce)} returned {type(value).__name__} for layer "
@@ -146,8 +123,10 @@ class Rows:
         )
 
 
-def _per_token(mask: Tensor, t: Tensor) -> bool:
-    return t.dim() == 3 and tuple(mask.shape) == tuple(t.shape[:2])
+def _unmasked(name: str) -> Callable[[Tensor], Tensor]:
+    """A named reduction of one sample (no token mask: a nested tensor's own tokens)."""
+    fn = REDUCERS[name]
+    return lambda t: fn(t, None)
 
 
 def _spelled(reduce: Any) -> str:

@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils import _python_dispatch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core import dispatch_has_composite
+from ..core import DispatchInterceptor, _torch
+from ..core._torch import dispatch_has_composite
 from ._formulas import FORMULAS, nested_flops
 
 __all__ = ["DATA_DEPENDENT", "FREE_OPS", "Counter", "Tally"]
@@ -88,7 +87,7 @@ def _has_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(x, Tensor) and x.is_nested for x in (*args, *kwargs.values()))
 
 
-class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+class Counter(DispatchInterceptor):
     """Charges every operator that runs while active to ``self.target`` (a :class:`Tally`).
 
     ``on_alloc``, if given, gets the bytes of every tensor an operator allocates (``+n``) and,
@@ -96,7 +95,7 @@ class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """
 
     def __init__(self, target: Tally, on_alloc: Callable[[int], None] | None = None) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
+        super().__init__()
         self.target = target
         self._on_alloc = on_alloc
         self._ops: dict[Any, _Op] = {}  # what is known of each operator overload
@@ -128,17 +127,19 @@ class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         return out
 
     def _count(self, target: Tally, op: _Op, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        nested = _has_nested(args, kwargs)
         try:
-            if _has_nested(args, kwargs):
+            if nested:
                 flops = nested_flops(func.overloadpacket, args, kwargs)
             elif op.formula is None:
                 flops = None  # a composite operator that had no decomposition
             else:
                 flops = int(op.formula(*args, **kwargs, out_val=out))
-        except Exception:  # a formula that does not fit these arguments: say so, never crash
-            flops = None
+        except Exception as e:  # a formula that does not fit these arguments: say so and why
+            target.add_uncounted(f"{op.name} (its FLOP formula raised {_short(e)})")
+            return
         if flops is None:
-            target.add_uncounted(op.name + (" (nested)" if _has_nested(args, kwargs) else ""))
+            target.add_uncounted(op.name + (" (nested)" if nested else ""))
         else:
             target.flops += flops
 
@@ -152,7 +153,7 @@ class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             formula=formula,
             composite=composite,
             uncounted=None if formula is not None or free else name,
-            allocates=not func.is_view and not func._schema.is_mutable,
+            allocates=not func.is_view and not _torch.is_mutable(func),
             data_dependent=packet in DATA_DEPENDENT,
             name=name,
         )
@@ -175,14 +176,14 @@ class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def start(self) -> None:
         """Push the mode (``with counter`` does this)."""
-        self.__enter__()  # type: ignore[no-untyped-call]
+        self.__enter__()
         self._active = True
 
     def stop(self) -> None:
         """Pop the mode if it is active; safe after a mute that was never undone."""
         if self._active:
             self._active = False
-            self.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            self.__exit__(None, None, None)
 
     def mute(self) -> bool:
         """Pop the mode while it is the innermost one; True if it did (undo with
@@ -197,7 +198,13 @@ class Counter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             self.start()
 
 
+def _short(error: Exception) -> str:
+    """``TypeName: message`` of an error, its message's first line cut to 80 characters."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    text = text if len(text) <= 80 else text[:77] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
 def _current_mode() -> Any:
     """The innermost dispatch mode (a private torch helper: without it, never mute)."""
-    get = getattr(_python_dispatch, "_get_current_dispatch_mode", None)
-    return None if get is None else get()
+    return _torch.current_dispatch_mode()

@@ -24,6 +24,8 @@ import torch
 from torch import Tensor
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
+from ..core import _torch
+
 __all__ = ["FORMULAS", "nested_flops"]
 
 aten = torch.ops.aten
@@ -228,7 +230,7 @@ _NESTED_ONLY: dict[Any, Formula] = {aten.linear: _by_shape(_linear)}
 
 def _components(t: Tensor) -> list[tuple[int, ...]]:
     if t.layout == torch.strided:
-        sizes: list[list[int]] = t._nested_tensor_size().tolist()  # CPU metadata: no sync
+        sizes: list[list[int]] = _torch.nested_sizes(t).tolist()  # CPU metadata: no sync
         return [(1, *s) for s in sizes]
     return [(1, *c.shape) for c in t.unbind()]
 
@@ -259,9 +261,6 @@ def nested_flops(packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     """FLOPs of an operator called with nested tensors, summed over components; None if no
     formula applies (the operator is then listed as uncounted)."""
     formula = FORMULAS.get(packet) or _NESTED_ONLY.get(packet)
-    if formula is None or packet in (
-        aten._flash_attention_forward,
-        aten._efficient_attention_forward,
-    ):
+    if formula is None or packet in _torch.FUSED_ATTENTION:
         return None
     return sum(int(formula(*a, **k)) for a, k in _per_component(args, kwargs))

@@ -93,6 +93,12 @@ def feature_grid(
     return grid
 
 
+_GRID_OPS = (
+    "feature grids draw layers' outputs grouped by their modules' kernels (group='kernel') or "
+    "by module: select the module that runs the operation"
+)
+
+
 def feature_grids(
     model: nn.Module,
     inputs: Any,
@@ -149,7 +155,8 @@ def feature_grids(
         raise UsageError(f'group must be "kernel" or "layer", got {group!r}')
     if out_dir is not None:
         pillow(_PURPOSE)  # fail before the forward
-    modules = Layers(model).select(layers)
+    sites = Layers(model).sites(layers, refuse_ops=_GRID_OPS)
+    modules = {name: site.module for name, site in sites.items()}
     keys = {name: _key(name, module, group) for name, module in modules.items()}
     outputs = features(model, inputs, list(modules), stop=True)
     groups: dict[str, list[Tensor]] = {}

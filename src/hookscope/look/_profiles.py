@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core import _torch
 from ._flops import Tally
 
 __all__ = ["Profile", "Profiles"]
@@ -180,10 +181,12 @@ class Profiles:
                 (k, _value_key(v)) for k, v in vars(module).items() if k not in _INTERNALS
             )
             params = tuple(
-                (n, p if p is None else _tensor_key(p)) for n, p in module._parameters.items()
+                (n, p if p is None else _tensor_key(p))
+                for n, p in _torch.parameters_of(module).items()
             )
             buffers = tuple(
-                (n, b if b is None else _tensor_key(b)) for n, b in module._buffers.items()
+                (n, b if b is None else _tensor_key(b))
+                for n, b in _torch.buffers_of(module).items()
             )
         except (_Uncacheable, ValueError, RuntimeError):  # uninitialised parameters raise
             return None

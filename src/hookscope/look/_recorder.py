@@ -6,9 +6,9 @@ target); names of arguments, parameter counts and everything else are worked out
 forward is over (``_rows``), when on a GPU the device is still busy.
 
 With ``ops=True`` it also follows the operations each module's own code calls, through the
-core's :class:`~hookscope.core.OpWatch` (the machinery of ``hs.names(ops=True)``): one
-:class:`OpRecord` per call, its FLOPs being what the counter charged to its module's call
-while it ran. Without it no ``OpWatch`` exists and no ``TorchFunctionMode`` is pushed.
+session's operation listener (``Session._listen_ops``, the machinery of
+``hs.names(ops=True)``): one :class:`OpRecord` per call, its FLOPs being what the counter
+charged to its module's call while it ran. Without it no function mode is ever pushed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core import Binder, ModuleCall, OpWatch, Session, leaves, op_qualname
+from ..core import Binder, ModuleCall, Session, _torch, leaves, op_qualname
 from ._flops import Counter, Tally
 from ._profiles import Profile, Profiles
 from ._shapes import ShapeTree, Walk, has_shape
@@ -121,15 +121,11 @@ class OpRecord:
         self.time_ms: float | None = None
 
 
-def _no_sites(*args: Any) -> Any:
-    raise AssertionError("the recorder selects no operation")  # pragma: no cover
-
-
 class Recorder(Session):
     """Rows of every module call; see the module docstring."""
 
     def __init__(self, model: nn.Module, *, time: bool, ops: bool = False) -> None:
-        super().__init__(model, recompile=True)
+        super().__init__(model, recompile=True, this_thread=True)
         self.modules = self.every_module()
         self.records: list[Record] = []
         self.outside = Tally()  # operators run outside every module
@@ -137,9 +133,8 @@ class Recorder(Session):
         # time=True needs every allocation, ops=True every operator: no call is skipped then
         self._profiles = None if time or ops else Profiles(self.modules)
         self.ops: list[OpRecord] = []
-        self._ops: OpWatch | None = None
         if ops:
-            self._ops = OpWatch(self, {n: {} for n in self.modules}, _no_sites, self._listen)
+            self._listen_ops(self.modules, self._listen)
         self._open: list[Record] = []
         self._time = time
         self._live = 0
@@ -149,12 +144,6 @@ class Recorder(Session):
     def _install(self, hooks: Any) -> None:
         self._track(hooks, self.modules)
 
-    def _needs_python(self) -> bool:
-        return self._ops is not None
-
-    def _closed(self) -> None:
-        if self._ops is not None:
-            self._ops.close()
 
     # -- calls ------------------------------------------------------------------------------------
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -166,7 +155,7 @@ class Recorder(Session):
         if parent is not None and parent.muted and not self.counter.active:
             self.counter.unmute()  # a call made from inside a profiled leaf: count it
             rec.remute = True
-        elif self._profiles is not None and not call.module._modules:
+        elif self._profiles is not None and not _torch.children(call.module):
             worth = self._profiles.worth(type(call.module))
             if worth is None:
                 rec.probe = True
@@ -177,8 +166,6 @@ class Recorder(Session):
         self._open.append(rec)
         if not rec.muted:
             self.counter.target = rec.tally
-        if self._ops is not None:
-            self._ops.enter(call)
 
     def _lookup(self, rec: Record, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         assert self._profiles is not None
@@ -227,8 +214,6 @@ class Recorder(Session):
         """Pop the call's record (and any left open inside it, as raised)."""
         while True:
             rec = self._open.pop()
-            if self._ops is not None:
-                self._ops.leave(rec.call)
             if rec.muted:
                 self.counter.unmute()
             if rec.remute:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..core import _torch
 from ._recorder import OpRecord, Record, Recorder
 from ._result import Summary, SummaryRow
 from ._shapes import ShapeTree
@@ -56,8 +57,8 @@ class _Params:
     def under(self, module: nn.Module) -> dict[int, nn.Parameter]:
         found = self._under.get(id(module))
         if found is None:
-            found = {id(p): p for p in module._parameters.values() if p is not None}
-            for child in module._modules.values():
+            found = {id(p): p for p in _torch.parameters_of(module).values() if p is not None}
+            for child in _torch.children(module).values():
                 if child is not None:
                     found.update(self.under(child))
             self._under[id(module)] = found
@@ -65,7 +66,7 @@ class _Params:
 
     def info(self, module: nn.Module) -> _Module:
         params = list(self.under(module).values())
-        own = {id(p): p for p in module._parameters.values() if p is not None}
+        own = {id(p): p for p in _torch.parameters_of(module).values() if p is not None}
         return _Module(
             type=_type_name(module),
             params=sum(p.numel() for p in own.values()),

@@ -17,6 +17,8 @@ from typing import Any, TypeAlias
 import torch
 from torch import Tensor
 
+from ..core import _torch
+
 __all__ = [
     "NestedShape",
     "ShapeTree",
@@ -61,7 +63,7 @@ ShapeTree: TypeAlias = (
 
 def _nested_sizes(t: Tensor) -> tuple[tuple[int, ...], ...]:
     if t.layout == torch.strided:  # strided nested tensors have no .shape
-        sizes: list[list[int]] = t._nested_tensor_size().tolist()  # a CPU tensor: no sync
+        sizes: list[list[int]] = _torch.nested_sizes(t).tolist()  # a CPU tensor: no sync
         return tuple(tuple(s) for s in sizes)
     return tuple(tuple(c.shape) for c in t.unbind())  # jagged layout
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import map_tensors, run_eagerly, training_mode, unwrap
+from ..core import map_tensors, own_forward, run_eagerly, training_mode, unwrap
 from ..errors import UsageError
 from ._recorder import Record, Recorder, bind_names
 from ._result import Summary, SummaryRow
@@ -28,18 +28,12 @@ from ._shapes import ShapeTree, Walk, format_shape, has_shape
 
 __all__ = ["Summary", "SummaryRow", "summary"]
 
-_HOW = (
-    "pass the model's inputs as one argument: a tensor (model(x)), a tuple (model(*inputs)) "
-    "or a mapping of keywords such as a tokenizer's output (model(**inputs)); its other "
-    "keyword arguments go in forward_kwargs={...}"
-)
-
 
 def summary(
     model: nn.Module,
     inputs: Any = None,
     /,
-    *more: Any,
+    *,
     input_size: Sequence[int] | Sequence[Sequence[int]] | None = None,
     dtypes: Sequence[torch.dtype] | None = None,
     input_device: torch.device | str | None = None,
@@ -49,7 +43,6 @@ def summary(
     train: bool = False,
     grad: bool = False,
     ops: bool = False,
-    **unknown: Any,
 ) -> Summary:
     """Run one forward and describe every module call in it, with operator-level FLOPs.
 
@@ -125,7 +118,7 @@ def summary(
     """
     if not isinstance(model, nn.Module):
         raise UsageError(f"summary() needs a torch.nn.Module, got {type(model).__name__}")
-    _check_options(more, unknown, depth, ops)
+    _check_options(depth, ops)
     root = unwrap(model)
     tensors = [*root.parameters(), *root.buffers()]
     args, kwargs = _call(inputs, input_size, dtypes, input_device, forward_kwargs, tensors)
@@ -140,7 +133,8 @@ def summary(
     )
     root_inputs = {k: v for k, v in shown.items() if has_shape(v)}
     name = type(root).__name__
-    with recorder:  # refusals (TorchScript, DataParallel replicas) raise here, before running
+    # the forward is the summary's own: the user's open sessions do not see it (own_forward)
+    with own_forward(), recorder:  # refusals (TorchScript, replicas) raise here, before running
         try:
             with _borrowed(model, root, train=train, grad=grad):
                 recorder.counter.start()
@@ -156,20 +150,7 @@ def summary(
     return result if depth is None else result.fold(depth)
 
 
-def _check_options(more: tuple[Any, ...], unknown: dict[str, Any], depth: Any, ops: Any) -> None:
-    if more:
-        raise UsageError(
-            f"summary() got {1 + len(more)} positional inputs; {_HOW}: hs.summary(model, (a, b, c))"
-        )
-    if "device" in unknown:
-        raise UsageError(
-            "device= was renamed input_device= (where the inputs made from input_size go): "
-            "hs.summary(model, input_size=(1, 3, 224, 224), input_device='cuda')"
-        )
-    if unknown:
-        names = ", ".join(sorted(unknown))
-        example = f"hs.summary(model, x, forward_kwargs={{{next(iter(unknown))!r}: ...}})"
-        raise UsageError(f"summary() has no option {names}; {_HOW}: {example}")
+def _check_options(depth: Any, ops: Any) -> None:
     if depth is not None and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 0):
         raise UsageError(f"depth must be an int >= 0 or None, got {depth!r}")
     if not isinstance(ops, bool):

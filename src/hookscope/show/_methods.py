@@ -109,7 +109,7 @@ class _LastMap(Session):
     last ReLU."""
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(model, recompile=True)
+        super().__init__(model, recompile=True, this_thread=True)
         self.last: str | None = None
 
     def _install(self, hooks: HookSet) -> None:

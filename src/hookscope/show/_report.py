@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .._extras import require
 from .._png import pillow, png_bytes
 from .._version import __version__
-from ..core import LayerSelector, call_model, leaves, map_tensors, training_mode
+from ..core import LayerSelector, call_model, leaves, map_tensors, own_forward, training_mode
 from ..core import names as names_of
 from ..diagnose import Monitor, nonfinite
 from ..errors import NonFiniteError, UsageError
@@ -98,8 +98,12 @@ def report(
     require("matplotlib", "plots", purpose="plots in the HTML report")
     names = classes if classes is not None else _id2label(model)
 
-    shape = summary(model, inputs)
-    records, nonfinite_found = _statistics(model, inputs, targets)
+    with own_forward():  # the report's forwards are its own: open sessions do not see them
+        shape = summary(model, inputs)
+        records, nonfinite_found = _statistics(model, inputs, targets)
+        features = _features(model, inputs, feature_layers)
+        layer = cam_layer if cam_layer is not None else _last_spatial(shape)
+        cams = _cams(model, inputs, layer, targets, names, max_images)
     types = names_of(model)
     found = findings(
         shape, records, activations(model), nonfinite_found, _batch_size(inputs), types
@@ -109,9 +113,8 @@ def report(
     parts.append(("summary", "Summary", _summary_table(shape)))
     n = _batch_size(inputs)
     parts.append(("statistics", "Activations and gradients", _statistics_html(records, types, n)))
-    parts.append(("features", "Feature maps", _features(model, inputs, feature_layers)))
-    layer = cam_layer if cam_layer is not None else _last_spatial(shape)
-    parts.append(("cam", "Grad-CAM", _cams(model, inputs, layer, targets, names, max_images)))
+    parts.append(("features", "Feature maps", features))
+    parts.append(("cam", "Grad-CAM", cams))
     parts.append(("findings", "Findings", findings_html(found)))
     text = _html.page(
         title or type(model).__name__,
@@ -195,7 +198,7 @@ def _statistics(
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore", RuntimeWarning)  # nonfinite's warn mode: recorded
         found = stack.enter_context(nonfinite(model, mode="warn", recompile=True))
-        with torch.enable_grad():
+        with torch.enable_grad(), own_forward(mon, found):  # seen by the report's sessions
             output = call_model(model, x)
             score = _score(output, targets, n)
             if score.requires_grad:

@@ -59,7 +59,7 @@ class Where(Session):
     """
 
     def __init__(self, model: nn.Module) -> None:
-        super().__init__(model, recompile=True)  # the command line runs the model itself
+        super().__init__(model, recompile=True, this_thread=True)  # the command line runs it
         self.failed: Failure | None = None
         self._running: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
 

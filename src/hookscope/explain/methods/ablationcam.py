@@ -43,14 +43,14 @@ class AblationCAM(Perturbation):
 
         def run(chunk: Tensor) -> object:
             rows, channels = chunk[:, 0], chunk[:, 1]
-            session.change = lambda t: zeroed(t, ctx.grid, channels)
+            session.state.change = lambda t: zeroed(t, ctx.grid, channels)
             return self._run(ctx, rows, ctx.image[rows])
 
         try:
             with session:
                 s = self._scores(ctx, pairs_of(chosen), run).view(chosen.shape)
         finally:
-            session.change = None  # it holds this batch's context
+            session.state.change = None  # it holds this batch's context
         base = ctx.scores[:, None]
         drop = (base - s) / (base + 1e-7)
         weights = torch.zeros(ctx.acts.shape[:2], dtype=ctx.acts.dtype, device=ctx.acts.device)

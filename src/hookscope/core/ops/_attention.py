@@ -15,7 +15,7 @@ fused call and computes them from the call's own arguments (query, key, mask, sc
 With ``dropout_p > 0`` (training) the probabilities are those before dropout: the fused
 kernel's random mask cannot be observed.
 
-Sessions stack (see ``_ops``): the explicit computation is itself a call named
+Sessions stack (see ``_watch``): the explicit computation is itself a call named
 ``scaled_dot_product_attention`` that sessions below the edit see, and a capture opened after
 an edit records the edited probabilities (:data:`_WAITING`), one opened before the unedited.
 """
@@ -34,10 +34,10 @@ __all__ = [
     "CHAIN",
     "WAITING",
     "Chain",
+    "attention_args",
     "chain_of",
     "explicit",
     "probabilities",
-    "sdpa_signature",
     "weights_grad",
 ]
 
@@ -50,23 +50,15 @@ Chain = list[tuple[Callable[[Tensor], Tensor], list[list[Tensor]]]]
 WAITING: list[list[Tensor]] = []
 
 
-def sdpa_signature(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> None:
-    """``F.scaled_dot_product_attention``'s parameters (a builtin has no readable signature):
-    captured inputs are named after them."""
-
-
 def _repeat(t: Tensor, heads: int) -> Tensor:
     """Key or value heads repeated for grouped-query attention (``enable_gqa=True``)."""
     return t.repeat_interleave(heads // t.size(-3), dim=-3)
+
+
+def attention_args(bound: dict[str, Any]) -> dict[str, Any]:
+    """The arguments of :func:`probabilities` among an SDPA call's bound arguments."""
+    keys = ("query", "key", "attn_mask", "is_causal", "scale", "enable_gqa")
+    return {k: bound[k] for k in keys if k in bound}
 
 
 def probabilities(

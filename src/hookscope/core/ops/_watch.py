@@ -1,4 +1,4 @@
-"""Following the operations of selected modules' calls (see ``_ops`` for what they are).
+"""Following the operations of selected modules' calls (see ``_select`` for what they are).
 
 A ``TorchFunctionMode`` is pushed when a selected module's call starts (its session's
 pre-hook) and removed when it ends (the always-called post-hook, or, for a call ended by a
@@ -11,27 +11,32 @@ call was abandoned) passes through untouched.
 
 Each session has its own mode; the one opened later is pushed later and sees a call first,
 so, as for layers, a capture opened after an edit records the edited value. Sessions run the
-intercepted call through :func:`~hookscope.core._ops.forward_op`, which the others' owner
-search sees through; anything else hookscope computes in a handler (copies, explicit
+intercepted call through :func:`~hookscope.core.ops._select.forward_op`, which the others'
+owner search sees through; anything else hookscope computes in a handler (copies, explicit
 attention) is its own and invisible to them.
+
+The watch talks to its session through two functions it is given, nothing else: the
+``handler`` that runs a call some sites select, or a ``listener`` that sees every operation
+(listings, summaries). The session tells it when a watched module's call starts and ends
+(:meth:`OpWatch.enter`, :meth:`OpWatch.leave`) and when a pass ends (:meth:`OpWatch.check`).
+Function modes are per thread in PyTorch, and so is everything the watch keeps per call.
 """
 
 from __future__ import annotations
 
 import difflib
 import sys
+import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from torch import nn
-from torch.overrides import TorchFunctionMode
-
-from ..errors import LayerNotFoundError, UnsupportedModelError
-from . import _torch
-from ._lifetime import HookSet
-from ._ops import METADATA, SDPA, WEIGHTS, OpSelector, forward_op, op_name
-from ._session import ModuleCall, Session, hidden
+from ...errors import LayerNotFoundError, UnsupportedModelError
+from .. import _torch
+from .._calls import ModuleCall
+from .._lifetime import FunctionInterceptor
+from .._naming import Layers
+from ._select import METADATA, SDPA, WEIGHTS, OpSelector, forward_op, op_name
 
 __all__ = ["OpWatch"]
 
@@ -68,8 +73,7 @@ class OpWatch:
     """The operation side of one session (see the module docstring).
 
     Args:
-        session: the owner; its call tracking (``_track``) reports the modules' calls,
-            which it passes on to :meth:`enter` and :meth:`leave`.
+        layers: the session's model, for messages.
         sites: ``{module name: {(op, k): site}}``, the session's own site objects.
         handler: runs a call that sites select (through :func:`forward_op`).
         listener: instead of sites, sees every operation of every watched call.
@@ -77,20 +81,21 @@ class OpWatch:
 
     def __init__(
         self,
-        session: Session,
+        layers: Layers,
         sites: Mapping[str, Mapping[tuple[str, int | None], Any]],
-        handler: Handler,
+        handler: Handler | None = None,
         listener: Listener | None = None,
     ) -> None:
-        self._session, self._sites = session, sites
+        self._layers, self._sites = layers, sites
         self._handler, self._listener = handler, listener
         self._mode = _Mode(self)
         self._stops = (_CALL_IMPL, _torch.inner_code())  # where a module call's machinery starts
-        self._running: dict[types.FrameType, _Running] = {}
-        self._order: list[_Running] = []
-        #: selectors whose operation part no call has matched yet, and what ran this pass
+        self._running: dict[types.FrameType, _Running] = {}  # frames are per thread
+        self._by_call: dict[ModuleCall, _Running] = {}
+        #: selectors whose operation part no call has matched yet, and (per thread) what ran
+        #: in the pass
         self._pending = {(m, op, k) for m, ops in sites.items() for op, k in ops}
-        self._seen: dict[str, dict[str, int]] = {}
+        self._local = threading.local()
         #: per module, the operations its sites select (an SDPA call for attention weights)
         self._names = {
             m: frozenset(SDPA if op == WEIGHTS else op for op, _ in ops) for m, ops in sites.items()
@@ -99,45 +104,41 @@ class OpWatch:
         #: messages of selectors not resolved yet
         self._count_all = listener is not None or bool(self._pending)
 
-    def install(self, hooks: HookSet, *, replays: bool) -> None:
-        """Follow the calls of the modules with sites (through the session's call tracking,
-        ``replays``: checkpoint recomputations too) and check the selectors after each pass."""
-        layers = self._session.layers
-        modules = {n: layers.root if n == "" else layers.modules[n] for n in self._sites}
-        self._session._track(hooks, modules, replays=replays)
-        if self._pending:
-            hooks.forward(layers.root, self._pass_end)
+    def rebind(self, layers: Layers) -> None:
+        """The session's model changed (a layer replaced): read modules from ``layers``."""
+        self._layers = layers
+
+    def modules(self) -> dict[str, Any]:
+        """``{name: module}`` of the modules whose calls must be reported to :meth:`enter`."""
+        layers = self._layers
+        return {n: layers.root if n == "" else layers.modules[n] for n in self._sites}
 
     def enter(self, call: ModuleCall) -> None:
-        """A watched module's call starts (from the session's ``_started``)."""
+        """A watched module's call starts (the session's call tracking reports it)."""
         name = call.name
         running = _Running(call, _call_frame(call), self._sites[name], self._names[name])
-        if not _torch.function_mode_on(self._mode):
-            _torch.push_function_mode(self._mode)
-            running.pushed = True
+        running.pushed = self._mode.attach()  # once per thread: the mode is per thread
         self._running[running.frame] = running
-        self._order.append(running)
+        self._by_call[call] = running
 
     def leave(self, call: ModuleCall) -> None:
-        """A watched module's call ended, returned or raised (``_returned`` / ``_raised``)."""
-        for i in range(len(self._order) - 1, -1, -1):
-            if self._order[i].call is call:
-                running = self._order.pop(i)
-                break
-        else:
+        """A watched module's call ended, returned or raised."""
+        running = self._by_call.pop(call, None)
+        if running is None:
             return
-        del self._running[running.frame]
+        self._running.pop(running.frame, None)
         if running.pushed:
-            _torch.remove_function_mode(self._mode)
+            self._mode.detach()
         if self._pending and not call.replay:
             self._note(running)
             self._count_all = self._listener is not None or bool(self._pending)
 
     def close(self) -> None:
-        """The session closes: no call is watched any more, the mode is gone."""
+        """The session closes: no call is watched any more, the mode is gone (from the
+        closing thread's stack; another thread's is taken off by its own calls' ends)."""
         self._running.clear()
-        self._order.clear()
-        _torch.remove_function_mode(self._mode)
+        self._by_call.clear()
+        self._mode.detach()
 
     # -- per operation ---------------------------------------------------------------------------
     def owner(self, frame: types.FrameType | None) -> _Running | None:
@@ -177,6 +178,7 @@ class OpWatch:
             return self._listener(running.call, name, k, func, run)
         if not selected:
             return forward_op(func, args, kwargs)
+        assert self._handler is not None
         sites = running.sites
         found = [x for x in (sites.get((name, None)), sites.get((name, k))) if x is not None]
         weights = []
@@ -188,9 +190,15 @@ class OpWatch:
         return self._handler(running.call, found, weights, func, args, kwargs)
 
     # -- resolution ------------------------------------------------------------------------------
+    def _seen(self) -> dict[str, dict[str, int]]:
+        seen: dict[str, dict[str, int]] | None = getattr(self._local, "seen", None)
+        if seen is None:
+            seen = self._local.seen = {}
+        return seen
+
     def _note(self, running: _Running) -> None:
         name, counts = running.call.name, running.counts
-        seen = self._seen.setdefault(name, {})
+        seen = self._seen().setdefault(name, {})
         for op, n in counts.items():
             seen[op] = max(seen.get(op, 0), n)
         for key in [key for key in self._pending if key[0] == name]:
@@ -198,17 +206,18 @@ class OpWatch:
             if counts.get(SDPA if op == WEIGHTS else op, 0) >= (k or 1):
                 self._pending.discard(key)
 
-    def _pass_end(self, module: nn.Module, args: Any, output: Any) -> None:
-        session = self._session
-        if session._depth or hidden(session) or session._in_backward():
+    def check(self) -> None:
+        """A pass of this thread ended: a selector whose module ran but whose operation part
+        matched none of its calls raises (see ``_select``, "Resolution")."""
+        if not self._pending:
             return
-        seen, self._seen = self._seen, {}
+        seen, self._local.seen = self._seen(), {}
         for module_name, op, k in sorted(self._pending, key=str):
             if module_name in seen:
                 raise LayerNotFoundError(self._miss(module_name, op, k, seen[module_name]))
 
     def _miss(self, name: str, op: str, k: int | None, ran: dict[str, int]) -> str:
-        layers = self._session.layers
+        layers = self._layers
         module = layers.root if name == "" else layers.modules[name]
         where = (
             f"the model's own forward ({type(module).__name__})"
@@ -222,7 +231,15 @@ class OpWatch:
             msg += f" of {where}"
         else:
             msg = f"{text!r} selects nothing: no {target} ran in {where} during the forward"
-            if op == WEIGHTS:
+            if op == WEIGHTS and "multi_head_attention_forward" in ran:
+                msg += (
+                    " (nn.MultiheadAttention runs its attention inside "
+                    "F.multi_head_attention_forward, which hookscope sees as one operation: its "
+                    "weights are the module's own second output, returned with "
+                    "need_weights=True, per head with average_attn_weights=False; capture the "
+                    "module itself)"
+                )
+            elif op == WEIGHTS:
                 msg += " (attention weights come from F.scaled_dot_product_attention; with eager "
                 msg += "attention, select its softmax)"
             close = difflib.get_close_matches(target, list(ran), n=3, cutoff=0.6)
@@ -255,7 +272,7 @@ def _call_frame(call: ModuleCall) -> types.FrameType:
 _CALL_IMPL = _torch.CALL_CODES[0]
 
 
-class _Mode(TorchFunctionMode):
+class _Mode(FunctionInterceptor):
     """Intercepts calls while a watched call runs; see :class:`OpWatch`."""
 
     def __init__(self, watch: OpWatch) -> None:

@@ -13,6 +13,9 @@ the attention probabilities inside ``F.scaled_dot_product_attention`` or a funct
   name or glob; ``"...::attention_weights"`` is the probabilities of an SDPA call
   (``_attention``).
 
+This module is the vocabulary only (names, parsing, how arguments are named); it imports
+nothing of the session machinery.
+
 **Which operations.** Every call of a function or method that goes through PyTorch's
 ``__torch_function__`` (``torch.*``, ``torch.nn.functional.*``, ``Tensor`` methods and
 operators, ``x.shape``-like properties), counted by name: ``torch.softmax``, ``F.softmax``
@@ -24,40 +27,42 @@ seen. Only the module's **own code** counts: what its child modules run belongs 
 session's copies, a user's hook), so that numbers do not move when something else is hooked.
 Calls that return no tensor (``size()``, ``dim()``) are numbered but never listed.
 
-**How** (``_opwatch``): a ``TorchFunctionMode`` is on the stack only while a selected
+**How** (``_watch``): a ``TorchFunctionMode`` is on the stack only while a selected
 module's call runs, and each call it intercepts finds its owner on the Python stack.
 
 **Resolution.** The module part resolves when the session is built, like any layer
-selector; the operation part on the first forward that runs the module: a selector that
-matched none of its calls then raises, naming the operations that did run there.
+selector (``Layers.sites`` in ``core/_naming.py``, the one resolver of every entry point); the
+operation part on the first forward that runs the module: a selector that matched none of its
+calls then raises, naming the operations that did run there.
 """
 
 from __future__ import annotations
 
 import re
 import types
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor
 
-from ..errors import LayerNotFoundError, UsageError
-from ._naming import Layers
-from ._types import LayerSelector
+from ...errors import UsageError
+from .._bind import Binder
 
 __all__ = [
     "METADATA",
     "SDPA",
+    "SEP",
     "WEIGHTS",
     "OpSelector",
     "forward_op",
-    "has_ops",
+    "is_op",
+    "op_binder",
     "op_name",
     "op_qualname",
-    "select",
+    "parse",
+    "sdpa_signature",
 ]
 
 SEP = "::"
@@ -137,13 +142,13 @@ class OpSelector:
         return f"{self.module}{SEP}{self.op}" + (f"#{self.k}" if self.k else "")
 
 
-def has_ops(selector: Any) -> bool:
-    """Whether a layer selector contains operation selectors (``"layer::op"`` strings)."""
-    items = selector if isinstance(selector, (list, tuple)) else [selector]
-    return any(isinstance(item, str) and SEP in item for item in items)
+def is_op(item: object) -> bool:
+    """Whether one selector item is an operation selector (a ``"layer::op"`` string)."""
+    return isinstance(item, str) and SEP in item
 
 
-def _parse(text: str) -> tuple[str, str, int | None]:
+def parse(text: str) -> tuple[str, str, int | None]:
+    """``"layer::op#k"`` -> ``("layer", "op", k)``; refuses a malformed operation part."""
     module, _, rest = text.partition(SEP)
     match = _OP.fullmatch(rest)
     if match is None or (match.group(2) is not None and int(match.group(2)) < 1):
@@ -156,38 +161,37 @@ def _parse(text: str) -> tuple[str, str, int | None]:
     return module, match.group(1), int(match.group(2)) if match.group(2) else None
 
 
-def _modules_of(layers: Layers, text: str, module: str) -> dict[str, nn.Module]:
-    if module == "":
-        return {"": layers.root}
-    try:
-        return layers.select(module)
-    except LayerNotFoundError as e:
-        raise LayerNotFoundError(f"operation selector {text!r}: {e}") from None
-
-
-Chosen = dict[str, tuple[nn.Module, "OpSelector | None"]]
-
-
-def select(layers: Layers, selector: LayerSelector) -> Chosen:
-    """Resolve layer and operation selectors: ``{record name: (module, op or None)}``, in
-    first-seen order. A layer part that matches nothing fails now, like any layer selector."""
-    items: Sequence[Any] = selector if isinstance(selector, (list, tuple)) else [selector]
-    if not items:
-        layers.select([])  # raises the empty-selection error
-    out: Chosen = {}
-    for item in items:
-        if isinstance(item, str) and SEP in item:
-            module, op, k = _parse(item)
-            for name, found in _modules_of(layers, item, module).items():
-                spec = OpSelector(name, op, k)
-                out.setdefault(spec.name, (found, spec))
-        else:
-            for name, found in layers.select(item).items():
-                out.setdefault(name, (found, None))
-    return out
-
-
 def forward_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an intercepted operation. Every handler runs the call it intercepted through here,
     so that sessions below it still see the call as the module's (see ``OpWatch.owner``)."""
     return func(*args, **kwargs)
+
+
+_BINDERS: dict[Any, Binder] = {}
+
+
+def sdpa_signature(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> None:
+    """``F.scaled_dot_product_attention``'s parameters (a builtin has no readable signature):
+    captured inputs are named after them."""
+
+
+def op_binder(func: Any) -> Binder:
+    """How an operation's arguments are named: after the function's parameters where Python
+    can read them (``F.softmax``: ``input``, ``dim``...; SDPA: ``query``, ``key``, ``value``,
+    ``attn_mask``...), else ``arg0``, ``arg1``... (cached per function)."""
+    python = type(func) is types.FunctionType
+    key = func.__code__ if python else func
+    binder = _BINDERS.get(key)
+    if binder is None:
+        target = sdpa_signature if not python and op_name(func) == SDPA else func
+        binder = _BINDERS[key] = Binder(target)
+    return binder

@@ -1,0 +1,146 @@
+"""What a session knows about the calls running now, per thread.
+
+Module hooks live in the module's hook dicts, which every thread calling the module shares:
+a session open on a model sees the forwards of every thread. What a forward is doing (the
+stack of running calls, their depth, the call counts of the pass, the pass itself) therefore
+belongs to the thread that runs it: :class:`Now` holds it, one per thread and session, so
+concurrent forwards from several threads are each their own pass, as if they had run one
+after another. Private forwards (:func:`private_forward`) are private to their thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from .ops._select import OpSelector
+
+__all__ = [
+    "RUNNERS",
+    "ModuleCall",
+    "Now",
+    "hidden",
+    "own_forward",
+    "private_forward",
+    "private_to",
+]
+
+
+class ModuleCall:
+    """One call of a tracked module, or of an operation inside one (plain data, made by the
+    session).
+
+    Attributes:
+        name: the module's canonical dotted name (``""`` for the model itself), or the
+            operation site's (``"h.0.attn::softmax"``).
+        module: the module (for an operation, the module whose own code runs it).
+        index: how many calls of this module (or operation site) came before it in this pass
+            (0 for the first).
+        depth: how many tracked calls enclose it.
+        parent: the innermost enclosing tracked call, or None.
+        pass_index: the top-level forward it belongs to.
+        replay: it is a checkpoint's recomputation inside backward.
+        original: for a replay, the call it repeats, if known.
+        op: for an operation's call, its selector (else None).
+    """
+
+    __slots__ = (
+        "depth",
+        "index",
+        "module",
+        "name",
+        "op",
+        "original",
+        "parent",
+        "pass_index",
+        "replay",
+    )
+
+    def __init__(
+        self, name: str, module: nn.Module, index: int, parent: ModuleCall | None, pass_: int
+    ) -> None:
+        self.name, self.module, self.index, self.parent = name, module, index, parent
+        self.depth: int = 0 if parent is None else parent.depth + 1
+        self.pass_index = pass_
+        self.replay = False
+        self.original: ModuleCall | None = None
+        self.op: OpSelector | None = None
+
+    def __repr__(self) -> str:
+        kind = ", replay" if self.replay else ""
+        return f"ModuleCall({self.name!r}, index={self.index}, depth={self.depth}{kind})"
+
+
+class Now(threading.local):
+    """One session's view of the forward running on the calling thread (a thread-local: each
+    thread that reads it gets its own attributes, made fresh on its first read)."""
+
+    def __init__(self) -> None:
+        self.stack: list[ModuleCall] = []  # running tracked calls, innermost last
+        self.counts: dict[str, int] = {}  # calls per module (or site) in this pass
+        self.depth = 0  # nesting of root calls: a recursive root is still one pass
+        self.pass_index = -1  # this thread's current (or latest) pass
+        self.open: dict[Any, list[Any]] = {}  # per site: calls between pre- and post-hook
+        self.extra: dict[str, Any] = {}  # a session's own per-pass state (see Session.now)
+        self.last_done: str | None = None  # the last site that finished a call (for messages)
+
+
+class _Private(threading.local):
+    def __init__(self) -> None:
+        #: while a private forward runs on this thread: a marker and the sessions that see
+        #: it (else empty)
+        self.sessions: list[object] = []
+
+
+_PRIVATE = _Private()
+
+#: Named in :func:`private_forward`: hookscope's own runners (sessions of entry points that run
+#: the model themselves, ``this_thread=True``) see the forward; sessions of the user's code do
+#: not. The forwards ``summary``, ``extract`` and ``report`` run are private so.
+RUNNERS = object()
+
+
+@contextlib.contextmanager
+def private_forward(*sessions: object) -> Iterator[None]:
+    """Forwards run inside, on this thread, are seen by ``sessions`` only: every other
+    session ignores them (other threads' forwards are not affected)."""
+    private = _PRIVATE.sessions
+    added = [object(), *sessions]
+    private.extend(added)
+    try:
+        yield
+    finally:
+        del private[len(private) - len(added) :]
+
+
+def private_sessions() -> list[object]:
+    """This thread's private-forward list (empty when none runs): for hot paths, which test
+    ``private and session not in private`` themselves."""
+    return _PRIVATE.sessions
+
+
+def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
+    """Forwards hookscope runs for itself (``summary``'s, ``extract``'s, the report's): seen by
+    hookscope's runners and the sessions ``also`` names, never by the other sessions of the
+    user's code (an open ``capture`` or ``Monitor`` does not count them)."""
+    return private_forward(RUNNERS, *also)
+
+
+def hidden(session: object, runner: bool = False) -> bool:
+    """Whether a private forward that ``session`` must not see runs on this thread
+    (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`)."""
+    private = _PRIVATE.sessions
+    if not private or session in private:
+        return False
+    return not (runner and RUNNERS in private)
+
+
+def private_to(session: object) -> bool:
+    """Whether a private forward that ``session`` is named in runs on this thread."""
+    private = _PRIVATE.sessions
+    return bool(private) and session in private
