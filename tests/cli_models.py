@@ -104,3 +104,10 @@ class _Sleepy(nn.Module):
 def sleepy() -> nn.Module:
     """Writes $HOOKSCOPE_TEST_MARK when its forward starts, then sleeps (to be interrupted)."""
     return _Sleepy()
+
+
+def dropout_log_model() -> nn.Module:
+    """``log`` after dropout of positive values: -Inf wherever dropout zeroes a value, so only
+    in training; finite in eval mode."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Softplus(), nn.Dropout(0.5), _Log(), nn.Linear(8, 3))

@@ -99,6 +99,60 @@ def test_nan_names_the_producer_and_exits_1() -> None:
     assert clean.exit_code == 0 and "no NaN or Inf" in clean.output
 
 
+def test_nan_runs_in_training_mode_by_default_and_says_so() -> None:
+    """Dropout then log: -Inf wherever dropout zeroes a value, so on every training step and
+    never in eval mode. The command ran eval mode only, said nothing, and exited 0."""
+    from cli_models import dropout_log_model
+
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    model = dropout_log_model()
+    with torch.no_grad():  # the oracle: plain torch in each mode
+        assert not torch.isfinite(model.train()(x)).all()
+        assert torch.isfinite(model.eval()(x)).all()
+    trained = run("nan", f"{MODELS}:dropout_log_model", "--input-size", "8,4", "--json")
+    assert trained.exit_code == 1, trained.output
+    found = json.loads(trained.stdout)
+    assert (found["finite"], found["mode"], found["module"], found["op"]) == (
+        False, "train", "3", "aten.log",
+    )  # fmt: skip
+    text = run("nan", f"{MODELS}:dropout_log_model", "--input-size", "8,4")
+    assert "run in train mode, loss: the sum of every floating output" in text.output
+    evaluated = run("nan", f"{MODELS}:dropout_log_model", "--input-size", "8,4", "--eval")
+    assert evaluated.exit_code == 0 and "(run in eval mode" in evaluated.output
+
+
+def test_nan_takes_a_real_loss_and_inputs_from_a_npy_file(tmp_path: Path) -> None:
+    """A batch from a .npy file (float64, cast to the model's float32), labels from another:
+    NaN labels reach only the loss's gradient, which the sum of the outputs never sees."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    np.save(tmp_path / "x.npy", rng.standard_normal((6, 3, 8, 8)))  # float64
+    np.save(tmp_path / "classes.npy", np.array([0, 1, 2, 0, 1, 2]))
+    values = rng.standard_normal((6, 3))
+    values[2, 1] = np.nan
+    np.save(tmp_path / "values.npy", values)
+    x = ("nan", CNN, "--input", str(tmp_path / "x.npy"), "--json")
+    plain = run(*x)
+    assert plain.exit_code == 0, plain.output
+    assert json.loads(plain.stdout)["loss"] == "sum"
+    entropy = run(*x, "--loss", "cross_entropy", "--labels", str(tmp_path / "classes.npy"))
+    assert entropy.exit_code == 0 and json.loads(entropy.stdout)["loss"] == "cross_entropy"
+    assert run(*x, "--loss", "cross_entropy", "--target", "1").exit_code == 0
+    squared = run(*x, "--loss", "mse", "--labels", str(tmp_path / "values.npy"))
+    assert squared.exit_code == 1, squared.output
+    found = json.loads(squared.stdout)
+    assert (found["phase"], found["module"]) == ("backward", "<loss>")
+    for bad, hint in (
+        (("--loss", "mse"), "--loss mse needs labels"),
+        (("--loss", "cross_entropy"), "--loss cross_entropy needs labels"),
+        (("--target", "1"), "--target and --labels go with --loss cross_entropy or mse"),
+        (("--loss", "cross_entropy", "--target", "1", "--target", "2"), "2 --target classes"),
+    ):
+        refused = run(*x, *bad)
+        assert refused.exit_code == 2 and hint in refused.output, refused.output
+
+
 def test_report_command(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "r.html"
@@ -129,7 +183,8 @@ def test_extract_command(tmp_path: Path) -> None:
         hs.open_features(tmp_path / "s").to_numpy("3"), want.numpy(), rtol=1e-6, atol=1e-6
     )
     again = run(*args)
-    assert again.exit_code == 2 and "--resume" in again.output
+    assert again.exit_code == 2 and "finished feature store" in again.output
+    assert "Pass --overwrite" in again.output  # the flag, not the Python argument
     from PIL import Image
 
     (tmp_path / "imgs").mkdir()
@@ -184,6 +239,41 @@ def test_pickled_modules_are_refused_and_verbose_shows_tracebacks(tmp_path: Path
     assert verbose.exit_code == 2 and "Traceback" in verbose.output
 
 
+def test_verbose_works_after_the_command_name_too() -> None:
+    """Where the one-line error sends users ("run with -v"): it was refused there."""
+    wrong = ("summary", CNN, "--input-size", "1,5,8,8")
+    assert "(run with -v for the traceback)" in run(*wrong).output
+    for args in (("-v", *wrong), (*wrong, "-v"), (wrong[0], "--verbose", *wrong[1:])):
+        result = run(*args)
+        assert result.exit_code == 1 and "Traceback" in result.output, args
+
+
+@pytest.mark.parametrize("command", ["summary", "nan", "cam", "report"])
+def test_a_torchscript_archive_is_a_usage_error(command: str, tmp_path: Path) -> None:
+    """It loads, but hooks cannot run inside it: refused as a bad model (exit 2), not as a
+    model that failed (exit 1)."""
+    scripted = tmp_path / "model.ts"
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        torch.jit.save(torch.jit.script(small_cnn()), str(scripted))
+    extra = ("--out", str(tmp_path / "out")) if command in ("cam",) else ()
+    extra = ("--out", str(tmp_path / "r.html")) if command == "report" else extra
+    result = run(command, str(scripted), "--input-size", "1,3,8,8", *extra)
+    assert result.exit_code == 2, result.output
+    assert "is TorchScript" in result.output and "torch.export" in result.output
+
+
+def test_summary_width_and_full_options() -> None:
+    """The advice to see everything named a Python call; the command has --full now."""
+    args = ("summary", CNN, "--input-size", "1,3,8,8")
+    narrow = run(*args, "--width", "60")
+    assert narrow.exit_code == 0 and max(map(len, narrow.output.splitlines())) <= 60
+    assert "--full" in narrow.output and "to_text(" not in narrow.output
+    full = run(*args, "--full")
+    library = hs.summary(small_cnn(), torch.randn(1, 3, 8, 8)).to_text(max_width=None)
+    assert full.output == library + "\n"
+    assert run(*args, "--width", "20").exit_code == 2
+
+
 def test_saved_programs_and_runtime_errors(tmp_path: Path) -> None:
     scripted = tmp_path / "cnn.pt"
     with pytest.warns(DeprecationWarning, match="deprecated"):  # torch 2.13 deprecates TorchScript
@@ -220,6 +310,11 @@ def test_hugging_face_directory(tmp_path: Path) -> None:
     assert hs.Summary.from_json(result.stdout).total_flops == direct.total_flops
     bad = run("names", str(tmp_path), "--hf-class", "AutoNothing")
     assert bad.exit_code == 2 and "AutoModelForImageClassification" in bad.output
+    # cam with the default --hf-class (AutoModel: no head) used to give a Python-only hint
+    headless = run("cam", str(tmp_path), "--input-size", "1,3,32,32", "--out", str(tmp_path / "c"))
+    assert headless.exit_code == 2, headless.output
+    assert "--hf-class AutoModelForImageClassification" in headless.output
+    assert "targets=" not in headless.output
 
 
 def test_a_real_subprocess(tmp_path: Path) -> None:

@@ -334,7 +334,7 @@ def test_overlay_pixels_png_and_missing_matplotlib(
     with Image.open(path) as png:
         assert png.mode == "RGB" and np.array_equal(np.asarray(png), out.numpy())
     with pytest.raises(hs.UsageError, match="heatmap must be"):
-        hs.overlay(image, torch.zeros(3, 3))
+        hs.overlay(image, torch.zeros(2, 3, 3))
     with pytest.raises(hs.UsageError, match="unknown matplotlib colormap"):
         hs.overlay(image, heat, cmap="nope")
     monkeypatch.setitem(sys.modules, "matplotlib", None)
@@ -441,3 +441,20 @@ def test_pointing_game_tolerance_is_a_distance_to_the_object() -> None:
     assert metrics.pointing_game(maps, masks, tolerance=2.1).tolist() == [True, False, False, False]
     with pytest.raises(hs.UsageError, match="tolerance"):
         metrics.pointing_game(maps, masks, tolerance=-1)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_metrics_refuse_maps_with_nan_or_inf(bad: float) -> None:
+    """A NaN sorts first or last silently: deletion used to return an AUC computed from an
+    arbitrary order."""
+    from hookscope.explain import metrics
+
+    x = torch.ones(2, 1, 4, 4)
+    maps = torch.rand(2, 4, 4, generator=torch.Generator().manual_seed(0))
+    maps[1, 2, 3] = bad
+    for metric in (metrics.deletion, metrics.insertion, metrics.average_drop):
+        with pytest.raises(hs.UsageError, match=r"maps hold NaN or Inf \(images \[1\]\)"):
+            metric(Region(), x, maps, 0)
+    with pytest.raises(hs.UsageError, match=r"maps hold NaN or Inf \(images \[1\]\)"):
+        metrics.pointing_game(maps, torch.ones(2, 4, 4, dtype=torch.bool))
+    assert metrics.deletion(Region(), x, maps.nan_to_num(0.0, 0.0, 0.0), 0, steps=2).forwards == 6

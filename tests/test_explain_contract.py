@@ -198,6 +198,35 @@ BAD_TARGETS = [
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_an_empty_batch_is_refused_before_any_forward(name: str) -> None:
+    """It used to fail deep inside (``min() arg is an empty sequence``)."""
+    info = METHODS[name]
+    method = build(info, Net(), **options(info))
+    with pytest.raises(hs.UsageError, match=r"the batch is empty \(shape \(0, 3, 12, 12\)\)"):
+        method(_x()[:0], targets=None)
+    assert CALLS == []
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if METHODS[n].kind == "layer"])
+def test_every_layer_method_takes_reshape(name: str) -> None:
+    """A layout neither the type nor the shapes decide is refused asking for ``reshape=``, so
+    every method that explains a layer must take it (Guided Grad-CAM did not). The oracle:
+    a reshape= giving the layout the method infers gives the same maps, and is used."""
+    info = METHODS[name]
+    model, x = Net(), _x()
+    seen: list[tuple[int, ...]] = []
+
+    def channels_first(t: Tensor) -> Tensor:
+        seen.append(tuple(t.shape))
+        return t
+
+    given = build(info, model, reshape=channels_first, **options(info))(x, targets=[1, 2, 3])
+    inferred = build(info, model, **options(info))(x, targets=[1, 2, 3])
+    assert seen and seen[0] == (3, 5, 6, 6)
+    torch.testing.assert_close(given.raw, inferred.raw)
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_targets_are_checked_before_any_forward(name: str) -> None:
     info = METHODS[name]
     method = build(info, Net(), **options(info))

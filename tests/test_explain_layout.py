@@ -72,6 +72,12 @@ def test_an_ambiguous_layout_is_refused_and_reshape_settles_it() -> None:
     first = hs.GradCAM(model, "1", reshape=lambda t: t)(x, targets=[0, 2])
     expected = _gradcam_by_hand(model, model[1], x, [0, 2], lambda t: t)
     torch.testing.assert_close(first.raw, expected, rtol=1e-4, atol=1e-6)
+    # Guided Grad-CAM is refused the same way, and takes reshape= too (it had none)
+    with pytest.raises(hs.UsageError, match=r"could be channels first .* Pass reshape="):
+        hs.GuidedGradCAM(model, "1")(x, targets=0)
+    guided = hs.GuidedGradCAM(model, "1", reshape=lambda t: t)(x, targets=[0, 2])
+    backprop = hs.GuidedBackprop(model)(x, targets=[0, 2]).raw
+    torch.testing.assert_close(guided.raw, backprop * first.maps[:, None])
     square = torch.randn(2, 3, 16, 16)  # (N, 4, 8, 8): only channels first fits 16x16
     assert hs.GradCAM(model, "1")(square, targets=0).raw.shape == (2, 8, 8)
 

@@ -82,6 +82,19 @@ def test_an_out_of_range_float_image_is_min_max_scaled() -> None:
     assert np.array_equal(out.numpy(), _by_hand(RGB))  # 0 and 255 are in PIXELS
 
 
+@pytest.mark.parametrize("size", [(3, 4), (10, 14), (7, 5)])
+def test_a_map_of_another_size_is_resized_to_the_image(size: tuple[int, int]) -> None:
+    """A layer's map, or one of the model's square input, on the original picture: it used
+    to be refused. The oracle: the map resized by plain F.interpolate, then the blend."""
+    small = np.random.default_rng(1).random(size)
+    out = hs.overlay(Image.fromarray(PIXELS), small, cmap="gray", alpha=ALPHA)
+    resized = torch.nn.functional.interpolate(
+        torch.from_numpy(small)[None, None], size=(H, W), mode="bilinear", align_corners=False
+    )[0, 0].numpy()
+    assert out.shape == (H, W, 3)
+    assert np.array_equal(out.numpy(), _by_hand(RGB, resized))
+
+
 def test_what_cannot_be_drawn_is_refused() -> None:
     with pytest.raises(hs.UsageError, match="image must be a torch tensor, a NumPy array"):
         hs.overlay([[1, 2]], HEAT)

@@ -89,12 +89,17 @@ def test_plain_zarr_and_xarray_read_the_store(tmp_path: Path) -> None:
     ds = xr.open_zarr(tmp_path / "f", consolidated=False)
     assert ds["6"].dims == ("sample", "6_1") and ds.sizes["sample"] == 70
     np.testing.assert_allclose(ds["6"].values, want, rtol=1e-6, atol=1e-6)
+    assert {"ids", "errors"} <= set(ds.coords) and "ids" not in ds.data_vars
+    view = hs.open_features(tmp_path / "f").to_xarray()  # sample indexed by the ids
+    assert list(view.data_vars) == ["6"] and view["6"].dims == ("sample", "6_1")
+    assert list(view["sample"].values) == [str(i) for i in range(70)]
+    np.testing.assert_array_equal(view["6"].sel(sample="7").values, group["6"][7])
 
 
 def test_overwrite_and_resume_rules(tmp_path: Path) -> None:
     model, out = _cnn(), tmp_path / "f"
     hs.extract(model, X, ["6"], out=out)
-    with pytest.raises(hs.UsageError, match=r"already exists: pass resume=True .* overwrite=True"):
+    with pytest.raises(hs.UsageError, match=r"already exists: a finished .* overwrite=True"):
         hs.extract(model, X, ["6"], out=out)
     with pytest.raises(hs.UsageError, match=r"layers: stored \['6'\], now \['1'\]"):
         hs.extract(model, X, ["1"], out=out, resume=True)
@@ -108,14 +113,78 @@ def test_overwrite_and_resume_rules(tmp_path: Path) -> None:
     store = hs.extract(model, X[:10], ["1"], out=out, overwrite=True)
     assert store.layers == ["1"] and len(store) == 10
     (tmp_path / "notes").mkdir()
-    with pytest.raises(hs.UsageError, match="not a zarr store"):
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    with pytest.raises(hs.UsageError, match="holds files but no feature store"):
         hs.extract(model, X, ["6"], out=tmp_path / "notes", overwrite=True)
-    assert (tmp_path / "notes").is_dir()  # never deleted
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine"  # never deleted
     with pytest.raises(hs.UsageError, match="contradict"):
         hs.extract(model, X, ["6"], out=out, overwrite=True, resume=True)
     with pytest.raises(hs.LayerNotFoundError):
         hs.extract(model, X, ["nope"], out=tmp_path / "g")
     assert not (tmp_path / "g").exists()  # refused before anything was written
+
+
+def test_resume_with_a_smaller_batch_size(tmp_path: Path) -> None:
+    """The usual answer to running out of memory: the same run, a smaller batch. It used to
+    be refused ("batch_size: stored 16, now 8"). The oracle: hand-written hooks over the
+    blocks finished before the failure at batch size 16, and the rest at 8 (bit for bit);
+    and the uninterrupted run at 16, within float rounding (another batch size may choose
+    kernels that round differently)."""
+    model, out = _cnn(), tmp_path / "f"
+    forwards = [0]
+
+    def out_of_memory(module: Any, args: Any) -> None:  # the test's own: the 3rd forward fails
+        forwards[0] += 1
+        if forwards[0] == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    model.register_forward_pre_hook(out_of_memory)  # kept: the model is checked as it was
+    with pytest.raises(RuntimeError, match="out of memory"):
+        hs.extract(model, X, ["1", "6"], out=out, batch_size=16, chunk=32)
+    assert hs.open_features(out, partial=True).stored == 32  # block 0 of 0..31, 32..63, 64..69
+    store = hs.extract(model, X, ["1", "6"], out=out, batch_size=8, resume=True)
+    assert store.meta["batch_size"] == 8 and store.meta["chunk"] == 32
+    uninterrupted = hs.extract(model, X, ["1", "6"], out=tmp_path / "u", batch_size=16, chunk=32)
+    for layer in ("1", "6"):
+        parts = [(X[i : i + 16], layer) for i in (0, 16)]
+        parts += [(X[i : i + 8], layer) for i in range(32, 70, 8)]
+        want = torch.cat([_hand_hooks(model, x, [name])[name] for x, name in parts])
+        assert np.array_equal(store.to_numpy(layer), want.numpy())
+        np.testing.assert_allclose(
+            store.to_numpy(layer), uninterrupted.to_numpy(layer), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_texts_resume_only_with_their_batch_size(tmp_path: Path) -> None:
+    """Texts are padded to each batch's longest: another batch size changes every sample's
+    input, so a resume with one is refused, naming why."""
+
+    class Tokenizer:
+        def __call__(self, texts: list[str], **kwargs: Any) -> dict[str, torch.Tensor]:
+            longest = max(len(t.split()) for t in texts)
+            ids = torch.zeros(len(texts), longest, dtype=torch.long)
+            for i, t in enumerate(texts):
+                ids[i, : len(t.split())] = torch.tensor([len(w) for w in t.split()])
+            return {"input_ids": ids}
+
+    class Embed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor = self.emb(input_ids)
+            return out
+
+    torch.manual_seed(0)
+    model = Embed()
+    texts = ["a bb", "ccc d ee", "f"] * 4
+    out = tmp_path / "t"
+    hs.extract(model, texts, ["emb"], out=out, tokenizer=Tokenizer(), reduce="token_mean",
+               batch_size=4, chunk=4)  # fmt: skip
+    with pytest.raises(hs.UsageError, match=r"batch size \(texts are padded .*stored 4, now 2"):
+        hs.extract(model, texts, ["emb"], out=out, tokenizer=Tokenizer(), reduce="token_mean",
+                   batch_size=2, resume=True)  # fmt: skip
 
 
 # -- image folders -------------------------------------------------------------------------------
@@ -174,6 +243,9 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
         hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "g", on_error="raise")
     with pytest.raises(hs.UsageError, match="unfinished"):
         hs.open_features(tmp_path / "g")  # what the failed run left is never taken as done
+    again = hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "g", on_error="skip",
+                       resume=True)  # what the message advises  # fmt: skip
+    assert np.array_equal(again.to_numpy("6"), store.to_numpy("6"), equal_nan=True)
 
 
 # -- resume after SIGKILL ------------------------------------------------------------------------

@@ -169,10 +169,10 @@ def test_messages_use_the_flags_and_usage_problems_exit_2(
     assert first.returncode == 0, first.stderr
     assert '"chunk": 16' in first.stdout  # --chunk reached the store
     again, other = _runs(  # both find the store the first made
-        _command(model, x, out), _command(model, x, out, "--resume", "--batch-size", "4")
+        _command(model, x, out), _command(model, x, out, "--resume", "--reduce", "spatial_mean")
     )
     assert again.returncode == 2
-    assert "pass --resume to finish it or --overwrite to replace it" in again.stderr
+    assert "a finished feature store" in again.stderr and "Pass --overwrite" in again.stderr
     assert "resume=True" not in again.stderr and "Traceback" not in again.stderr
     assert other.returncode == 2 and "or --overwrite to start again" in other.stderr
     assert missing.returncode == 2 and "no such file" in missing.stderr

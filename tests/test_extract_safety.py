@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import json
 import signal
 import subprocess
 import sys
@@ -29,6 +30,12 @@ zarr = pytest.importorskip("zarr")
 
 
 X = torch.randn(40, 3, 10, 10, generator=torch.Generator().manual_seed(1))
+
+
+def _by_batch(model: nn.Module, x: Tensor, layer: str, size: int) -> Tensor:
+    """The oracle for a run with ``batch_size=size``: hand-written hooks batch by batch (the
+    kernels chosen for another batch size may round differently)."""
+    return torch.cat([_hand(model, x[i : i + size], layer) for i in range(0, len(x), size)])
 
 
 # -- token models: a tokenizer padding each batch to its longest, an embedding + projection ------
@@ -69,21 +76,25 @@ def _alone(model: _TokenModel, ids: Tensor) -> Tensor:
 
 def test_varying_per_sample_shapes_are_refused_not_truncated(tmp_path: Path) -> None:
     """Texts padded per batch: 5 tokens in the first block, 1 in the next (which used to be
-    broadcast into the first block's shape silently), or 3 within one block (a crash)."""
+    broadcast into the first block's shape silently), or 3 within one block (a crash). The
+    refusal leaves nothing at ``out``, so the run it suggests (reduce='token_mean') works
+    there; it used to leave a half-written store that made that run fail ("already
+    exists")."""
     model, tok = _TokenModel(), _Tokenizer()
     texts = ["a b c d e"] * 4 + ["a"] * 4
+    want = torch.stack([_alone(model, _Tokenizer()([t])["input_ids"][0]) for t in texts])
     for chunk in (4, 8):
+        out = tmp_path / f"c{chunk}"
         with pytest.raises(
             hs.UsageError, match=r"rows of shape \(1, 8\) .* per-sample shapes vary"
-        ):
-            hs.extract(model, texts, ["proj"], out=tmp_path / f"c{chunk}", tokenizer=tok,
-                       batch_size=4, chunk=chunk)  # fmt: skip
-        with pytest.raises(hs.UsageError, match="unfinished"):
-            hs.open_features(tmp_path / f"c{chunk}")
-    store = hs.extract(model, texts, ["proj"], out=tmp_path / "mean", tokenizer=tok,
-                       batch_size=4, chunk=4, reduce="token_mean")  # fmt: skip
-    want = torch.stack([_alone(model, _Tokenizer()([t])["input_ids"][0]) for t in texts])
-    np.testing.assert_allclose(store.to_numpy("proj"), want.numpy(), rtol=1e-6, atol=1e-6)
+        ) as refused:
+            hs.extract(model, texts, ["proj"], out=out, tokenizer=tok, batch_size=4,
+                       chunk=chunk)  # fmt: skip
+        assert f"nothing was kept at {str(out)!r}" in "".join(refused.value.__notes__)
+        assert not out.exists()
+        store = hs.extract(model, texts, ["proj"], out=out, tokenizer=tok, batch_size=4,
+                           chunk=chunk, reduce="token_mean")  # fmt: skip
+        np.testing.assert_allclose(store.to_numpy("proj"), want.numpy(), rtol=1e-6, atol=1e-6)
 
 
 def test_a_reduce_that_drops_the_samples_axis_is_refused(tmp_path: Path) -> None:
@@ -240,7 +251,14 @@ def _killed(out: Path, kill_at: int, resume: bool) -> int:
 def test_a_kill_between_creating_the_arrays_then_resume(tmp_path: Path) -> None:
     assert _killed(tmp_path / "clean", 0, resume=False) == 0
     clean = hs.open_features(tmp_path / "clean")
-    for kill_at in (2, 5):  # while the arrays are made; after all of them, before "done"
+    # killed before any array existed: a partial open says so (it raised a raw KeyError)
+    assert _killed(tmp_path / "early", 1, resume=False) == -signal.SIGKILL
+    early = hs.open_features(tmp_path / "early", partial=True)
+    assert (len(early), early.ids, early.stored, early.complete) == (0, [], 0, False)
+    assert "nothing stored yet" in repr(early)
+    with pytest.raises(hs.UsageError, match=r"no rows of layer '0' yet: .* resume=True"):
+        early.to_numpy("0")
+    for kill_at in (1, 2, 5):  # as the arrays are made; after all of them, before "done"
         out = tmp_path / f"k{kill_at}"
         assert _killed(out, kill_at, resume=False) == -signal.SIGKILL
         assert _killed(out, 0, resume=True) == 0
@@ -339,3 +357,196 @@ def test_a_compiled_model_that_already_ran_gives_the_eager_features(
         np.testing.assert_allclose(store.to_numpy(layer), _hand(net, X, layer).numpy(), atol=1e-6)
     # the same weights: the compiled model resumes the eager model's store
     hs.extract(compiled, X, ["1", "6"], out=tmp_path / "eager", batch_size=16, resume=True)
+
+
+# -- bad arguments and inputs --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.int64, "uint8"])
+def test_a_storage_dtype_that_cannot_hold_float_features_is_refused(
+    tmp_path: Path, dtype: object
+) -> None:
+    """int8 stored zeros (the features are in -1..1 here) and bool stored True everywhere."""
+    model, out = _cnn(), tmp_path / "f"
+    for chunk in (None, 16):  # with a probe of sample 0 and without one
+        with pytest.raises(hs.UsageError, match=r"cannot store the float32 values of layer '6'"):
+            hs.extract(model, X, ["6"], out=out, dtype=dtype, chunk=chunk)  # type: ignore[arg-type]
+        assert not out.exists()
+    store = hs.extract(model, X, ["6"], out=out, dtype=torch.float16)
+    assert np.array_equal(store.to_numpy("6"), _hand(model, X, "6").half().numpy())
+
+
+class _Argmax(nn.Module):
+    """Integer features: the top channel of each position."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.argmax(1)
+
+
+def test_integer_features_keep_an_integer_storage_dtype(tmp_path: Path) -> None:
+    model = nn.Sequential(_cnn()[0], _Argmax())
+    store = hs.extract(model, X, ["1"], out=tmp_path / "f", dtype=torch.int32)
+    want = model[1](model[0](X)).int()
+    assert store["1"].dtype == np.int32 and np.array_equal(store.to_numpy("1"), want.numpy())
+
+
+def test_on_error_is_checked_for_every_kind_of_data(tmp_path: Path) -> None:
+    with pytest.raises(hs.UsageError, match=r'on_error must be "raise" or "skip", got \'skp\''):
+        hs.extract(_cnn(), X, ["6"], out=tmp_path / "f", on_error="skp")  # type: ignore[arg-type]
+    assert not (tmp_path / "f").exists()
+
+
+def test_a_list_of_per_sample_tensors_is_a_list_of_samples(tmp_path: Path) -> None:
+    """As a DataLoader reads a list: item i is sample i. It used to be read as batches: a
+    sample (3, 10, 10) became a batch of 3 images of shape (10, 10), refused by the model's
+    first convolution with an error about the layer."""
+    model = _cnn()
+    for data in (list(X), tuple(X), [x.numpy() for x in X], [(x, 0) for x in X]):
+        store = hs.extract(model, data, ["6"], out=tmp_path / "f", overwrite=True)
+        assert len(store) == len(X)
+        assert np.array_equal(store.to_numpy("6"), _hand(model, X, "6").numpy())
+    # batches of unequal sizes in a list cannot be samples: refused naming the input
+    batches = [X[:16], X[16:32], X[32:]]
+    with pytest.raises(hs.UsageError, match=r"data is a list, read as one sample per item"):
+        hs.extract(model, batches, ["6"], out=tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+    store = hs.extract(model, iter(batches), ["6"], out=tmp_path / "g")  # as the message says
+    assert np.array_equal(store.to_numpy("6"), _by_batch(model, X, "6", 16).numpy())
+
+
+def test_numpy_floats_are_cast_to_the_model_dtype(tmp_path: Path) -> None:
+    """NumPy's default float64 into a float32 model (it used to fail inside the model with
+    torch's dtype error), float32 into a float64 model; integer arrays (token ids) are kept.
+    The oracle is the model run by hand on a tensor of the model's dtype."""
+    model = _cnn()
+    cases = {
+        "array": X.double().numpy(),
+        "dataset": _NumpyItems(X.double().numpy()),
+        "loader": [{"x": X.double().numpy()}],
+    }
+    for name, data in cases.items():
+        if name == "loader":  # batches as mappings of arrays, keyword inputs
+            store = hs.extract(_Keyword(model), iter(data), ["net.6"], out=tmp_path / name)
+            got = store.to_numpy("net.6")
+        else:
+            got = hs.extract(model, data, ["6"], out=tmp_path / name).to_numpy("6")
+        assert got.dtype == np.float32
+        assert np.array_equal(got, _hand(model, X, "6").numpy()), name
+    wide = _cnn().double()
+    store = hs.extract(wide, X.numpy(), ["6"], out=tmp_path / "wide")
+    assert np.array_equal(store.to_numpy("6"), _hand(wide, X.double(), "6").numpy())
+    tokens = _TokenModel()
+    ids = np.random.default_rng(0).integers(0, 64, (6, 5))
+    store = hs.extract(tokens, ids, ["proj"], out=tmp_path / "ids")
+    assert np.array_equal(
+        store.to_numpy("proj"), _hand(tokens, torch.from_numpy(ids), "proj").numpy()
+    )
+
+
+class _NumpyItems(torch.utils.data.Dataset[tuple[np.ndarray, int]]):
+    def __init__(self, x: np.ndarray) -> None:
+        self.x = x
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return self.x[i], 0
+
+
+class _Keyword(nn.Module):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, *, x: Tensor) -> Tensor:
+        out: Tensor = self.net(x)
+        return out
+
+
+# -- where the store goes ------------------------------------------------------------------------
+
+
+def test_out_that_is_a_file_or_a_folder_of_files_gets_advice_that_works(tmp_path: Path) -> None:
+    """It used to say "pass resume=True or overwrite=True", both then refused."""
+    model = _cnn()
+    plain = tmp_path / "notes.txt"
+    plain.write_text("mine")
+    for flags in ({}, {"resume": True}, {"overwrite": True}):
+        with pytest.raises(hs.UsageError, match=r"is a file, not a feature store .* choose a new"):
+            hs.extract(model, X, ["6"], out=plain, **flags)  # type: ignore[arg-type]
+    assert plain.read_text() == "mine"
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    (folder / "a.jpg").write_bytes(b"x")
+    for flags in ({}, {"resume": True}, {"overwrite": True}):
+        with pytest.raises(hs.UsageError, match=r"a folder that holds files but no feature store"):
+            hs.extract(model, X, ["6"], out=folder, **flags)  # type: ignore[arg-type]
+    assert [p.name for p in folder.iterdir()] == ["a.jpg"]
+    empty = tmp_path / "empty"  # what the advice says: an empty folder (or a new path) works
+    empty.mkdir()
+    store = hs.extract(model, X, ["6"], out=empty)
+    assert np.array_equal(store.to_numpy("6"), _hand(model, X, "6").numpy())
+    with pytest.raises(hs.UsageError, match=r"already exists: a finished feature store"):
+        hs.extract(model, X, ["6"], out=empty)
+    zarr.open_group(str(tmp_path / "other"), mode="w")  # a Zarr store of someone else's
+    with pytest.raises(hs.UsageError, match=r"a Zarr store that hs.extract did not write"):
+        hs.extract(model, X, ["6"], out=tmp_path / "other", resume=True)
+    hs.extract(model, X, ["6"], out=tmp_path / "other", overwrite=True)
+
+
+_RACER = textwrap.dedent(
+    """
+    import json, sys, time, torch, torch.nn as nn
+    from pathlib import Path
+    import hookscope as hs
+    out, me, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(50, 6, generator=torch.Generator().manual_seed(3))
+    def barrier(module, args):  # the test's own: both runs start their store together
+        (out.parent / f"ready-{me}").touch()
+        deadline = time.monotonic() + 60
+        while len(list(out.parent.glob("ready-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+    handle = model.register_forward_pre_hook(barrier)
+    try:
+        hs.extract(model, x, ["0", "2"], out=out, batch_size=10)  # the probe waits at the barrier
+        print(json.dumps({"ok": True}))
+    except hs.UsageError as e:
+        print(json.dumps({"ok": False, "error": str(e)}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_two_processes_creating_one_store_one_wins(tmp_path: Path) -> None:
+    """Two runs with different models, the same new path, no overwrite: both used to report
+    success, and the store held one model's rows (or could not be read). Now one wins and the
+    other is refused; the store holds exactly the winner's rows (oracle: the winner's model
+    run by hand)."""
+    out = tmp_path / "store"
+    runs = {
+        me: subprocess.Popen(
+            [sys.executable, "-c", _RACER, str(out), me, str(seed)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for me, seed in (("a", 1), ("b", 2))
+    }
+    results = {}
+    for me, run in runs.items():
+        stdout, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr
+        results[me] = json.loads(stdout.strip().splitlines()[-1])
+    winners = [me for me, r in results.items() if r["ok"]]
+    assert len(winners) == 1, results
+    (loser,) = set(results) - set(winners)
+    assert "was created by another run" in results[loser]["error"]
+    torch.manual_seed({"a": 1, "b": 2}[winners[0]])
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(50, 6, generator=torch.Generator().manual_seed(3))
+    store = hs.open_features(out)
+    for layer in ("0", "2"):
+        assert np.array_equal(store.to_numpy(layer), _by_batch(model, x, layer, 10).numpy())

@@ -430,6 +430,38 @@ def test_train_mode_runs_in_training_mode() -> None:
     assert seen == [False, True] and not model.training
 
 
+class _Noisy(nn.Module):
+    """Dropout in training, and a draw of its own in every mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.drop = nn.Linear(4, 4), nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.fc(x)) + torch.rand(1, device=x.device)
+
+
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+@pytest.mark.parametrize(
+    "how", [{"train": True}, {"train": False}, {"input_size": (2, 4)}, {"grad": True}]
+)
+def test_a_summary_leaves_the_random_stream_as_found(how: dict[str, Any], device: str) -> None:
+    """A look at the model must not change a training run's random stream: the next draw
+    (CPU, and the model's CUDA device) equals the one made without the summary (train=True
+    advanced it: dropout's draws)."""
+    model = _Noisy().train().to(device)
+    x = None if "input_size" in how else torch.randn(2, 4, device=device)
+    torch.manual_seed(123)  # seeds every device
+    expected = torch.rand(5), torch.rand(5, device=device)
+    torch.manual_seed(123)
+    hs.summary(model, x, **how)
+    assert torch.equal(torch.rand(5), expected[0])
+    assert torch.equal(torch.rand(5, device=device), expected[1])
+
+
 def test_no_grad_by_default_and_grad_on_request() -> None:
     seen: list[bool] = []
 

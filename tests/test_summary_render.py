@@ -106,3 +106,77 @@ def test_max_width_is_checked() -> None:
     s = hs.summary(nn.Linear(3, 2), torch.ones(1, 3))
     with pytest.raises(hs.UsageError, match=r"max_width must be None or an int >= 40, got 10"):
         s.to_text(max_width=10)
+
+
+class AnExtraordinarilyLongClassNameForAConvolutionalFeatureExtractorBlockWithManyWords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.an_extremely_long_attribute_name_that_somebody_chose_for_their_projection = nn.Linear(
+            4, 4
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        layer = self.an_extremely_long_attribute_name_that_somebody_chose_for_their_projection
+        out: torch.Tensor = layer(x)
+        return out
+
+
+class LongNames(nn.Module):
+    """Class, attribute and output key names longer than any column can hold whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.the_first_stage_of_the_network_with_a_rather_long_descriptive_name = (
+            AnExtraordinarilyLongClassNameForAConvolutionalFeatureExtractorBlockWithManyWords()
+        )
+
+    def forward(self, x: torch.Tensor) -> dict[str, object]:
+        h = self.the_first_stage_of_the_network_with_a_rather_long_descriptive_name(x)
+        return {"a_long_output_key_name_for_the_hidden_states_of_the_first_stage": h, "b": [x, x]}
+
+
+def _columns(text: str) -> dict[str, str]:
+    """Each of the Layer, Type and Output columns read down, the pieces of its cells joined."""
+    lines = text.splitlines()
+    header = next(line for line in lines if line.startswith("Layer"))
+    starts = [header.index(h) for h in ("Layer", "Type", "Output", "Params")]
+    return {
+        name: "".join(line[a:b].strip() for line in _table(text))
+        for name, a, b in zip(("Layer", "Type", "Output"), starts, starts[1:], strict=False)
+    }
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_long_class_attribute_and_key_names_fit_and_are_never_cut(width: int) -> None:
+    """196 columns at the default 120 before: names were broken at dots only, and class
+    names and shapes not at all."""
+    s = hs.summary(LongNames(), torch.randn(2, 4))
+    text = s.to_text(max_width=width)
+    assert max(map(len, text.splitlines())) <= width
+    read = _columns(text)
+    for row in s.rows[1:]:  # each name relative to its caller, whole once its pieces are joined
+        assert row.name.split(".")[-1] in read["Layer"]
+    assert (
+        type(
+            LongNames().the_first_stage_of_the_network_with_a_rather_long_descriptive_name
+        ).__name__
+        in read["Type"]
+    )
+    assert "a_long_output_key_name_for_the_hidden_states_of_the_first_stage:[2,4]" in read[
+        "Output"
+    ].replace(" ", "")
+
+
+@pytest.mark.hf
+def test_a_small_t5_fits_120_columns() -> None:
+    """Its dict output holds an EncoderDecoderCache: 129 columns before."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        vocab_size=320, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4
+    )
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    ids = torch.randint(0, 320, (2, 7))
+    text = str(hs.summary(model, {"input_ids": ids, "decoder_input_ids": ids[:, :5]}))
+    assert max(map(len, text.splitlines())) <= 120
+    assert "cache:EncoderDecoderCache" in _columns(text)["Output"].replace(" ", "")

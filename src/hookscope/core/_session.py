@@ -563,7 +563,7 @@ def _module_at(root: nn.Module, name: str) -> nn.Module | None:
     module: nn.Module | None = root
     for part in name.split(".") if name else ():
         kids = _torch.children(unwrap(module)) if module is not None else {}
-        module = kids[part] if part in kids else None  # (TorchScript's dict has no .get)
+        module = kids[part] if part in kids else None  # noqa: SIM401 - TorchScript's has no get
     return unwrap(module) if module is not None else None
 
 

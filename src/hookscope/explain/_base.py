@@ -110,8 +110,12 @@ class LayerMethod:
         model: the model (left as found: eval mode during the call, restored after).
         layer: one layer's name (or any selector matching exactly one layer). The first
             floating-point tensor it returns is explained (tuple and dict outputs work).
-        reshape: turn the layer's output into ``(N, C, h, w)`` yourself (default: decided
-            from the layer's type and the shapes, see ``hookscope.explain._layout``).
+        reshape: turn the layer's output into maps yourself: a function returning
+            ``(N, C, h, w)`` for images, or ``(N, C, L)`` for 1-D signals (inputs
+            ``(N, C, L_in)``), e.g. ``lambda t: t.permute(0, 3, 1, 2)`` for channels-last
+            maps. Default: decided from the layer's type and the shapes (see
+            ``hookscope.explain._layout``); a layout neither decides is refused, asking for
+            it.
 
     Raises:
         UsageError: the selector matches no layer or several.
@@ -234,6 +238,10 @@ def image_of(x: Any) -> Tensor:
         raise UsageError(
             f"expected a batch of images (N, C, H, W) or signals (N, C, L), got shape "
             f"{tuple(image.shape)}"
+        )
+    if image.shape[0] == 0:
+        raise UsageError(
+            f"the batch is empty (shape {tuple(image.shape)}): give at least one image or signal"
         )
     return image
 

@@ -3,6 +3,7 @@ and Guided Grad-CAM (guided backpropagation times the upsampled Grad-CAM map).""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,11 +80,32 @@ class SmoothGrad:
 
 class GuidedGradCAM:
     """Selvaraju et al. (2017): guided backpropagation ``(N, C, H, W)`` times the Grad-CAM map
-    of ``layer`` upsampled to the input ``(N, 1, H, W)``."""
+    of ``layer`` upsampled to the input ``(N, 1, H, W)``.
 
-    def __init__(self, model: nn.Module, layer: LayerSelector) -> None:
+    Args:
+        model: the model (left as found).
+        layer: the Grad-CAM layer, as for :class:`GradCAM`.
+        reshape: the layer's output as maps ``(N, C, h, w)`` (1-D signals: ``(N, C, L)``),
+            where its type and shapes do not say where the channels are (see
+            :class:`~hookscope.explain.LayerMethod`).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        ...                     nn.Flatten(), nn.Linear(4, 2))
+        >>> hs.GuidedGradCAM(net, "1", reshape=lambda t: t)(torch.randn(2, 3, 6, 6)).raw.shape
+        torch.Size([2, 3, 6, 6])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer: LayerSelector,
+        *,
+        reshape: Callable[[Tensor], Tensor] | None = None,
+    ) -> None:
         self.guided = GuidedBackprop(model)
-        self.gradcam = GradCAM(model, layer)
+        self.gradcam = GradCAM(model, layer, reshape=reshape)
 
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         cam = self.gradcam(x, targets=targets)

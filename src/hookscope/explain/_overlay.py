@@ -2,7 +2,9 @@
 
 It takes the image as users hold it: a PIL image (any mode), a NumPy array ``(H, W, C)`` or
 ``(H, W)`` (uint8, or float), a tensor ``(C, H, W)``, ``(H, W, C)`` or ``(H, W)``; and the map as
-a tensor or NumPy array ``(H, W)`` (a leading or trailing axis of size 1 is allowed).
+a tensor or NumPy array ``(h, w)`` (a leading or trailing axis of size 1 is allowed), resized
+to the image's size when it has another (a map of the model's input drawn on the original
+photo, or a layer's ``raw`` map), as the command line draws maps.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .._extras import require
@@ -91,8 +94,10 @@ def overlay(
         image: a PIL image, a NumPy array or a tensor: ``(3, H, W)``, ``(H, W, 3)`` or
             ``(H, W)`` (RGBA and one-channel images too); uint8 (or other integers in
             0..255), or float in 0..1 (other float ranges are min-max scaled for display).
-        heatmap: ``(H, W)`` map of the same size, a tensor or a NumPy array (an
-            :class:`Explanation`'s ``maps[i]``).
+        heatmap: an ``(h, w)`` map, a tensor or a NumPy array (an :class:`Explanation`'s
+            ``maps[i]``); of another size than the image, it is resized to ``(H, W)``
+            (bilinear, corners not aligned: ``F.interpolate``'s default), stretched if the
+            aspect ratio differs, as a model's square input stretches the photo.
         cmap: a matplotlib colormap name (the ``plots`` extra).
         alpha: weight of the colored map, 0..1.
         save: also write the result as PNG (the ``images`` extra).
@@ -101,23 +106,27 @@ def overlay(
         An RGB ``uint8`` tensor ``(H, W, 3)`` (``PIL.Image.fromarray(out.numpy())`` for PIL).
 
     Raises:
-        UsageError: an image or map of another kind or shape, maps of another size.
+        UsageError: an image or map of another kind or shape (a per-channel map).
 
     Example:
         >>> import numpy as np, torch, hookscope as hs
         >>> image = np.zeros((4, 6, 3), dtype=np.uint8)
         >>> hs.overlay(image, torch.rand(4, 6), cmap="gray").shape
         torch.Size([4, 6, 3])
+        >>> hs.overlay(image, torch.rand(2, 3), cmap="gray").shape   # resized to the image
+        torch.Size([4, 6, 3])
     """
     if not 0 <= alpha <= 1:
         raise UsageError(f"alpha must be in 0..1, got {alpha!r}")
     rgb, heat = _rgb(image), _map(heatmap)
-    if heat.dim() != 2 or tuple(heat.shape) != tuple(rgb.shape[:2]):
+    if heat.dim() != 2 or not heat.numel():
         raise UsageError(
-            f"heatmap must be (H, W) = {tuple(rgb.shape[:2])} like the image, got "
-            f"{tuple(heat.shape)} (per-channel maps (C, H, W) from saliency or guided "
-            "backpropagation: reduce them first, e.g. maps[i].abs().amax(0))"
+            f"heatmap must be (H, W) = {tuple(rgb.shape[:2])} like the image (or another size, "
+            f"resized), got {tuple(heat.shape)} (per-channel maps (C, H, W) from saliency or "
+            "guided backpropagation: reduce them first, e.g. maps[i].abs().amax(0))"
         )
+    if tuple(heat.shape) != tuple(rgb.shape[:2]):
+        heat = F.interpolate(heat[None, None], size=tuple(rgb.shape[:2]), mode="bilinear")[0, 0]
     colormaps = require("matplotlib", "plots", purpose="coloring maps").colormaps
     if cmap not in colormaps:
         raise UsageError(f"unknown matplotlib colormap {cmap!r}")

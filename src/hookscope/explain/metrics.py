@@ -56,6 +56,20 @@ def _check(x: Tensor, maps: Tensor) -> None:
             f"maps must be (N, H, W) for images (N, C, H, W): got maps {tuple(maps.shape)} "
             f"for images {tuple(x.shape)} (use an Explanation's .maps)"
         )
+    _finite(maps)
+
+
+def _finite(maps: Tensor) -> None:
+    """NaN or Inf in a map gives no order of importance (sorting NaN puts it first or last
+    silently), so a number computed from it would mean nothing: refused, naming the images."""
+    bad = (~torch.isfinite(maps.detach())).flatten(1).any(1)
+    if bad.any():  # one read of the maps: the metrics read their scores back anyway
+        images = bad.nonzero()[:, 0].tolist()
+        raise UsageError(
+            f"maps hold NaN or Inf (images {images}): they give no order of importance. "
+            "Check the method that made them (e.g. a NaN in the model's gradients), or replace "
+            "the values first (torch.nan_to_num)"
+        )
 
 
 def _curve(
@@ -185,6 +199,7 @@ def pointing_game(maps: Tensor, masks: Tensor, *, tolerance: float = 0.0) -> Ten
         )
     if tolerance < 0:
         raise UsageError(f"tolerance must be >= 0 pixels, got {tolerance!r}")
+    _finite(maps)
     target = masks.bool()
     if tolerance > 0:  # grow the mask by a disk of radius < tolerance
         r = math.ceil(tolerance) - 1

@@ -16,13 +16,13 @@ from torch import nn
 from .._progress import progress, wanted
 from .._version import __version__
 from ..core import LayerSelector, Reduce, unwrap
-from ..errors import UsageError
+from ..errors import CaptureError, UsageError
 from ._identity import fingerprint, probe
 from ._job import Job
 from ._reader import FeatureStore, open_features
 from ._rows import check_reduce
-from ._sources import Source, source
-from ._store import Codec, Store, check_codec
+from ._sources import Source, Texts, Unreadable, source
+from ._store import IDENTITY, Codec, Store, check_codec
 from ._writer import Writer, overlap
 
 __all__ = ["extract"]
@@ -61,13 +61,18 @@ def extract(
     Args:
         model: the model, or (``engine="ray"``) a function returning it, called once per actor.
             ``torch.compile``d models work (their Python code runs, eagerly).
-        data: a tensor or NumPy array (samples along dim 0), a map-style ``Dataset`` (an item
-            is the input or an ``(input, label, ...)`` tuple), a ``DataLoader`` or any iterable
-            of batches (used as they come: a ``collate_fn`` padding each batch works), a folder
-            of images (a path), or a list of strings with ``tokenizer=``.
+        data: a tensor or NumPy array (samples along dim 0), a map-style ``Dataset`` or a
+            list or tuple of samples (as a ``DataLoader`` reads them: an item is the input or
+            an ``(input, label, ...)`` tuple), a ``DataLoader`` or any other iterable of
+            batches, an iterator for instance (used as they come: a ``collate_fn`` padding
+            each batch works), a folder of images (a path), or a list of strings with
+            ``tokenizer=``. Floating NumPy data is cast to the model's floating dtype (NumPy's
+            default float64 into a float32 model); torch tensors are used as given.
         layers: any layer selector (see :func:`hookscope.capture`); each layer's output (the
             first tensor of a tuple or ``ModelOutput``) becomes an array named after it.
-        out: the store's folder.
+        out: the store's folder: a new path or an empty folder (or an existing store, with
+            ``resume`` or ``overwrite``). It is created exclusively: of two runs making a store
+            at one path at once, one wins and the other gets a UsageError.
         batch_size: samples per forward (a DataLoader's own batches are used as they are).
         reduce: ``"spatial_mean"`` (N, C, ...) -> (N, C), ``"token_mean"`` (N, T, D) -> (N, D),
             or a function applied to the batch that keeps one row per sample (checked on one
@@ -77,7 +82,8 @@ def extract(
             reduced sample by sample, or without a reduce padded with zeros to the inputs'
             length. Every sample must give rows of one shape: varying shapes are refused.
         dtype: storage dtype (e.g. ``torch.float16``); default: as computed (bfloat16, which
-            NumPy lacks, is stored as float32).
+            NumPy lacks, is stored as float32). Floating features need a floating dtype (a
+            cast to an integer or bool type is refused: it would truncate them).
         input_device: where the inputs go before each forward (default: the device of the
             model's parameters). The rows always go to the store.
         chunk: samples per stored chunk and per committed block (default: a multiple of
@@ -91,9 +97,13 @@ def extract(
             the store's metadata.
         resume: finish the store at ``out``; blocks already written are kept. It must come from
             the same run: model class and weights (a position-sensitive fingerprint), layers,
-            reduce, dtype, chunk, batch size, input, and the first sample's input as the model
-            sees it (so a changed transform, image size or tokenizer is refused too); what
-            differs is named.
+            reduce, dtype, chunk, input, and the first sample's input as the model sees it (so
+            a changed transform, image size or tokenizer is refused too); what differs is
+            named. Another ``batch_size`` (a smaller one after running out of memory) is
+            accepted: it changes no sample's input in eval mode, except for texts padded per
+            batch, where it is refused. Blocks computed at another batch size equal what that
+            batch size computes, which may differ from the first one in the last bits (kernels
+            chosen per batch size round differently).
         overwrite: replace whatever store is at ``out``.
         progress: a progress bar counting samples (None: only on a terminal).
         engine: ``"local"`` or ``"ray"`` (Ray Data actors writing their own blocks of the same
@@ -113,7 +123,9 @@ def extract(
     Raises:
         UsageError: an argument that cannot work, a store that cannot be resumed, or rows that
             cannot be stored (shapes varying between samples, a reduce that drops the samples'
-            axis); before anything is written where it can be known then.
+            axis, a dtype that cannot hold them); before anything is written where it can be
+            known then, else the store this run made is removed (a store it resumed is kept),
+            so that the run the message suggests can make it again.
         KeyboardInterrupt: passed on after the finished blocks are written (resume=True then
             finishes the store).
 
@@ -124,7 +136,7 @@ def extract(
         >>> store["1"].shape, len(store.ids)
         ((100, 8), 100)
     """
-    _check(batch_size, workers, chunk, engine, resume, overwrite, reduce, codec)
+    _check(batch_size, workers, chunk, engine, resume, overwrite, reduce, codec, on_error)
     wanted(progress)
     factory = None
     if not isinstance(model, nn.Module):
@@ -145,7 +157,7 @@ def extract(
     shapes = job.probe(strict=True) if engine == "ray" else {} if size else job.probe()
     size = size or _chunk(batch_size, shapes)
     meta = _meta(job, size, codec)
-    store, done = Store.open(out, meta, overwrite=overwrite, resume=resume)
+    store, done = Store.open(out, meta, overwrite=overwrite, resume=resume, same=_same(src))
     try:
         if engine == "ray":
             from ._ray import run_ray
@@ -156,6 +168,20 @@ def extract(
             rows = _run_local(job, store, done, size, progress, codec)
             errors = None if done else store.errors_written  # it wrote every block
         store.finish(rows, {k: v for k, v in meta.items() if k != "created"}, job.names, errors)
+    except Unreadable:
+        raise  # the finished blocks are what a resume with on_error="skip" keeps
+    except (UsageError, CaptureError) as e:
+        # a refusal (rows of varying shapes, a storage dtype that cannot hold them...): a store
+        # this run made would only block the run the message suggests ("already exists")
+        store.close()
+        if store.created:
+            store.discard()
+            e.add_note(f"hookscope.extract: nothing was kept at {str(out)!r}")
+        raise
+    except Exception as e:  # the model failed: a list of batches read as samples?
+        if src.hint:
+            e.add_note(f"hookscope.extract: {src.hint}")
+        raise
     except KeyboardInterrupt as e:
         e.add_note(
             f"hookscope.extract: interrupted; the finished blocks are kept in {str(out)!r}: "
@@ -170,10 +196,12 @@ def extract(
 
 def _check(
     batch_size: Any, workers: Any, chunk: Any, engine: Any, resume: bool, overwrite: bool,
-    reduce: Any, codec: Any,
+    reduce: Any, codec: Any, on_error: Any,
 ) -> None:  # fmt: skip
     if engine not in ("local", "ray"):
         raise UsageError(f'engine must be "local" or "ray", got {engine!r}')
+    if on_error not in ("raise", "skip"):
+        raise UsageError(f'on_error must be "raise" or "skip", got {on_error!r}')
     for name, value in (("batch_size", batch_size), ("workers", workers)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UsageError(f"{name} must be an int >= 1, got {value!r}")
@@ -219,6 +247,15 @@ def _meta(job: Job, chunk: int, codec: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "created": datetime.datetime.now(datetime.UTC).isoformat(),
     }
+
+
+def _same(src: Source) -> tuple[str, ...]:
+    """What a resume must not change. The batch size changes no sample's input, and so no
+    row (extraction runs in eval mode), except where texts are padded to each batch's longest:
+    a smaller batch size (the usual answer to running out of memory) resumes any other store.
+    Rows computed at another batch size can differ in the last bits, as the kernels chosen
+    for another batch size can round differently."""
+    return (*IDENTITY, "batch_size") if isinstance(src, Texts) else IDENTITY
 
 
 def _probe(src: Source) -> str | None:

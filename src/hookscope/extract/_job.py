@@ -43,7 +43,7 @@ from ._rows import Rows, keep_mask
 from ._sources import Batches, Source
 from ._writer import Block, pinned
 
-__all__ = ["Job", "Tap"]
+__all__ = ["Job", "Tap", "floating_dtype"]
 
 Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
@@ -107,6 +107,7 @@ class Job:
         dtype: torch.dtype | None, device: torch.device | str | None, stop: bool,
     ) -> None:  # fmt: skip
         self.model, self.src, self.batch_size, self.reduce = model, src, batch_size, reduce
+        src.floats = floating_dtype(model)  # NumPy's float64 into a float32 model: cast
         self.tap = Tap(model, layers, stop)  # fails now for an unknown layer
         self.names = list(self.tap.chosen)
         self.dtype, self.stop = dtype, stop
@@ -320,6 +321,14 @@ class Job:
         if self._owned is None:
             self._owned = _storages(self.model)
         return rows.untyped_storage().data_ptr() not in self._owned
+
+
+def floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter or buffer (None: it has none)."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
 
 
 def _storages(model: nn.Module) -> set[int]:

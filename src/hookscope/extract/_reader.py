@@ -1,5 +1,7 @@
 """``hs.open_features``: read a store written by ``hs.extract``. The store is plain Zarr v3,
-so ``zarr.open_group(path)`` and ``xarray.open_zarr(path, consolidated=False)`` read it too."""
+so ``zarr.open_group(path)`` and ``xarray.open_zarr(path, consolidated=False)`` read it too
+(``ids`` and ``errors`` are coordinates along ``sample`` there: the layer arrays' CF
+``coordinates`` attribute says so); :meth:`FeatureStore.to_xarray` indexes ``sample`` by id."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from typing import Any
 
 import torch
 
+from .._extras import require
 from ..errors import UsageError
 from ._store import META, zarr_module
 
@@ -35,12 +38,25 @@ class FeatureStore:
         self.layers: list[str] = list(self.meta["layers"])
 
     def __repr__(self) -> str:
+        if not self._made:
+            return f"<FeatureStore {str(self.path)!r}: unfinished, nothing stored yet>"
         shapes = ", ".join(f"{n} {tuple(self.group[n].shape)}" for n in self.layers)
         return f"<FeatureStore {str(self.path)!r}: {shapes}>"
+
+    @property
+    def _made(self) -> bool:
+        """Whether the arrays exist (a run stopped early may have made none yet)."""
+        return "ids" in self.group
 
     def __getitem__(self, layer: str) -> Any:
         if layer not in self.layers:
             raise UsageError(f"no layer {layer!r} in this store; it has {self.layers}")
+        if layer not in self.group:
+            raise UsageError(
+                f"{str(self.path)!r} has no rows of layer {layer!r} yet: its run stopped "
+                "before it made the arrays (stored is 0). Finish it with "
+                "hs.extract(..., resume=True)"
+            )
         return self.group[layer]
 
     def __len__(self) -> int:
@@ -66,7 +82,7 @@ class FeatureStore:
     def ids(self) -> list[str]:
         """Every sample's id, in row order: file paths for an image folder, running indices
         (``"0"``, ``"1"``...) otherwise."""
-        return [str(i) for i in self.group["ids"][:]]
+        return [str(i) for i in self.group["ids"][:]] if self._made else []
 
     @property
     def errors(self) -> dict[str, str]:
@@ -90,6 +106,29 @@ class FeatureStore:
             batch: dict[str, Any] = {"ids": [str(i) for i in self.group["ids"][start:stop]]}
             batch.update({n: self.group[n][start:stop] for n in self.layers})
             yield batch
+
+    def to_xarray(self) -> Any:
+        """The store as an ``xarray.Dataset`` (lazily read, needs xarray): one variable per
+        layer, dimensions ``sample`` and ``<layer>_1``, ``<layer>_2``...; ``sample`` is
+        indexed by the ids (``ds.sel(sample="img/3.png")``) and ``errors`` is a coordinate
+        beside it.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs, tempfile
+            >>> path = tempfile.mkdtemp() + "/f"
+            >>> store = hs.extract(nn.Sequential(nn.Linear(3, 2)), torch.ones(4, 3), ["0"],
+            ...                    out=path)
+            >>> ds = store.to_xarray()
+            >>> list(ds.data_vars), ds["0"].dims, list(ds["sample"].values[:2])
+            (['0'], ('sample', '0_1'), ['0', '1'])
+        """
+        xarray = require("xarray", "xarray", purpose="reading a feature store with xarray")
+        if not self._made:
+            raise UsageError(f"{str(self.path)!r} has no arrays yet: finish it with resume=True")
+        ds = xarray.open_zarr(self.path, consolidated=False)
+        ds = ds.set_coords([n for n in ("ids", "errors") if n in ds.data_vars])
+        ds = ds.drop_vars([n for n in ("done",) if n in ds.variables])
+        return ds.assign_coords(sample=ds["ids"].values).drop_vars("ids")
 
 
 def open_features(path: str | os.PathLike[str], *, partial: bool = False) -> FeatureStore:

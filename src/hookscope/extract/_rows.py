@@ -52,6 +52,14 @@ class Rows:
         self._check(name, t, n)
         t = t.detach()
         dtype = self.dtype or (torch.float32 if t.dtype == torch.bfloat16 else t.dtype)
+        if t.is_floating_point() and not (dtype.is_floating_point or dtype.is_complex):
+            kind = str(dtype).replace("torch.", "")
+            raise UsageError(
+                f"dtype={kind} cannot store the {str(t.dtype).replace('torch.', '')} values of "
+                f"layer {name!r}: a cast to an integer or bool type truncates them (int8 "
+                "stores zeros for values in -1..1, bool True for any nonzero value). Use a "
+                "floating dtype such as torch.float16, or leave dtype=None"
+            )
         return t if t.dtype == dtype else t.to(dtype)  # bfloat16 (no NumPy type): float32
 
     def _reduced(self, name: str, t: Tensor, mask: Tensor | None) -> Tensor:

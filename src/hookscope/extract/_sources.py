@@ -4,9 +4,14 @@ An addressable :class:`Source` (tensors, arrays, datasets, folders, texts) has `
 samples and ``source.batch(start, stop)`` returning ``(ids, inputs, ok)`` for samples
 ``start..stop-1``: their ids, the model's inputs for them (a tensor, or a mapping of keyword
 arguments) and which of them could be read (a file that cannot be decoded keeps its place,
-marked not ok). It jumps to any sample, which resuming and Ray need. A plain iterable (a
-DataLoader) is :class:`Batches`: read in order, its own batches used as they come, so that a
-``collate_fn`` that pads each batch to its longest sample keeps working.
+marked not ok). It jumps to any sample, which resuming and Ray need. A list or tuple is a
+list of samples, as ``DataLoader`` reads one. A plain iterable (a DataLoader, an iterator) is
+:class:`Batches`: read in order, its own batches used as they come, so that a ``collate_fn``
+that pads each batch to its longest sample keeps working.
+
+NumPy data hookscope turns into tensors has its floating arrays cast to the model's floating
+dtype (:attr:`Source.floats`): NumPy's default float64 would otherwise reach a float32 model
+and fail inside it. Torch tensors are used as given.
 """
 
 from __future__ import annotations
@@ -23,10 +28,15 @@ from .._extras import require
 from .._png import image_to_tensor
 from ..errors import UsageError
 
-__all__ = ["IMAGE_SUFFIXES", "Source", "source"]
+__all__ = ["IMAGE_SUFFIXES", "Source", "Unreadable", "from_numpy", "source"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 Batch = tuple[list[str], Any, list[bool]]
+
+
+class Unreadable(UsageError):
+    """A sample that cannot be read (``on_error="raise"``): the blocks before it hold what the
+    same run would write, so a store is kept for ``resume=True``."""
 
 
 class Source:
@@ -34,6 +44,10 @@ class Source:
 
     description = "samples"
     addressable = True
+    #: the dtype floating NumPy data becomes (the model's; set by the job), None: kept
+    floats: torch.dtype | None = None
+    #: how the data was read, where the model failing could mean it was misread
+    hint = ""
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -81,25 +95,36 @@ class Arrays(Source):
         return len(self.data)
 
     def batch(self, start: int, stop: int) -> Batch:
-        import numpy as np
-
-        rows = torch.from_numpy(np.array(self.data[start:stop]))
+        rows = from_numpy(self.data[start:stop], self.floats, copy=True)
         return [str(i) for i in range(start, stop)], rows, [True] * (stop - start)
 
 
 class Dataset(Source):
-    """A map-style dataset: an item is the input, or a tuple whose first element is."""
+    """A map-style dataset (a list or tuple too: one sample each): an item is the input, or
+    a tuple whose first element is."""
 
     def __init__(self, data: Any) -> None:
         self.data = data
-        self.description = f"dataset {type(data).__name__} of {len(data)}"
+        listed = isinstance(data, (list, tuple))
+        self.description = (
+            f"{len(data)} samples in a {type(data).__name__}"
+            if listed
+            else f"dataset {type(data).__name__} of {len(data)}"
+        )
+        self.hint = (
+            f"data is a {type(data).__name__}, read as one sample per item as a DataLoader "
+            "reads it; give batches as an iterator (iter(batches)) or a DataLoader"
+            if listed
+            else ""
+        )
 
     def __len__(self) -> int:
         return len(self.data)
 
     def batch(self, start: int, stop: int) -> Batch:
         items = [_input_of(self.data[i]) for i in range(start, stop)]
-        return [str(i) for i in range(start, stop)], _collate(items), [True] * len(items)
+        inputs = _collate(items, self.floats, self.hint, start)
+        return [str(i) for i in range(start, stop)], inputs, [True] * len(items)
 
 
 class Batches(Source):
@@ -152,7 +177,7 @@ class Batches(Source):
         if self._iter is None:
             self._iter = iter(self.data)
         try:
-            return _as_batch(_input_of(next(self._iter)))
+            return _as_batch(_input_of(next(self._iter)), self.floats)
         except StopIteration:
             return None
 
@@ -192,9 +217,10 @@ class Images(Source):
                 ok.append(True)
             except (OSError, ValueError, SyntaxError) as e:  # Pillow's ways of saying "corrupt"
                 if self.on_error == "raise":
-                    raise UsageError(
+                    raise Unreadable(
                         f"cannot decode image {str(path)!r}: {e} (on_error='skip' records such "
-                        "files in the store's metadata and goes on)"
+                        "files in the store's metadata and goes on; with resume=True it keeps "
+                        "the blocks already written)"
                     ) from e
                 self._errors[key] = f"{type(e).__name__}: {e}"
                 tensors.append(None)
@@ -203,7 +229,7 @@ class Images(Source):
         if not good:
             return ids, None, ok
         filler = torch.zeros_like(good[0]) if isinstance(good[0], Tensor) else good[0]
-        batch = _collate([t if t is not None else filler for t in tensors])
+        batch = _collate([t if t is not None else filler for t in tensors], self.floats)
         return ids, batch, ok
 
     def errors(self) -> dict[str, str]:
@@ -247,16 +273,12 @@ def source(
         return Images(folder, transform, on_error)
     if isinstance(data, Tensor):
         return Tensors(data)
-    if type(data).__module__.startswith("numpy") and hasattr(data, "shape"):
+    if _numpy(data) and hasattr(data, "shape"):
         return Arrays(data)
     if isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
         return Texts(data, tokenizer)
-    if (
-        hasattr(data, "__getitem__")
-        and hasattr(data, "__len__")
-        and not isinstance(data, (list, tuple, Mapping))
-    ):
-        return Dataset(data)
+    if hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, Mapping):
+        return Dataset(data)  # a list or tuple too: samples, as a DataLoader reads it
     if isinstance(data, Iterable) and not isinstance(data, Mapping):
         return Batches(data)
     raise UsageError(
@@ -277,14 +299,14 @@ def _input_of(item: Any) -> Any:
     return item
 
 
-def _as_batch(batch: Any) -> Any:
+def _as_batch(batch: Any, floats: torch.dtype | None) -> Any:
     """A loader's batch as a tensor or a mapping (NumPy arrays become tensors)."""
     if isinstance(batch, Tensor):
         return batch
     if isinstance(batch, Mapping):
-        return {k: _tensor(v) if type(v).__module__ == "numpy" else v for k, v in batch.items()}
-    if type(batch).__module__ == "numpy":
-        return torch.from_numpy(batch)
+        return {k: _tensor(v, floats) if _numpy(v) else v for k, v in batch.items()}
+    if _numpy(batch):
+        return from_numpy(batch, floats)
     raise UsageError(
         f"a batch must be a tensor, an array or a mapping of tensors, got {type(batch).__name__}"
     )
@@ -299,22 +321,45 @@ def _count(batch: Any) -> int:
     return len(batch)
 
 
-def _collate(items: list[Any]) -> Any:
+def _collate(items: list[Any], floats: torch.dtype | None, hint: str = "", start: int = 0) -> Any:
+    """Samples stacked into a batch (``start``: the first one's index, for errors)."""
     if isinstance(items[0], Mapping):
-        return {k: torch.stack([_tensor(i[k]) for i in items]) for k in items[0]}
-    try:
-        return torch.stack([_tensor(i) for i in items])
-    except RuntimeError as e:
+        return {k: torch.stack([_tensor(i[k], floats) for i in items]) for k in items[0]}
+    tensors = [_tensor(i, floats) for i in items]
+    shapes = {tuple(t.shape) for t in tensors}
+    if len(shapes) > 1:
+        which = ", ".join(
+            f"sample {start + k}: {list(t.shape)}"
+            for k, t in enumerate(tensors)
+            if tuple(t.shape) != tuple(tensors[0].shape)
+        )
         raise UsageError(
-            f"samples of different shapes cannot form a batch ({e}); give transform= that "
-            "resizes them (images), or a DataLoader whose collate_fn pads each batch (with "
-            "reduce='token_mean', or a reduce giving every sample one shape)"
-        ) from None
+            f"samples of different shapes cannot form a batch (sample {start}: "
+            f"{list(tensors[0].shape)}, {which}); "
+            + (hint + "; or " if hint else "")
+            + "give transform= that resizes them (images), or a DataLoader whose collate_fn "
+            "pads each batch (with reduce='token_mean', or a reduce giving every sample one "
+            "shape)"
+        )
+    return torch.stack(tensors)
 
 
-def _tensor(x: Any) -> Tensor:
+def _numpy(x: Any) -> bool:
+    return type(x).__module__.startswith("numpy") and hasattr(x, "dtype")
+
+
+def from_numpy(x: Any, floats: torch.dtype | None, *, copy: bool = False) -> Tensor:
+    """A NumPy array (a memory map, a NumPy scalar) as a tensor (``copy``: never sharing its
+    memory), floating values cast to ``floats`` (see the module docstring)."""
+    import numpy as np
+
+    t = torch.from_numpy(np.array(x, copy=True) if copy else np.asarray(x))
+    return t.to(floats) if floats is not None and t.is_floating_point() else t
+
+
+def _tensor(x: Any, floats: torch.dtype | None) -> Tensor:
     if isinstance(x, Tensor):
         return x
-    if type(x).__module__ == "numpy":
-        return torch.from_numpy(x)
+    if _numpy(x):
+        return from_numpy(x, floats)
     return torch.as_tensor(x)

@@ -11,6 +11,13 @@ arrays are made again. Resuming recomputes every block not marked done, overwrit
 it left. Metadata lives in the group's attributes under ``"hookscope"``, written with the group
 itself (one file, replaced atomically).
 
+A store is created exclusively: the group's ``zarr.json`` is linked into place (never replaced
+there), so of two runs making a store at one new path (or empty folder), one wins and the
+other is refused before writing anything. Its metadata holds a token of the run that made it
+(``store``); a run finishes only a store that still holds its token, so a store replaced by
+another run meanwhile is refused rather than marked complete. Something else at the path (a
+file, a folder of files) is never taken, replaced or resumed.
+
 A block that fills whole chunks of arrays with no compressor (the default codec, and ``ids``
 and ``done``) is written as the files' bytes directly (:meth:`Store._whole_chunk`: what zarr
 itself would write); the rest (a compressed layer, the last, partial block) goes through
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -58,12 +66,18 @@ META = "hookscope"
 _RESERVED = ("ids", "errors", "done")
 #: What must be the same to resume a store (the rest of the metadata may differ).
 IDENTITY = (
-    "model", "fingerprint", "layers", "reduce", "dtype", "chunk", "batch_size", "input", "probe",
+    "model", "fingerprint", "layers", "reduce", "dtype", "chunk", "input", "probe",
 )  # fmt: skip
-_LABELS = {"probe": "the first sample's model input (transform, image size, tokenizer, order)"}
+_LABELS = {
+    "probe": "the first sample's model input (transform, image size, tokenizer, order)",
+    "batch_size": "batch size (texts are padded to each batch's longest)",
+}
 Codec = Literal["none", "lz4", "zstd"]
 _KEYS: dict[str, Any] = {"name": "default", "separator": "."}  # see the module docstring
 CODECS = ("none", "lz4", "zstd")
+#: CF's way of saying that ``ids`` and ``errors`` are coordinates (not data) of each layer's
+#: samples, which xarray follows
+_COORDINATES = {"coordinates": "ids errors"}
 #: ``{layer: (row shape, numpy dtype)}``
 Shapes = Mapping[str, tuple[tuple[int, ...], Any]]
 
@@ -75,10 +89,11 @@ def zarr_module() -> Any:
 _STORE: list[Any] = []  # the LocalStore subclass, made on first use (zarr is an extra)
 
 
-def _local_store(path: Path) -> Any:
+def _local_store(path: Path, claim: bool = False) -> Any:
     """zarr's ``LocalStore`` at ``path``, reading and writing each file on the calling thread
     (see the module docstring); files are written to a temporary name renamed into place, as
-    zarr does."""
+    zarr does. ``claim``: the group's ``zarr.json`` is created exclusively (linked into place,
+    FileExistsError if it exists), so of two processes making a store at one path, one wins."""
     if not _STORE:
         from zarr.core.buffer import default_buffer_prototype
         from zarr.storage import LocalStore
@@ -90,9 +105,14 @@ def _local_store(path: Path) -> Any:
                 if writing:
                     self._check_writable()
 
+            claim = False
+
             async def set(self, key: str, value: Any) -> None:
                 await self._opened(writing=True)
-                _put(self.root / key, value.as_buffer_like())
+                exclusive = self.claim and key == "zarr.json"
+                _put(self.root / key, value.as_buffer_like(), exclusive=exclusive)
+                if exclusive:  # claimed: later writes (the finished metadata) replace it
+                    self.claim = False
 
             async def set_if_not_exists(self, key: str, value: Any) -> None:
                 await self._opened(writing=True)
@@ -115,7 +135,9 @@ def _local_store(path: Path) -> Any:
                 return (self.root / key).is_file()
 
         _STORE.append(_Local)
-    return _STORE[0](path)
+    store = _STORE[0](path)
+    store.claim = claim
+    return store
 
 
 def _put(target: Path, data: Any, exclusive: bool = False) -> None:
@@ -169,6 +191,8 @@ class Store:
         self._writable: dict[str, Any] = {}  # zarr AsyncArrays that write() uses
         self._ready = False  # the arrays exist (checked once)
         self._new = new  # the group was just made: it has no arrays
+        self.created = new  # this run made the store (a refusal then removes it: discard())
+        self.owner: str | None = None  # the run that made it (a token in its metadata)
         self._fresh = False  # this object made the arrays: no chunk of any block exists yet
         self._loops = threading.local()  # an event loop per writing thread (see _run)
         #: ``{id: reason}`` of unreadable samples in the blocks written through this object
@@ -177,39 +201,63 @@ class Store:
     # -- opening ------------------------------------------------------------------------------
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], meta: dict[str, Any], *, overwrite: bool, resume: bool
-    ) -> tuple[Store, set[int]]:
-        """The store and the blocks already done; creates, replaces or resumes it."""
+        cls, path: str | os.PathLike[str], meta: dict[str, Any], *, overwrite: bool,
+        resume: bool, same: tuple[str, ...] = IDENTITY,
+    ) -> tuple[Store, set[int]]:  # fmt: skip
+        """The store and the blocks already done; creates, replaces or resumes it. ``same``:
+        what must not differ from the stored run to resume it.
+
+        A new store is created exclusively: its group's ``zarr.json`` is linked into place, so
+        of two runs (two processes) making a store at one path, one wins and the other gets a
+        UsageError, never a store mixing their rows."""
         path = Path(path)
-        if path.exists() and not (resume or overwrite):
-            raise UsageError(
-                f"{str(path)!r} already exists: pass resume=True to finish it or "
-                "overwrite=True to replace it"
-            )
-        if path.exists() and resume:
+        found = _found(path)
+        if found == "store" and resume:
             try:
                 group = open_group(path, mode="r+")
                 old = dict(group.attrs[META])
             except Exception as e:
-                raise UsageError(f"{str(path)!r} is not a hookscope feature store ({e})") from None
-            _check_same(old, meta, path)
+                raise UsageError(
+                    f"{str(path)!r} is a Zarr store that hs.extract did not write ({e}), so it "
+                    "cannot be resumed: choose another path, or overwrite=True to replace it"
+                ) from None
+            _check_same(old, meta, path, same)
             for partial in path.rglob("*.partial"):  # a chunk write cut short by a kill
                 partial.unlink()
             store = cls(path, group)
+            store.owner = old.get("store")
             return store, store.done_blocks()
-        if path.exists():
+        if found == "store" and overwrite:
             _remove(path)
-        store = cls(path, None, new=True)
-        try:  # on this thread's event loop, as the writes (zarr's own would be a thread away)
-            from zarr.api.asynchronous import open_group as opening
+        elif found != "new":
+            raise UsageError(_taken(path, found))
+        return cls._made(path, meta), set()
 
-            attributes: dict[str, Any] = {META: {**meta, "complete": False}}
-            (made,) = store._run([opening(_local_store(path), mode="w", attributes=attributes)])
+    @classmethod
+    def _made(cls, path: Path, meta: dict[str, Any]) -> Store:
+        """A new store at ``path`` (absent or an empty folder), claimed exclusively."""
+        store = cls(path, None, new=True)
+        store.owner = uuid.uuid4().hex  # which run made it: see finish()
+        try:  # on this thread's event loop, as the writes (zarr's own would be a thread away)
+            from zarr.api.asynchronous import create_group
+            from zarr.errors import BaseZarrError
+
+            attributes: dict[str, Any] = {META: {**meta, "complete": False, "store": store.owner}}
+            claimed = create_group(store=_local_store(path, claim=True), attributes=attributes)
+            try:
+                (made,) = store._run([claimed])
+            except (FileExistsError, BaseZarrError):
+                raise UsageError(
+                    f"{str(path)!r} was created by another run while this one started (two "
+                    "hs.extract runs writing one store?): nothing was written there by this "
+                    "one. Choose another path, or let the other run finish (then resume=True "
+                    "or overwrite=True)"
+                ) from None
         except BaseException:
             store.close()
             raise
         store.group = zarr_module().Group(made)
-        return store, set()
+        return store
 
     @staticmethod
     def chunk_of(path: str | os.PathLike[str]) -> int | None:
@@ -277,6 +325,7 @@ class Store:
                 name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
                 fill_value=_fill(dtype), dimension_names=dims, compressors=compressors,
                 config={"write_empty_chunks": True},  # see the module's docstring
+                attributes=_COORDINATES,
             )  # fmt: skip
         for name in ("ids", "errors"):  # uncompressed, as ``done`` (see the module docstring)
             made[name] = array(
@@ -395,6 +444,12 @@ class Store:
             ids = self._array("ids")[:]
             errors = {str(ids[i]): str(reasons[i]) for i in reasons.nonzero()[0]}
         errors = errors or {}
+        if not self.ours():
+            raise UsageError(
+                f"{str(self.path)!r} was replaced or removed by another run while this one "
+                "wrote it (overwrite=True elsewhere?), so its rows may mix both runs: run again "
+                "with overwrite=True, one run at a time"
+            )
         attributes = self.group.attrs.asdict()  # the whole set is replaced: keep the others
         attributes[META] = {
             **attributes[META], **meta, "samples": rows, "errors": errors, "complete": True,
@@ -402,6 +457,68 @@ class Store:
                        for n in features},
         }  # fmt: skip
         (self.group,) = self._run([self.group.update_attributes_async(attributes)])
+
+    def ours(self) -> bool:
+        """Whether the store at the path is still the one this object made or resumed (not
+        replaced by another run meanwhile)."""
+        return (self.path / "zarr.json").is_file() and _owner(self.path) == self.owner
+
+    def discard(self) -> None:
+        """Delete a store this run made, when a refusal leaves it of no use (so that the run
+        the refusal suggests can make it again); a store of another run is left alone."""
+        if self.created and self.ours():
+            _remove(self.path)
+
+
+def _owner(path: Path) -> str | None:
+    """The token of the run that made the store at ``path`` (None: none, or no store)."""
+    try:
+        meta = json.loads((path / "zarr.json").read_bytes())["attributes"][META]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    owner = meta.get("store") if isinstance(meta, dict) else None
+    return owner if isinstance(owner, str) else None
+
+
+def _found(path: Path) -> Literal["new", "store", "file", "folder"]:
+    """What is at ``path``: nothing or an empty folder (``"new"``), a Zarr store, a file, or a
+    folder holding something else."""
+    if not path.exists():
+        return "new"
+    if not path.is_dir():
+        return "file"
+    if (path / "zarr.json").is_file():
+        return "store"
+    # a file cut short by a kill (while a store was being made here) is not the user's
+    return "folder" if any(not p.name.endswith(".partial") for p in path.iterdir()) else "new"
+
+
+def _taken(path: Path, found: str) -> str:
+    """Why ``out`` cannot be used as it is, with advice that works for what is there."""
+    where = repr(str(path))
+    if found == "file":
+        return (
+            f"{where} is a file, not a feature store (a store is a folder): choose a new path "
+            "for out= (or an empty folder); resume= and overwrite= apply to feature stores only"
+        )
+    if found == "folder":
+        return (
+            f"{where} is a folder that holds files but no feature store: choose a new path "
+            "for out= (or an empty folder); overwrite=True only replaces a Zarr store"
+        )
+    try:
+        meta = dict(open_group(path, mode="r").attrs[META])
+    except Exception:
+        return (
+            f"{where} already exists: a Zarr store that hs.extract did not write. Choose "
+            "another path, or pass overwrite=True to replace it"
+        )
+    if meta.get("complete"):
+        return (
+            f"{where} already exists: a finished feature store (hs.open_features reads it). "
+            "Pass overwrite=True to replace it, or choose another path"
+        )
+    return f"{where} already exists: pass resume=True to finish it or overwrite=True to replace it"
 
 
 def _remove(path: Path) -> None:
@@ -417,8 +534,10 @@ def _remove(path: Path) -> None:
     shutil.rmtree(trash)
 
 
-def _check_same(old: Mapping[str, Any], new: Mapping[str, Any], path: Path) -> None:
-    differ = [k for k in IDENTITY if old.get(k) != new.get(k)]
+def _check_same(
+    old: Mapping[str, Any], new: Mapping[str, Any], path: Path, same: tuple[str, ...]
+) -> None:
+    differ = [k for k in same if old.get(k) != new.get(k)]
     if differ:
         what = "; ".join(
             f"{_LABELS.get(k, k)}: stored {old.get(k)!r}, now {new.get(k)!r}" for k in differ

@@ -5,8 +5,12 @@ Fitting (:func:`fit`) never truncates: it leaves out empty columns, states a dty
 by every call above the table instead of in a column, then leaves out optional columns
 (inputs, own parameters, trainable, own FLOPs: in that order) while the table is too wide,
 names each row relative to its caller's name (the tree's indentation shows the rest) and
-wraps names at dots and shapes after their top-level commas. ``max_width=None`` is the full
-table: every column, full dotted names, one line per row.
+wraps names at dots and shapes after their top-level commas. Where that is still too wide (a
+class or attribute name longer than the room, a shape with a long container name such as
+``EncoderDecoderCache(...)``), the widest of the name, type and shape columns give way until
+the table fits, and their cells break inside words: names and shapes first where they
+can, class names between words of their CamelCase. ``max_width=None`` is the full table:
+every column, full dotted names, one line per row.
 
 Operation rows (``ops=True``) sit one level under their module call, named relative to it
 (``::softmax``) when names are; their Type is how the code called them, shortened
@@ -15,6 +19,7 @@ Operation rows (``ops=True``) sit one level under their module call, named relat
 
 from __future__ import annotations
 
+import re
 import textwrap
 from dataclasses import dataclass
 from typing import Any
@@ -210,10 +215,13 @@ def fit(
             break
         if _take(cols, header):
             left_out.append(header)
+    full = {c.header: c.cells for c in cols}  # one line per cell, before any wrapping
     rest = _total(cols[1:], sep) + sep
     _shrink(cols, "Layer", max(width - rest, _name_floor(cols[0])), _wrap_name)
     others = _total([c for c in cols if c.header != "Output"], sep) + sep
     _shrink(cols, "Output", max(width - others, 24), _wrap_shape)
+    if _total(cols, sep) > width:
+        _squeeze(cols, full, width, sep)
     if left_out:
         notes.append(
             f"Names are relative to their caller; left out to fit {width} columns: "
@@ -222,6 +230,71 @@ def fit(
     else:
         notes.append("Names are relative to their caller (full names: to_text(max_width=None))")
     return cols, notes
+
+
+_NARROWEST = 8  # a squeezed column keeps at least this many characters
+
+
+def _squeeze(cols: list[Column], full: dict[str, list[list[str]]], width: int, sep: int) -> None:
+    """Narrow the name, type and shape columns, widest first, until the table is ``width``
+    wide, and break their ``full`` (unwrapped) cells to fit, inside words where they must
+    (the last resort of :func:`fit`)."""
+    breaks = {"Layer": _hard_name, "Type": _hard_type, "Output": _hard_shape}
+    squeezed = [c for c in cols if c.header in breaks]
+    widths = {c.header: c.width for c in squeezed}
+    excess = _total(cols, sep) - width
+    while excess > 0:
+        header = max(widths, key=lambda h: widths[h])
+        if widths[header] <= max(_NARROWEST, len(header)):
+            break  # the numbers alone are wider: nothing left to give
+        widths[header] -= 1
+        excess -= 1
+    for c in squeezed:
+        room, wrap = widths[c.header], breaks[c.header]
+        if room < c.width:
+            c.cells = [[w for line in cell for w in wrap(line, room)] for cell in full[c.header]]
+
+
+def _pack(tokens: list[str], width: int, first: str, rest: str) -> list[str]:
+    """``tokens`` joined into lines of at most ``width`` (the first line starts with ``first``,
+    the others with ``rest``, each at most half the width); a token that does not fit where
+    the line is goes to the next one, and one longer than a whole line is cut."""
+    lines = [first]
+    for token in tokens:
+        if len(lines[-1]) + len(token) > width and lines[-1].strip():
+            lines.append(rest)
+        while len(lines[-1]) + len(token) > width:
+            room = width - len(lines[-1])
+            lines[-1] += token[:room]
+            token = token[room:]
+            lines.append(rest)
+        lines[-1] += token
+    return [line for line in lines if line.strip()] or [first]
+
+
+def _hard_name(line: str, width: int) -> list[str]:
+    """A name in ``width``: after dots and underscores, else inside a segment; continuation
+    lines indented 2 more, the indentation kept to at most half the width."""
+    indent = min(len(line) - len(line.lstrip(" ")), width // 2)
+    tokens = re.findall(r"[^._]*[._]?", line.lstrip(" "))
+    return _pack([t for t in tokens if t], width, " " * indent, " " * min(indent + 2, width // 2))
+
+
+def _hard_type(line: str, width: int) -> list[str]:
+    """A class name in ``width``: between the words of its CamelCase (``Very|Long|Name``),
+    inside a word only where one alone is too long."""
+    return _pack(re.findall(r"[A-Z]?[^A-Z]*", line), width, "", "")
+
+
+def _hard_shape(line: str, width: int) -> list[str]:
+    """A shape in ``width``: after its top-level commas, else after inner commas and colons,
+    else inside a name."""
+    pieces = _pieces(line)
+    tokens: list[str] = []
+    for k, piece in enumerate(pieces):
+        token = piece + " " if k < len(pieces) - 1 else piece
+        tokens += [token] if len(token) < width else re.findall(r"[^,: ]+[,:]? ?|[,: ]", token)
+    return [w.rstrip() for w in _pack(tokens, width, "", " ")]
 
 
 def footer(summary: Summary) -> list[str]:
@@ -247,8 +320,8 @@ def _wrapped(lines: list[str], width: int | None) -> list[str]:
     return [
         w
         for line in lines
-        for w in textwrap.wrap(
-            line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+        for w in textwrap.wrap(  # a word longer than the width (a long name) is broken
+            line, width, subsequent_indent="  ", break_long_words=True, break_on_hyphens=False
         )
     ]
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import map_tensors, own_forward, run_eagerly, training_mode, unwrap
+from ..core import leaves, map_tensors, own_forward, run_eagerly, training_mode, unwrap
 from ..errors import UsageError
 from ._recorder import Record, Recorder, bind_names
 from ._result import Summary, SummaryRow
@@ -59,6 +59,9 @@ def summary(
     eval mode (``train=True`` for training mode; buffers such as BatchNorm statistics are
     restored after). Each module's training flag, hooks and parameters are left as found; a
     model with lazy modules (``nn.LazyLinear``) is summarised on a copy, so it stays lazy.
+    The random state of the CPU and of the CUDA devices the model and inputs use is restored
+    after: dropout's draws, ``input_size``'s random inputs and the model's own ``torch.rand``
+    leave a training run's random stream as it was.
 
     With ``ops=True`` each module call's row is followed, between its sub-calls' rows in the
     order they ran, by a row per operation its own code called (not its children's): the
@@ -121,7 +124,23 @@ def summary(
     _check_options(depth, ops)
     root = unwrap(model)
     tensors = [*root.parameters(), *root.buffers()]
-    args, kwargs = _call(inputs, input_size, dtypes, input_device, forward_kwargs, tensors)
+    # a look at the model leaves the random stream as found: dropout's draws (train=True),
+    # the random inputs of input_size, a model's own torch.rand do not advance it
+    with torch.random.fork_rng(
+        devices=_cuda_devices(tensors, inputs, forward_kwargs, input_device)
+    ):
+        args, kwargs = _call(inputs, input_size, dtypes, input_device, forward_kwargs, tensors)
+        result = _run(
+            model, root, tensors, args, kwargs, time=time, train=train, grad=grad, ops=ops
+        )
+    return result if depth is None else result.fold(depth)
+
+
+def _run(
+    model: nn.Module, root: nn.Module, tensors: list[Tensor], args: tuple[Any, ...],
+    kwargs: dict[str, Any], *, time: bool, train: bool, grad: bool, ops: bool,
+) -> Summary:  # fmt: skip
+    """The summary's forward and its rows."""
     if any(torch.nn.parameter.is_lazy(t) for t in tensors):
         model = copy.deepcopy(model)  # initialising lazy modules would change the user's
         root = unwrap(model)
@@ -146,8 +165,20 @@ def summary(
             partial = build(recorder, name, root_inputs)
             _explain(error, recorder.failed if recorder.unwinding else None, recorder, partial)
             raise
-    result = build(recorder, name, root_inputs)
-    return result if depth is None else result.fold(depth)
+    return build(recorder, name, root_inputs)
+
+
+def _cuda_devices(tensors: list[Tensor], *inputs: Any) -> list[int]:
+    """The CUDA devices whose random streams the summary could draw from: the model's, the
+    inputs' and ``input_device`` (the last of ``inputs``)."""
+    found = {t.device.index for t in tensors if t.is_cuda}
+    for tree in inputs[:-1]:
+        found |= {t.device.index for _, t in leaves(tree) if t.is_cuda}
+    where = inputs[-1]
+    if where is not None and torch.device(where).type == "cuda" and torch.cuda.is_available():
+        index = torch.device(where).index
+        found.add(torch.cuda.current_device() if index is None else index)
+    return sorted(i for i in found if i is not None)
 
 
 def _check_options(depth: Any, ops: Any) -> None:

@@ -28,6 +28,7 @@ from ..errors import NonFiniteError, UsageError
 from ..look import summary
 from ._command import EXITS, GROUP_EXITS, NAN_EXITS, NAN_FAILED, Group
 from ._load import Loaded, load_inputs, prepare
+from ._loss import LOSSES, labels_for, loss_of
 from ._methods import (
     MethodOptions,
     base_choices,
@@ -89,7 +90,12 @@ def _input_options(fn: F) -> F:
             "cast to it. long / int: --input-size makes integer token ids. Default: token ids "
             "for a model whose first layer is an embedding, else float32.",
         ),
-        click.option("--input", "images", help="An image file or a folder of images."),
+        click.option(
+            "--input",
+            "images",
+            help="An image file, a folder of images, or a .npy array: the batch itself "
+            "(floats cast to the model's dtype).",
+        ),
         click.option(
             "--image-size",
             type=click.IntRange(min=1),
@@ -189,6 +195,13 @@ def names_(o: dict[str, Any]) -> None:
 @_model_options
 @_input_options
 @click.option("--depth", type=int, help="Fold calls deeper than this.")
+@click.option(
+    "--width", type=click.IntRange(min=40), default=120, show_default=True,
+    help="Fit the table to this many columns.",
+)  # fmt: skip
+@click.option(
+    "--full", is_flag=True, help="The whole table: every column, full names, one line a call."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_with_options
 def summary_(o: dict[str, Any]) -> None:
@@ -197,7 +210,11 @@ def summary_(o: dict[str, Any]) -> None:
     result = summary(model, x.batch)  # a mapping of inputs becomes keyword arguments
     if o["depth"] is not None:
         result = result.fold(o["depth"])
-    click.echo(result.to_json(indent=2) if o["as_json"] else result.to_text())
+    if o["as_json"]:
+        click.echo(result.to_json(indent=2))
+        return
+    text = result.to_text(max_width=None if o["full"] else o["width"])
+    click.echo(text.replace("to_text(max_width=None)", "--full"))  # the command's own option
 
 
 _PERTURBING = ", ".join(perturbation_methods())
@@ -267,7 +284,10 @@ def cam(o: dict[str, Any]) -> None:
     method = build(o["method"], model, x.batch, options)
     if hasattr(method, "cost"):
         _say_cost(o["method"], method.cost(x.batch), method)
-    exp = method(x.batch, targets=_targets(o))
+    try:
+        exp = method(x.batch, targets=_targets(o))
+    except UsageError as e:
+        raise UsageError(_cam_advice(str(e), o, model)) from None
     rows = draw(model, x, exp, Path(o["out"]), o["method"])
     if o["as_json"]:
         _echo_json(rows)
@@ -277,6 +297,26 @@ def cam(o: dict[str, Any]) -> None:
         click.echo(
             f"#{row['index']}: class {row['target']} (logit {row['score']:.4g}{p}) -> {row['png']}"
         )
+
+
+def _cam_advice(message: str, o: dict[str, Any], model: torch.nn.Module) -> str:
+    """The library's advice for outputs that are not class logits (a Python ``targets=``
+    callable) made into what the command line can do."""
+    python = "pass targets= as a callable returning one score per sample"
+    if python not in message:
+        return message
+    if o["hf_class"] is None and hasattr(model, "config"):
+        fix = (
+            f"the model was loaded as {type(model).__name__} (the default --hf-class "
+            "AutoModel), which has no classification head: pass --hf-class "
+            "AutoModelForImageClassification (or the Auto class of the model's task)"
+        )
+    else:
+        fix = (
+            "--target picks a class of (N, classes) logits, and this model's output holds "
+            "none: explain it in Python with targets= a function returning one score per input"
+        )
+    return message.replace(python, fix)
 
 
 def _say_cost(name: str, cost: dict[str, int], method: Any) -> None:
@@ -290,35 +330,67 @@ def _say_cost(name: str, cost: dict[str, int], method: Any) -> None:
 @cli.command()
 @_model_options
 @_input_options
+@click.option(
+    "--train/--eval", "train", default=True, show_default=True,
+    help="Run the model in training mode (dropout, BatchNorm's batch statistics: where NaNs "
+    "usually come from) or in eval mode.",
+)  # fmt: skip
+@click.option(
+    "--loss", type=click.Choice(sorted(LOSSES)), default="sum", show_default=True,
+    help="What the backward starts from: sum (of every floating output), cross_entropy (the "
+    "logits against --target or --labels classes), mse (the output against --labels).",
+)  # fmt: skip
+@click.option(
+    "--target", "targets", type=int, multiple=True,
+    help="cross_entropy: the class of each input (once: of every input).",
+)  # fmt: skip
+@click.option(
+    "--labels", help="A .npy file, one row per input: class indices (cross_entropy) or values "
+    "shaped like the output (mse).",
+)  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_with_options
 def nan(o: dict[str, Any]) -> None:
-    """Run a forward and a backward (of the outputs' sum) and name the first NaN/Inf producer."""
-    click.get_current_context().meta["hookscope.failed"] = NAN_FAILED
+    """Run a forward and a backward (of --loss), in training mode unless --eval, and name the
+    first NaN/Inf producer."""
+    ctx = click.get_current_context()
+    ctx.meta["hookscope.failed"] = NAN_FAILED
     model, x = _load(o)
+    model.train(o["train"])  # the command line's own copy of the model
+    ctx.meta["hookscope.train"] = o["train"]  # where a failure is looked for again
     batch = requiring_grad(x.batch)
+    n = next((len(t) for _, t in leaves(batch) if t.dim()), 1)
+    labels = labels_for(o["loss"], o["targets"], o["labels"], n, _device_of(batch))
     found: NonFiniteError | None = None
     try:
         with nonfinite(model):
-            out = call_model(model, batch)
-            total = sum(t.float().sum() for _, t in leaves(out) if t.is_floating_point())
-            if isinstance(total, torch.Tensor) and total.requires_grad:
-                torch.autograd.backward(total)
+            loss = loss_of(o["loss"], call_model(model, batch), labels)
+            if loss is not None and loss.requires_grad:
+                torch.autograd.backward(loss)
     except NonFiniteError as e:
         found = e
+    mode = "train" if o["train"] else "eval"
     if o["as_json"]:
         fields = ("phase", "module", "call", "op") if found else ()
         _echo_json(
             {
                 "finite": found is None,
+                "mode": mode,
+                "loss": o["loss"],
                 **{k: getattr(found, k) for k in fields},
                 "message": str(found) if found else None,
             }
         )
     else:
-        click.echo(str(found) if found else "no NaN or Inf in the forward or the backward")
+        ran = f"run in {mode} mode, loss: {LOSSES[o['loss']]}"
+        clean = f"no NaN or Inf in the forward or the backward ({ran})"
+        click.echo(f"{found}\n({ran})" if found else clean)
     if found:
         sys.exit(1)
+
+
+def _device_of(batch: Any) -> torch.device:
+    return next((t.device for _, t in leaves(batch)), torch.device("cpu"))
 
 
 @cli.command("extract")
@@ -409,6 +481,9 @@ _FLAGS = (
     (r"\bbatch_size\b", "--batch-size"),
     (r"\bchunk must\b", "--chunk must"),
     (r"^dtype\b", "--store-dtype"),
+    (r"\bleave dtype=None\b", "leave --store-dtype out"),
+    (r"\bresume= and overwrite=", "--resume and --overwrite"),
+    (r"\bfor out= ", "for --out "),
 )
 
 
@@ -454,6 +529,21 @@ def report_(o: dict[str, Any]) -> None:
     click.echo(f"report: {path.resolve()}")
 
 
-# every command's --help ends with its exit statuses
+def _verbose(ctx: click.Context, _: click.Parameter, value: bool) -> None:
+    if value:
+        ctx.find_root().ensure_object(dict)["verbose"] = True
+
+
+# every command's --help ends with its exit statuses, and takes -v after its name too (where
+# "run with -v" sends users)
 for _command in cli.commands.values():
     _command.epilog = NAN_EXITS if _command.name == "nan" else EXITS
+    _command.params.append(
+        click.Option(
+            ["-v", "--verbose"],
+            is_flag=True,
+            expose_value=False,
+            callback=_verbose,
+            help="Show tracebacks.",
+        )
+    )

@@ -3,7 +3,8 @@
 
 Exit status: 0 done; 1 the model failed (its forward or backward raised; the line names the
 layer and its inputs); 2 a usage error (a bad option, model or input: the command's own usage
-line and a hint); 130 interrupted. ``nan`` uses 1 for its finding (a NaN or Inf), so a model
+line and a hint; a model hookscope cannot hook, such as a TorchScript archive, too); 130
+interrupted. ``nan`` uses 1 for its finding (a NaN or Inf), so a model
 that raised there exits 3 (grep and diff keep 1 for "found" and 2 for trouble, the same way).
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 
 import click
 
-from ..errors import LayerNotFoundError, UsageError
+from ..errors import LayerNotFoundError, UnsupportedModelError, UsageError
 from ._where import hint, locate
 
 __all__ = ["EXITS", "GROUP_EXITS", "NAN_EXITS", "NAN_FAILED", "Group"]
@@ -65,13 +66,15 @@ class Command(click.Command):
             _traceback(ctx)
             click.echo("interrupted", err=True)
             sys.exit(INTERRUPTED)
-        except (UsageError, LayerNotFoundError) as e:
+        except (UsageError, LayerNotFoundError, UnsupportedModelError) as e:
+            # a model hookscope cannot follow (TorchScript, replicas) is a bad model: usage
             _traceback(ctx)
             message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
             raise click.UsageError(str(message), ctx) from None
         except Exception as e:
             if not _traceback(ctx):
-                click.echo(_one_line(e, ctx.meta.get("hookscope.run")), err=True)
+                train = bool(ctx.meta.get("hookscope.train"))
+                click.echo(_one_line(e, ctx.meta.get("hookscope.run"), train), err=True)
             sys.exit(ctx.meta.get("hookscope.failed", EXIT_FAILED))
 
 
@@ -82,13 +85,14 @@ def _traceback(ctx: click.Context) -> bool:
     return verbose
 
 
-def _one_line(error: Exception, run: tuple[Any, Any] | None) -> str:
+def _one_line(error: Exception, run: tuple[Any, Any] | None, train: bool = False) -> str:
     """``error: Type: first line of the message; the forward failed in 'layer' (Type) called
     with input=Tensor[...] dtype - hint (run with -v for the traceback)``; ``run``: the
-    command's ``(model, inputs)``, run again to find the layer."""
+    command's ``(model, inputs)``, run again (in training mode if ``train``, as ``nan``
+    ran it) to find the layer."""
     first = str(error).splitlines()[0] if str(error) else ""
     text = f"error: {type(error).__name__}: {first}"
-    failed = locate(*run, error) if run is not None else None
+    failed = locate(*run, error, train=train) if run is not None else None
     if failed is not None:
         text += f"; the forward failed {failed}"
         if hint(failed):

@@ -70,12 +70,13 @@ def load_inputs(
     """A batch for ``model``: random ``size`` (token ids below the vocabulary size for a model
     whose first layer is an embedding, unless ``dtype`` says otherwise), ``images`` (a file or
     folder, each resized to a square of ``image_size`` and scaled to 0..1, or normalised by the
-    HF directory's image processor) or ``text`` (the HF directory's tokenizer)."""
+    HF directory's image processor; or a ``.npy`` array, the batch itself) or ``text`` (the HF
+    directory's tokenizer)."""
     given = sum(bool(v) for v in (size, images, text))
     if given != 1:
         raise UsageError(
-            "give exactly one input: --input-size 1,3,224,224, --input IMAGE_OR_FOLDER or "
-            "--text TEXT"
+            "give exactly one input: --input-size 1,3,224,224, --input IMAGE_OR_FOLDER (or "
+            "BATCH.npy) or --text TEXT"
         )
     kind = parse_dtype(dtype)
     if size:
@@ -86,12 +87,41 @@ def load_inputs(
             raise UsageError("--text needs a Hugging Face model directory (its tokenizer)")
         return _text_inputs(directory, list(text))
     assert images is not None  # given == 1
+    if images.endswith(".npy"):
+        return Loaded(_array(Path(images), model, kind))
     side = image_size or _model_side(model)
     files = _image_files(Path(images))
     batch, originals = _images(files, image_transform(spec, side, channels, squash=True))
     if kind is not None and kind.is_floating_point:
         batch = batch.to(kind)
     return Loaded(batch, originals, files)
+
+
+def _array(path: Path, model: nn.Module, kind: torch.dtype | None) -> Tensor:
+    """A ``.npy`` batch (samples along axis 0) as the model's input: floating values in
+    ``--dtype`` or else the model's floating dtype (NumPy's float64 into a float32 model would
+    fail inside it), integers (token ids) as they are. Never unpickled."""
+    import numpy as np
+
+    try:
+        array = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise UsageError(f"--input {str(path)!r}: no such file") from None
+    except ValueError as e:  # not an array file, or an array of pickled objects
+        raise UsageError(f"cannot read {str(path)!r} as a NumPy array: {e}") from None
+    if array.ndim == 0:
+        raise UsageError(f"--input {str(path)!r} holds one value: give a batch (N, ...)")
+    batch = torch.from_numpy(array)
+    floats = kind if kind is not None and kind.is_floating_point else floating_dtype(model)
+    return batch.to(floats) if batch.is_floating_point() and floats is not None else batch
+
+
+def floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating parameter or buffer (None: it has none)."""
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return None
 
 
 def parse_dtype(text: str | None) -> torch.dtype | None:

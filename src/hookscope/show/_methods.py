@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core import (
@@ -160,14 +159,6 @@ def to_plane(maps: Tensor) -> Tensor:
     return maps.abs().amax(1) if maps.dim() == 4 else maps
 
 
-def at_size(plane: Tensor, size: tuple[int, int]) -> Tensor:
-    """One ``(h, w)`` map resized (bilinear) to ``size``: the inverse of squashing an image to
-    the model's square input."""
-    if tuple(plane.shape) == size:
-        return plane
-    return F.interpolate(plane[None, None].float(), size=size, mode="bilinear")[0, 0]
-
-
 def draw(
     model: nn.Module, x: Loaded, exp: Explanation, out: Path, method: str
 ) -> list[dict[str, Any]]:
@@ -183,9 +174,8 @@ def draw(
     for i in range(len(planes)):
         image = images[i] if images is not None else None
         path = out / f"{method}_{i}.png"
-        if image is not None:
-            size = (image.shape[-2], image.shape[-1])
-            overlay(image, at_size(planes[i], size), alpha=0.45, save=path)
+        if image is not None:  # resized to the image's own size: the inverse of the squash
+            overlay(image, planes[i], alpha=0.45, save=path)
         k = None if exp.targets is None else int(exp.targets[i])
         rows.append(
             {

@@ -106,13 +106,16 @@ def hint(failure: Failure | None) -> str:
     return ""
 
 
-def locate(model: nn.Module, inputs: Any, error: BaseException) -> Failure | None:
-    """Run ``model`` on ``inputs`` again (no gradients, eval mode) under :class:`Where`; the
-    failing call if the forward raises ``error`` again (same type and message), else None
-    (the failure was elsewhere: in a backward, or in hookscope's own code)."""
+def locate(
+    model: nn.Module, inputs: Any, error: BaseException, *, train: bool = False
+) -> Failure | None:
+    """Run ``model`` on ``inputs`` again (no gradients, eval mode unless ``train``: the mode
+    it failed in) under :class:`Where`; the failing call if the forward raises ``error`` again
+    (same type and message), else None (the failure was elsewhere: in a backward, or in
+    hookscope's own code)."""
     where = Where(model)
     try:
-        with where, torch.no_grad(), training_mode(model, False), run_eagerly(model):
+        with where, torch.no_grad(), training_mode(model, train), run_eagerly(model):
             call_model(model, inputs)
     except Exception as again:
         if type(again) is type(error) and str(again) == str(error):
