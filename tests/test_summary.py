@@ -478,10 +478,11 @@ def test_no_grad_by_default_and_grad_on_request() -> None:
 def test_with_a_capture_open_and_under_inference_mode() -> None:
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
     x = torch.randn(2, 3)
-    with hs.capture(model, "0") as cap:
+    with hs.capture(model, "0", keep="all") as cap:
         s = hs.summary(model, x)
         model(x)
-    assert cap["0"].count == 2 and s.total_flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 2
+    # the summary's forward is its own: the open capture sees the user's forward only
+    assert cap["0"].count == 1 and s.total_flops == 2 * 2 * 3 * 4 + 2 * 2 * 4 * 2
     with torch.inference_mode():
         assert hs.summary(model, x).total_flops == s.total_flops
 
@@ -515,10 +516,13 @@ def test_usage_errors() -> None:
         hs.summary(model)
     with pytest.raises(hs.UsageError, match="not both"):
         hs.summary(model, torch.ones(1, 2), input_size=(1, 2))
-    with pytest.raises(hs.UsageError, match=r"forward_kwargs=\{'mask': \.\.\.\}"):
+    # a forward keyword or a second input given as summary's own: Python's TypeError, which a
+    # type checker reports before the call (the model's inputs are one argument and
+    # forward_kwargs=)
+    with pytest.raises(TypeError, match="mask"):
         hs.summary(model, torch.ones(1, 2), mask=torch.ones(1))  # type: ignore[call-arg]
-    with pytest.raises(hs.UsageError, match=r"hs\.summary\(model, \(a, b, c\)\)"):
-        hs.summary(model, torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(TypeError, match="positional"):
+        hs.summary(model, torch.ones(1, 2), torch.ones(1, 2))  # type: ignore[misc]
     with pytest.raises(hs.UsageError, match="both in the inputs mapping and in forward_kwargs"):
         hs.summary(model, {"input": torch.ones(1, 2)}, forward_kwargs={"input": 1})
     with pytest.raises(hs.UsageError, match="input_size must be"):

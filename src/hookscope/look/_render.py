@@ -22,10 +22,10 @@ from __future__ import annotations
 import re
 import textwrap
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .._extras import require
-from ._result import Summary, SummaryRow
+from ._row import SummaryRow
 from ._shapes import format_shape
 
 __all__ = ["fit", "footer", "rich_renderable", "si", "text"]
@@ -33,6 +33,25 @@ __all__ = ["fit", "footer", "rich_renderable", "si", "text"]
 _SEP = "  "
 _RIGHT = ("Params", "FLOPs", "Time", "Peak")
 _OPTIONAL = ("Inputs", "Params", "Trainable", "FLOPs")  # left out in this order to fit
+
+
+class Summary(Protocol):
+    """What the renderer reads of a :class:`~hookscope.look._result.Summary` (the summary
+    renders itself through this module, which therefore does not import it)."""
+
+    model: str
+    rows: list[SummaryRow]
+    total_params: int
+    trainable_params: int
+    param_bytes: int
+    output_bytes: int
+    total_flops: int
+    uncounted: dict[str, int]
+    inputs: dict[str, Any]
+    units: str
+
+    @property
+    def total_macs(self) -> int: ...
 
 
 def si(n: float, unit: str = "") -> str:
