@@ -127,7 +127,7 @@ def _count() -> Iterator[None]:
 def test_the_registry_says_what_the_method_is(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     info = METHODS[name]
     assert info.name == name and info.kind in ("layer", "input", "wrapper")
-    fixed = {"self", "model", "layer"} if info.kind != "wrapper" else {"self"}
+    fixed = {"self", "model", "layers"} if info.kind != "wrapper" else {"self"}
     no_default = [
         p.name
         for p in inspect.signature(info.cls.__init__).parameters.values()

@@ -104,11 +104,12 @@ class Context:
 
 
 class LayerMethod:
-    """Base of the CAM family: ``Method(model, layer)(x, targets=...) -> Explanation``.
+    """Base of the CAM family: ``Method(model, layers)(x, targets=...) -> Explanation``.
 
     Args:
         model: the model (left as found: eval mode during the call, restored after).
-        layer: one layer's name (or any selector matching exactly one layer). The first
+        layers: the layer to explain: its name, or any selector matching exactly one layer
+            (a module: a CAM's map layout comes from the module that makes it). The first
             floating-point tensor it returns is explained (tuple and dict outputs work).
         reshape: turn the layer's output into maps yourself: a function returning
             ``(N, C, h, w)`` for images, or ``(N, C, L)`` for 1-D signals (inputs
@@ -129,11 +130,11 @@ class LayerMethod:
     def __init__(
         self,
         model: nn.Module,
-        layer: LayerSelector,
+        layers: LayerSelector,
         *,
         reshape: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
-        self._tap = Tap(model, layer, type(self).__name__)
+        self._tap = Tap(model, layers, type(self).__name__)
         self.layer, self.module = self._tap.name, self._tap.module
         self.model = model
         self.reshape = reshape

@@ -80,11 +80,11 @@ class SmoothGrad:
 
 class GuidedGradCAM:
     """Selvaraju et al. (2017): guided backpropagation ``(N, C, H, W)`` times the Grad-CAM map
-    of ``layer`` upsampled to the input ``(N, 1, H, W)``.
+    of ``layers`` upsampled to the input ``(N, 1, H, W)``.
 
     Args:
         model: the model (left as found).
-        layer: the Grad-CAM layer, as for :class:`GradCAM`.
+        layers: the Grad-CAM layer, as for :class:`GradCAM`.
         reshape: the layer's output as maps ``(N, C, h, w)`` (1-D signals: ``(N, C, L)``),
             where its type and shapes do not say where the channels are (see
             :class:`~hookscope.explain.LayerMethod`).
@@ -100,12 +100,12 @@ class GuidedGradCAM:
     def __init__(
         self,
         model: nn.Module,
-        layer: LayerSelector,
+        layers: LayerSelector,
         *,
         reshape: Callable[[Tensor], Tensor] | None = None,
     ) -> None:
         self.guided = GuidedBackprop(model)
-        self.gradcam = GradCAM(model, layer, reshape=reshape)
+        self.gradcam = GradCAM(model, layers, reshape=reshape)
 
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         cam = self.gradcam(x, targets=targets)

@@ -42,7 +42,7 @@ class Perturbation(LayerMethod):
     def __init__(
         self,
         model: nn.Module,
-        layer: LayerSelector,
+        layers: LayerSelector,
         *,
         batch_size: int = 32,
         top_k: int | None = None,
@@ -50,7 +50,7 @@ class Perturbation(LayerMethod):
         progress: bool | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(model, layer, **kwargs)
+        super().__init__(model, layers, **kwargs)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise UsageError(f"batch_size must be an int >= 1, got {batch_size!r}")
         if top_k is not None and (not isinstance(top_k, int) or top_k < 1):

@@ -18,7 +18,7 @@ class MethodInfo:
 
     Attributes:
         name: its registry key and ``Explanation.method`` (e.g. ``"gradcam"``).
-        cls: the class: ``cls(model, layer, **requires)`` for ``kind="layer"``,
+        cls: the class: ``cls(model, layers, **requires)`` for ``kind="layer"``,
             ``cls(model, **requires)`` for ``"input"``, ``cls(**requires)`` for ``"wrapper"``.
         kind: ``"layer"`` (maps at a layer's resolution, upsampled), ``"input"`` (maps of the
             input's shape), or ``"wrapper"`` (built from other methods).

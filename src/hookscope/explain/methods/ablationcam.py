@@ -31,8 +31,8 @@ class AblationCAM(Perturbation):
 
     name = "ablationcam"
 
-    def __init__(self, model: nn.Module, layer: LayerSelector, **kwargs: Any) -> None:
-        super().__init__(model, layer, **kwargs)
+    def __init__(self, model: nn.Module, layers: LayerSelector, **kwargs: Any) -> None:
+        super().__init__(model, layers, **kwargs)
         self._ablate = Ablate(model, self.layer, type(self).__name__)
 
     def combine(self, ctx: Context) -> Tensor:

@@ -26,9 +26,9 @@ class CAM(LayerMethod):
     class_targets = True
 
     def __init__(
-        self, model: nn.Module, layer: LayerSelector, *, fc: LayerSelector, **kwargs: Any
+        self, model: nn.Module, layers: LayerSelector, *, fc: LayerSelector, **kwargs: Any
     ) -> None:
-        super().__init__(model, layer, **kwargs)
+        super().__init__(model, layers, **kwargs)
         found = self._tap.layers.select(fc)
         if len(found) != 1:
             raise UsageError(f"fc={fc!r} matches {len(found)} layers; CAM needs the one head")
