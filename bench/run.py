@@ -1,6 +1,7 @@
 """hookscope benchmarks: ``python bench/run.py`` (``--quick`` for a smoke run); see README.md.
 
-Runs every capability module's worker processes, then writes RESULTS.md from their JSON.
+Runs every module's worker processes, each writing its results as JSON, then renders
+RESULTS.md from that JSON and each module's ``TARGETS`` (_report.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,17 +25,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as common  # noqa: E402
+import _harness as h  # noqa: E402
+import _report  # noqa: E402
 import gpu  # noqa: E402
-from _common import DASH, SETTINGS, Config, Job, Target  # noqa: E402
+from _harness import Config, Job  # noqa: E402
 
-#: Capability modules. Each has ``jobs(cfg) -> list[Job]``, ``work(spec) -> dict`` (run in a
-#: worker process) and ``report(results, meta) -> (targets, markdown lines)``.
+#: Modules of the CPU run. Each has ``TITLE``, ``TARGETS``, ``jobs(cfg) -> list[Job]`` and
+#: ``work(spec) -> dict`` (run in a worker process); gpu.py is what ``--device`` runs instead.
 MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
-
-#: What ``--device`` runs instead (on a GPU, or once on tiny models with --quick on the CPU).
-DEVICE_MODULE = "gpu"
-
 #: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
 MALLOC_ENV: dict[str, dict[str, str]] = {
     # Freed memory stays in the heap (no trim below 16 GiB, no mmap below glibc's 32 MiB
@@ -44,13 +43,16 @@ MALLOC_ENV: dict[str, dict[str, str]] = {
     "memory": {"MALLOC_MMAP_THRESHOLD_": "131072"},
 }
 BASELINE_DIR = HERE / "_out" / "baseline"
+INTRO = """# hookscope benchmark
+
+Each section is one module's latest run. Ratio = median over measured rounds of (variant ÷
+baseline of the same round, same process) [q1-q3]; a ratio whose q1-q3 straddles its limit is
+not resolved on that machine. Method, cases, variants, allocator settings: bench/README.md.
+"""
 
 
 def _log(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-# -- baseline ----------------------------------------------------------------------------------
 
 
 def _git(*args: str) -> bytes:
@@ -83,32 +85,48 @@ def extract_baseline(rev: str) -> dict[str, Any]:
     if bad:
         shutil.rmtree(BASELINE_DIR)
         return {**info, "error": f"absolute imports of hookscope in {bad}; cannot rename"}
-    return {**info, "sha1": common.source_hash(package)}
+    return {**info, "sha1": h.source_hash(package)}
 
 
-# -- orchestration -----------------------------------------------------------------------------
+def run_worker(module: str, spec: dict[str, Any], path: Path) -> None:
+    """One job: its result, with the machine it ran on, as JSON at ``path``."""
+    result = importlib.import_module(module).work(spec)
+    result["machine"] = h.machine_info()
+    path.write_text(json.dumps({**result, "job": path.stem, "spec": spec}, indent=1, default=str))
 
 
-def _env(name: str, quick: bool) -> dict[str, str]:
+def _env(name: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", **MALLOC_ENV[name])
-    if quick:  # --quick runs two processes at a time: one torch thread each
-        env[common.THREADS_ENV] = "1"
-    return env
+    return {**env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", **MALLOC_ENV[name]}
 
 
-def run_jobs(jobs: list[Job], cfg: Config, parallel: int, t0: float) -> None:
-    """Run worker processes, ``parallel`` at a time (the next starts as soon as any one ends);
-    a failure leaves an error record."""
+def _failed(path: Path, job: Job, stderr: str, t0: float) -> None:
+    path.write_text(json.dumps({"kind": "error", "job": job.name, "stderr": stderr[-3000:]}))
+    _log(f"FAILED {job.module} {job.name}\n{stderr[-3000:]}", t0)
+
+
+def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
+    """Each job in a worker process of its own, ``parallel`` at a time (the next starts as
+    soon as any one ends), or with ``parallel`` 0 all in this process one after another (the
+    smoke run: no isolation to pay for, one import of torch and transformers). A failure
+    leaves an error record."""
     pending, running = list(jobs), []
+    while pending and not parallel:
+        job, start = pending.pop(0), time.perf_counter()
+        path = out / f"{job.module}_{job.name}.json"
+        try:
+            run_worker(job.module, job.spec, path)
+            _log(f"done ({time.perf_counter() - start:.0f} s) {job.module} {job.name}", t0)
+        except Exception:
+            _failed(path, job, traceback.format_exc(), t0)
     while pending or running:
         while pending and len(running) < parallel:
             job = pending.pop(0)
-            path = cfg.out / f"{job.module}_{job.name}.json"
-            log = (cfg.out / f"{job.module}_{job.name}.log").open("w")
-            cmd = [sys.executable, __file__, "--worker", job.module, "--json", str(path)]
-            cmd += ["--spec", json.dumps(job.spec)]
-            proc = subprocess.Popen(cmd, env=_env(job.env, cfg.quick), stderr=log, text=True)
+            path = out / f"{job.module}_{job.name}.json"
+            log = path.with_suffix(".log").open("w")
+            cmd = [sys.executable, __file__, "--worker", job.module, "--json", str(path),
+                   "--spec", json.dumps(job.spec)]  # fmt: skip
+            proc = subprocess.Popen(cmd, env=_env(job.env), stderr=log, text=True)
             running.append((job, path, log, proc, time.perf_counter()))
         while not (ended := [r for r in running if r[3].poll() is not None]):
             time.sleep(0.05)
@@ -116,173 +134,56 @@ def run_jobs(jobs: list[Job], cfg: Config, parallel: int, t0: float) -> None:
             running.remove(item)
             job, path, log, proc, start = item
             log.close()
-            took = f"({time.perf_counter() - start:.0f} s) {job.module} {job.name}"
             if proc.returncode:
-                tail = Path(log.name).read_text()[-3000:]
-                path.write_text(json.dumps({"kind": "error", "job": job.name, "stderr": tail}))
-                _log(f"FAILED {took}\n{tail}", t0)
+                _failed(path, job, Path(log.name).read_text(), t0)
             else:
-                _log(f"done {took}", t0)
+                _log(f"done ({time.perf_counter() - start:.0f} s) {job.module} {job.name}", t0)
 
 
-def _meta_path(out: Path, only: str | None) -> Path:
-    return out / (f"run_meta_{only}.json" if only else "run_meta.json")
-
-
-def run_all(
-    cfg: Config, argv: Sequence[str], baseline: dict[str, Any] | None, only: str | None = None
-) -> None:
-    t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M")
-    cfg.out.mkdir(parents=True, exist_ok=True)
-    modules, prefix = ((only,), f"{only}_") if only else (MODULES, "")
-    for old in [*cfg.out.glob(f"{prefix}*.json"), *cfg.out.glob(f"{prefix}*.log")]:
-        old.unlink()
+def run_all(cfg: Config, modules: Sequence[str], out: Path, meta: dict[str, Any]) -> None:
+    t0 = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    for module in modules:
+        for old in [*out.glob(f"{module}_*.json"), *out.glob(f"{module}_*.log")]:
+            old.unlink()
     jobs = [j for m in modules for j in importlib.import_module(m).jobs(cfg)]
-    # Timing processes run alone (2 threads, 2 cores) except in --quick (two at a time, one
-    # thread each, all jobs in one queue); memory figures are per process, so memory
-    # processes may share the machine.
+    for i, job in enumerate(jobs):
+        job.spec["order"] = i
+    # Timing processes run alone (2 threads, 2 cores); memory figures are per process, so
+    # memory processes may share the machine. --quick: one torch thread, as two threads of a
+    # process on a busy machine can wait on each other a hundredfold.
     if cfg.quick:
-        run_jobs(jobs, cfg, 2, t0)
+        os.environ[h.THREADS_ENV] = "1"
+        run_jobs(jobs, out, 0, t0)
     else:
-        run_jobs([j for j in jobs if j.alone], cfg, 1, t0)
-        run_jobs([j for j in jobs if not j.alone], cfg, 2, t0)
-    meta = {
-        "command": " ".join(["python bench/run.py", *argv]),
-        "started": started,
-        "total_s": time.perf_counter() - t0,
-        "quick": cfg.quick,
-        "malloc_env": MALLOC_ENV,
-        "baseline": baseline,
-    }
-    _meta_path(cfg.out, only).write_text(json.dumps(meta, indent=1))
+        run_jobs([j for j in jobs if j.alone], out, 1, t0)
+        run_jobs([j for j in jobs if not j.alone], out, 2, t0)
+    meta["total_s"] = time.perf_counter() - t0
+    for module in modules:
+        (out / f"meta_{module}.json").write_text(json.dumps(meta, indent=1))
 
 
-# -- report ------------------------------------------------------------------------------------
-
-
-def _header(meta: dict[str, Any], results: list[dict[str, Any]]) -> list[str]:
-    m = next((r["machine"] for r in results if "machine" in r), {})
-    versions = ", ".join(f"{k} {v}" for k, v in m.get("versions", {}).items())
-    hashes = sorted({r["machine"]["hookscope_sha1"] for r in results if "machine" in r})
-    changed = " (changed during the run)" if len(hashes) > 1 else ""
-    lines = [
-        "# hookscope benchmark",
-        "",
-        f"Command: `{meta.get('command', '?')}`, started {meta.get('started', '?')}, "
-        f"{meta.get('total_s', 0) / 60:.1f} min.",
-        "",
-        f"Machine: {m.get('cpu', '?')}, {m.get('cpus', '?')} CPUs, {m.get('memory_gib', '?')} "
-        f"GiB; {m.get('platform', '?')}; torch threads {m.get('torch_threads', '?')}.",
-        "",
-        f"Versions: python {m.get('python', '?')}, {versions}; hookscope source sha1 "
-        f"{', '.join(hashes)}{changed}.",
-        "",
-    ]
-    if bl := meta.get("baseline"):
-        got = (
-            bl.get("error") or f"commit {bl.get('commit', '?')[:12]}, source sha1 {bl.get('sha1')}"
-        )
-        failed = sorted({r["baseline_error"] for r in results if r.get("baseline_error")})
-        got += "".join(f"; **could not be imported**: {e}" for e in failed)
-        lines += [f"Baseline `{bl['rev']}`: {got}.", ""]
-    if meta.get("quick"):
-        lines += ["**--quick smoke run: tiny inputs, few rounds. Not measurements.**", ""]
-    return lines
-
-
-def _targets_table(targets: list[Target]) -> list[str]:
-    columns = list(dict.fromkeys(c for t in targets for c in t.cells))
-    header = [
-        "target",
-        "model",
-        *(c if c != "other" else "memory / latency / other" for c in columns),
-    ]
-    rows = [
-        [t.what, t.model]
-        + [t.cells[c].cell() if t.cells.get(c) else DASH for c in columns]  # type: ignore[union-attr]
-        + [f"≤ {t.limit:.2f}", t.verdict()]
-        for t in targets
-    ]
-    return [
-        "## Targets",
-        "",
-        "Ratio = median over measured rounds of (variant ÷ baseline of the same round, same "
-        f"process), [q1{DASH}q3]. Memory: medians of fresh processes. Method: bench/README.md.",
-        "",
-        *common.table([*header, "limit", "verdict"], rows),
-    ]
-
-
-def _allocator(meta: dict[str, Any]) -> list[str]:
-    env = meta.get("malloc_env", MALLOC_ENV)
-    shown = {k: ", ".join(f"`{n}={v}`" for n, v in e.items()) or "none" for k, e in env.items()}
-    return [
-        "## Allocator and noise",
-        "",
-        f"MALLOC_* variables: {SETTINGS['tuned']} {shown['tuned']}; {SETTINGS['defaults']} "
-        f"{shown['defaults']}; memory processes {shown['memory']} (why: bench/README.md). Load "
-        "average and hypervisor steal per timing process are under its table; a ratio whose "
-        f"q1{DASH}q3 straddles its limit is not resolved on this machine.",
-        "",
-    ]
-
-
-def splice(old: str, module: str, new: list[str]) -> str:
-    """``old`` RESULTS.md with ``module``'s sections (headed ``## Module: ...``) replaced by
-    ``new``, or ``new`` put before the allocator notes if it had none."""
-    kept: list[str] = []
-    at, skipping = None, False
-    for line in old.splitlines():
-        if line.startswith("## "):
-            skipping = line.startswith(f"## {module.capitalize()}:")
-            at = len(kept) if skipping and at is None else at
-        if not skipping:
-            kept.append(line)
-    if at is None:
-        at = next((i for i, x in enumerate(kept) if x.startswith("## Allocator")), len(kept))
-    return "\n".join([*kept[:at], *new, *kept[at:], ""])
-
-
-def write_report(out: Path, results_md: Path, only: str | None = None) -> None:
-    """RESULTS.md from the JSON in ``out``; with ``only``, that module's sections replace
-    its old ones in the existing RESULTS.md and everything else is kept."""
-    meta_path = _meta_path(out, only)
+def render(out: Path, module: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """(evaluated targets, markdown section) of ``module`` from the JSON in ``out``."""
+    results = [json.loads(p.read_text()) for p in out.glob(f"{module}_*.json")]
+    results.sort(key=lambda r: r.get("spec", {}).get("order", -1))
+    meta_path = out / f"meta_{module}.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    targets: list[Target] = []
-    everything: list[dict[str, Any]] = []
-    sections: list[str] = []
-    for name in (only,) if only else MODULES:
-        results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}_*.json"))]
-        everything += results
-        got, lines = importlib.import_module(name).report(
-            [r for r in results if r["kind"] != "error"], meta
-        )
-        targets += got
-        sections += lines
-    failures = [
-        f"* `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n"
-        for r in everything
-        if r["kind"] == "error"
-    ]
-    failed = ["**Worker failures:**", "", *failures] if failures else []
+    mod = importlib.import_module(module)
+    return _report.section(mod.TITLE, mod.TARGETS, results, meta)
+
+
+def write_report(out: Path, results_md: Path, modules: Sequence[str], splice: bool) -> None:
+    """RESULTS.md, and targets.json beside the workers' JSON; with ``splice``, each module's
+    section replaces its old one in the existing RESULTS.md and the rest is kept."""
+    text = results_md.read_text() if splice and results_md.exists() else INTRO
+    targets = {}
+    for module in modules:
+        targets[module], lines = render(out, module)
+        text = _report.splice(text, importlib.import_module(module).TITLE, lines)
     results_md.parent.mkdir(parents=True, exist_ok=True)
-    if only and results_md.exists():  # the other sections stay as their own run left them
-        title = f"## {only.capitalize()}: targets (run on its own; the header is the other run's)"
-        new = [title, "", *_header(meta, everything)[2:], *failed, *_targets_table(targets)[2:]]
-        results_md.write_text(splice(results_md.read_text(), only, new + sections))
-        return
-    lines = _header(meta, everything) + failed
-    lines += _targets_table(targets) + sections + _allocator(meta)
-    results_md.write_text("\n".join(lines))
-
-
-# -- entry -------------------------------------------------------------------------------------
-
-
-def run_worker(module: str, spec: str, json_path: str) -> None:
-    result = importlib.import_module(module).work(json.loads(spec))
-    result["machine"] = common.machine_info()
-    Path(json_path).write_text(json.dumps(result, indent=1, default=str))
+    results_md.write_text(text.rstrip("\n") + "\n")
+    (out / "targets.json").write_text(json.dumps(targets, indent=1))
 
 
 def _names(*allowed: Any) -> Any:
@@ -298,31 +199,21 @@ def _names(*allowed: Any) -> Any:
     return parse
 
 
-DEVICE_HELP = (
-    "run bench/gpu.py on this device instead of the CPU modules (hookscope beside floors and "
-    "peers, and host synchronisations): writes gpu.md and gpu.json in the output folder "
-    "(default bench/_out/DEVICE[-quick])"
-)
-MODELS_HELP = "with --device: comma-separated models or cases (resnet50, gpt2/bf16, cnn, ...)"
-ROWS_HELP = "with --device: comma-separated row groups (capture, edit, ..., extract, syncs)"
-WAIT_HELP = "first wait up to S seconds for the 1-minute load average to fall below 0.5"
-ONLY_HELP = "run one capability module; its sections replace its old ones in RESULTS.md"
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The options; README.md says more about each."""
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--quick", action="store_true", help="smoke run: tiny inputs, few rounds")
-    p.add_argument("--out", help="folder for the JSON and logs (default bench/_out/full|quick)")
-    p.add_argument("--report-only", action="store_true", help="rewrite RESULTS.md from the JSON")
-    p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S", help=WAIT_HELP)
-    p.add_argument("--baseline", metavar="REV", help="also time src/hookscope at git REV")
-    p.add_argument("--only", choices=MODULES, help=ONLY_HELP)
-    p.add_argument("--device", choices=("cuda", "cpu"), help=DEVICE_HELP)
-    p.add_argument("--models", type=_names(gpu.MODELS, gpu.CASES), default=(), help=MODELS_HELP)
-    p.add_argument("--rows", type=_names(gpu.GROUPS), default=(), help=ROWS_HELP)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--json", help=argparse.SUPPRESS)
+    add, models = p.add_argument, _names(gpu.MODELS, gpu.CASES)
+    add("--quick", action="store_true", help="smoke run: tiny inputs, one round, one process")
+    add("--out", help="folder for the JSON, logs and RESULTS.md (default: bench/_out/...)")
+    add("--report-only", action="store_true", help="render RESULTS.md from the JSON in --out")
+    add("--wait-quiet", type=float, default=0.0, metavar="S", help="wait for a quiet machine")
+    add("--baseline", metavar="REV", help="also time src/hookscope at git REV, same rounds")
+    add("--only", choices=MODULES, help="one module; its section replaces its old one")
+    add("--device", choices=("cuda", "cpu"), help="run gpu.py there: gpu.md and gpu.json")
+    add("--models", type=models, default=(), help="with --device: models or cases to run")
+    add("--rows", type=_names(gpu.GROUPS), default=(), help="with --device: row groups to run")
+    for hidden in ("--worker", "--spec", "--json"):
+        add(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device and (args.baseline or args.only):
         p.error("--baseline and --only apply to the CPU modules, not to --device")
@@ -333,41 +224,34 @@ def main(argv: Sequence[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     if args.worker:
-        run_worker(args.worker, args.spec, args.json)
+        run_worker(args.worker, json.loads(args.spec), Path(args.json))
         return
-    if args.device:
-        run_device(args, argv)
-        return
-    out = Path(args.out) if args.out else HERE / "_out" / ("quick" if args.quick else "full")
-    # Only a full run into the default folder replaces the committed bench/RESULTS.md.
-    results_md = out / "RESULTS.md" if args.quick or args.out else HERE / "RESULTS.md"
+    name = args.device + ("-quick" if args.quick else "") if args.device else None
+    name = name or ("quick" if args.quick else "full")
+    out = Path(args.out) if args.out else HERE / "_out" / name
+    modules = ("gpu",) if args.device else (args.only,) if args.only else MODULES
     if not args.report_only:
         deadline = time.monotonic() + args.wait_quiet
         while os.getloadavg()[0] >= 0.5 and time.monotonic() < deadline:
             time.sleep(10)
         baseline = extract_baseline(args.baseline) if args.baseline else None
         path = baseline and not baseline.get("error") and str(BASELINE_DIR)
-        settings = ("tuned",) if args.quick else tuple(SETTINGS)
-        run_all(Config(args.quick, out, settings, path or None), argv, baseline, args.only)
-    write_report(out, results_md, args.only)
+        settings = ("tuned",) if args.quick else ("tuned", "defaults")
+        device, rows = args.device or "cpu", args.rows
+        cfg = Config(args.quick, settings, path or None, device, args.models, rows)
+        meta = {"command": " ".join(["python bench/run.py", *argv]), "quick": args.quick,
+                "started": time.strftime("%Y-%m-%d %H:%M"), "baseline": baseline}  # fmt: skip
+        run_all(cfg, modules, out, meta)
+    if args.device:  # gpu.md: the section to paste into RESULTS.md; gpu.json: its rows
+        rows, lines = render(out, "gpu")
+        (out / "gpu.md").write_text("\n".join(lines))
+        (out / "gpu.json").write_text(json.dumps(rows, indent=1))
+        print(f"wrote {out / 'gpu.md'} and {out / 'gpu.json'}", file=sys.stderr)
+        return
+    # Only a full run into the default folder replaces the committed bench/RESULTS.md.
+    results_md = out / "RESULTS.md" if args.quick or args.out else HERE / "RESULTS.md"
+    write_report(out, results_md, modules, splice=bool(args.only))
     print(f"wrote {results_md}", file=sys.stderr)
-
-
-def run_device(args: argparse.Namespace, argv: Sequence[str]) -> None:
-    """``--device``: gpu.py's jobs one at a time (two at a time with --quick), then gpu.md
-    (the section for RESULTS.md) and gpu.json (its rows) in the output folder."""
-    name = args.device + ("-quick" if args.quick else "")
-    out = Path(args.out) if args.out else HERE / "_out" / name
-    if not args.report_only:
-        cfg = Config(args.quick, out, (), None, args.device, args.models, args.rows)
-        run_all(cfg, argv, None, DEVICE_MODULE)
-    results = [json.loads(p.read_text()) for p in sorted(out.glob(f"{DEVICE_MODULE}_*.json"))]
-    meta_path = _meta_path(out, DEVICE_MODULE)
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    summary, lines = importlib.import_module(DEVICE_MODULE).summarize(results, meta)
-    (out / "gpu.json").write_text(json.dumps(summary, indent=1, default=str))
-    (out / "gpu.md").write_text("\n".join(lines))
-    print(f"wrote {out / 'gpu.md'} and {out / 'gpu.json'}", file=sys.stderr)
 
 
 if __name__ == "__main__":
