@@ -190,7 +190,7 @@ def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
     if "capture" in groups:
         fns.update(few=lib(few), hand_few=hand(few, capture.clone), every=lib(leaves),
                    hand_every=hand(leaves, capture.clone), hand_noop=hand(leaves, Tensor.detach),
-                   ref_every=lib(leaves, copy="reference"), offload=lib(few, device="cpu"),
+                   ref_every=lib(leaves, copy="reference"), offload=lib(few, capture_device="cpu"),
                    hand_offload=hand(few, _to_host))  # fmt: skip
     if "edit" in groups:
         fns["edit"] = edited
