@@ -550,3 +550,22 @@ def test_two_processes_creating_one_store_one_wins(tmp_path: Path) -> None:
     store = hs.open_features(out)
     for layer in ("0", "2"):
         assert np.array_equal(store.to_numpy(layer), _by_batch(model, x, layer, 10).numpy())
+
+
+def test_reading_a_stores_chunk_lets_unexpected_errors_through(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Resuming reads the chunk of the store at ``out``: no store there is None (the store's
+    own checks then say what is wrong), but a permission error is raised as it is."""
+    from hookscope.extract import _store
+
+    assert _store.Store.chunk_of(tmp_path / "nothing") is None
+    (tmp_path / "plain").write_text("not a store")
+    assert _store.Store.chunk_of(tmp_path / "plain") is None
+
+    def denied(*args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(_store, "open_group", denied)
+    with pytest.raises(PermissionError, match="Permission denied"):
+        _store.Store.chunk_of(tmp_path / "x")

@@ -264,8 +264,9 @@ class Store:
         """The chunk of the store at ``path``, if there is one (resuming keeps it)."""
         try:
             return int(open_group(path, mode="r").attrs[META]["chunk"])
-        except Exception:  # no store there (yet): Store.open says what is wrong
-            return None
+        except (FileNotFoundError, NotADirectoryError, KeyError, ValueError):
+            return None  # no store there, or not one of ours: Store.open says what is wrong
+        # (anything else, a permission error, is raised as it is)
 
     def done_blocks(self) -> set[int]:
         if "done" not in self.group:
