@@ -160,6 +160,7 @@ class Capture(Session):
         )
         chosen = self._layers.sites(layers)
         self._sites = {n: _Site(n, s.module, self._store, s.op) for n, s in chosen.items()}
+        self._site_objects = self._sites
         self._records = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads = inputs, grads
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
@@ -281,15 +282,9 @@ class Capture(Session):
             f"{self.nbytes / 2**20:.1f} MiB, {state})"
         )
 
-    def _hooked(self) -> list[tuple[str, nn.Module]]:
-        return [(s.op.module if s.op else s.name, s.module) for s in self._sites.values()]
-
-    def _rebind(self) -> None:
-        for site in self._sites.values():
-            name = site.op.module if site.op else site.name
-            site.module = self._layers.root if name == "" else self._layers.modules[name]
-            kind = type(site.module).__name__
-            site.record.module_type = f"{kind}::{site.op.op}" if site.op else kind
+    def _rebound(self, site: _Site) -> None:
+        kind = type(site.module).__name__
+        site.record.module_type = f"{kind}::{site.op.op}" if site.op else kind
 
     # -- passes and calls -----------------------------------------------------------------
     # With keep="pass", a layer's calls of the previous pass are dropped when the layer first

@@ -126,6 +126,7 @@ class Editor(Session):
                 plan.setdefault(name, []).extend(_as_edits(value))
                 where[name] = (site.module, site.op)
         self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}
+        self._site_objects = self._plan
         for layer in self._plan.values():
             if layer.op is not None:
                 _check_op_edits(layer.op, layer.on_in + layer.on_out + layer.params)
@@ -163,15 +164,9 @@ class Editor(Session):
                         ctx = EditContext(layer.name, 0, (pname,))
                         hooks.tensor(param, functools.partial(self._grad, edit, ctx))
 
-    def _hooked(self) -> list[tuple[str, nn.Module]]:
-        return [(x.op.module if x.op else x.name, x.module) for x in self._plan.values()]
-
-    def _rebind(self) -> None:
-        for layer in self._plan.values():
-            name = layer.op.module if layer.op else layer.name
-            layer.module = self._layers.root if name == "" else self._layers.modules[name]
-            if layer.op is None and layer.binder is not None:
-                layer.binder = Binder(layer.module)
+    def _rebound(self, layer: _Layer) -> None:
+        if layer.op is None and layer.binder is not None:
+            layer.binder = Binder(layer.module)
 
     # -- call indices ---------------------------------------------------------------------------
     def _index(self, layer: _Layer) -> tuple[int, bool]:

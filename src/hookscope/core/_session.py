@@ -253,34 +253,35 @@ class Session:
                 self.close()
         return None
 
-    def _hooked(self) -> list[tuple[str, nn.Module]]:
-        """``(name, module)`` of the modules the session's sites hook (an operation site's:
-        its module's), checked when it opens: see :meth:`_follow_replaced`."""
-        return []
+    #: a client's own site objects (with ``name``, ``module`` and ``op``), checked when the
+    #: session opens (:meth:`_follow_replaced`)
+    _site_objects: Mapping[str, Any] = {}
 
-    def _rebind(self) -> None:
-        """The model's layers changed since the session was built: point the sites at the
-        modules now under their names (``self.layers`` is fresh)."""
+    def _rebound(self, site: Any) -> None:
+        """``site.module`` was just pointed at the module now under its name."""
 
     def _follow_replaced(self) -> None:
         """A session opened again after one of its layers was replaced (``model[0] = ...``)
         hooks the module now under that name; one whose layer is gone is refused."""
         root = unwrap(self.model)
         stale = []
-        for name, module in self._hooked():
+        for site in self._site_objects.values():
+            name = site.op.module if site.op else site.name
             now = _module_at(root, name)
             if now is None:
                 raise LayerNotFoundError(
                     f"layer {name!r} is no longer in the model (it was removed after the "
                     "session was built): build a new session for the model as it is now"
                 )
-            if now is not module:
-                stale.append(name)
+            if now is not site.module:
+                stale.append(site)
         if stale or root is not self._layers.root:
             self._layers = Layers(self.model)
             if self._ops is not None:
                 self._ops.rebind(self._layers)
-            self._rebind()
+            for site in stale:
+                site.module = _module_at(root, site.op.module if site.op else site.name)
+                self._rebound(site)
 
     # -- which forwards ---------------------------------------------------------------------------
     def _ignores(self) -> bool:
