@@ -43,7 +43,7 @@ def untouched(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
             classes.add(obj)
             if "__init__" in vars(obj):
                 monkeypatch.setattr(obj, "__init__", watch.wrap(obj.__init__, method=True))
-        elif callable(obj):
+        elif callable(obj) and type(obj).__module__ != "typing":  # not a type alias
             monkeypatch.setattr(hs, name, watch.wrap(obj))
     yield watch
     values = request.node.get_closest_marker("mutates_model") is None

@@ -187,7 +187,8 @@ def _docstring(name: str) -> str:
     """A public name's docstring; for a type alias or a constant, the one written after its
     assignment (which Python does not keep at run time)."""
     obj = getattr(hs, name)
-    if not isinstance(obj, (str, types.UnionType)):  # an alias: a string or a union
+    alias = isinstance(obj, (str, types.UnionType)) or type(obj).__module__ == "typing"
+    if not alias:  # an alias: a string, or a union (of types, or typing's of a Literal)
         return (obj.__doc__ or "").strip()
     module = {"__version__": "_version"}.get(name, "core/_types")
     tree = ast.parse((Path(hs.__file__).parent / f"{module}.py").read_text())

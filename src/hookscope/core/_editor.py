@@ -78,7 +78,9 @@ _NO_ARGUMENTS = Binder(lambda: None)  # an attention-weights site's own call tak
 
 
 class Editor(Session):
-    """Temporarily edit layers' outputs, inputs or gradients (``hs.edit`` is this class).
+    """Temporarily edit layers' outputs, inputs or gradients.
+
+    ``hs.edit`` is this class, as ``hs.capture`` is :class:`Capture`.
 
     Args:
         model: the model (wrappers are seen through).
