@@ -5,6 +5,13 @@ optimizer(s) and the monitor follows their steps through optimizer step hooks), 
 accumulation over micro-batches counts once. Step ``k`` is logged when ``k % every == 0``; on
 other steps the hooks return at once and nothing runs on the device.
 
+Step ``k`` runs from its first forward to step ``k + 1``'s first forward: the optimizer step
+(where the statistics are taken) is inside it, not at its end, so the scalars a training loop
+logs after ``optimizer.step()`` belong to the step they describe, as those logged before it
+do. Its values are therefore read when that span ends: at the next forward, the next
+``step()``, when ``records`` is read, or at ``close()``; a scalar named again before then
+starts the next step (a loop that runs no forward between steps).
+
 On a logging step, every forward (micro-batch) of the selected layers adds the moments of the
 layer's output (``_stats``) and, through a tensor hook, of the gradient w.r.t. it. Checkpoint
 recomputations and hookscope's own replays are not forwards of the model and are not counted
@@ -24,6 +31,7 @@ that made its input, and otherwise dim 1 of a 4-D or larger output and the last 
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -35,6 +43,7 @@ from torch import Tensor, nn
 from ..core import HookSet, LayerSelector, Session, is_called, unwrap
 from ..errors import UsageError
 from . import _stats
+from ._flush import Ended, StepEnd, end_step, zero64
 from ._logsinks import Sink, make_sink
 from ._stats import Moments
 
@@ -134,7 +143,7 @@ class Monitor(Session):
         ...         loss.backward()
         ...         mon.log(loss=loss)  # scalars of yours, beside the statistics
         ...         mon.step()  # after optimizer.step() (or pass optimizer=)
-        >>> sorted({(r["step"], r["kind"]) for r in mon.records()})[:4]
+        >>> sorted({(r["step"], r["kind"]) for r in mon.records})[:4]
         [(0, 'activation'), (0, 'gradient'), (0, 'parameter'), (0, 'scalar')]
     """
 
@@ -172,7 +181,9 @@ class Monitor(Session):
         self._records: list[dict[str, Any]] = []
         self._moments: dict[tuple[str, str], list[Moments]] = {}
         self._hist: dict[tuple[str, str], list[Tensor]] = {}
-        self._scalars: dict[str, Any] = {}
+        self._scalars: dict[str, float | Tensor] = {}
+        self._names: set[str] = set()  # the names logged in this step, logged or not
+        self._gap: _Gap | None = None  # from a step's end to the next step's first forward
         self._layout: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._before: dict[int, Tensor] = {}
         self._stepped: dict[int, int] = {}
@@ -183,15 +194,42 @@ class Monitor(Session):
         """Whether the current step is logged."""
         return self.count % self.every == 0
 
+    @property
     def records(self) -> list[dict[str, Any]]:
-        """Everything logged so far: flat :class:`MonitorRecord` dicts with ``step``,
-        ``layer``, ``kind`` and one key per statistic (what the JSONL sink writes)."""
+        """Everything logged so far (a new list): flat :class:`MonitorRecord` dicts with
+        ``step``, ``layer``, ``kind`` and one key per statistic (what the JSONL sink writes).
+
+        Reading it reads the step that just ended (see :meth:`log`), except under
+        ``ranks="reduce"`` across processes, where that read is a collective every rank makes
+        at its next forward: there the step appears then."""
+        if not self._collective():
+            self._end_gap()
         return list(self._records)
 
     def log(self, **scalars: float | Tensor) -> None:
-        """Record scalars of the current step beside the statistics (the loss, the learning
-        rate): written on logging steps, as one ``kind="scalar"`` record; tensors are read in
-        the logging step's single transfer (no synchronisation of their own)."""
+        """Record scalars beside the statistics (the loss, the learning rate), as
+        ``kind="scalar"`` records of logged steps; tensors are read in the step's single
+        transfer (no synchronisation of their own).
+
+        A scalar belongs to the step whose forwards and backward it follows, logged before
+        the optimizer step or after it: from a step's first forward to the next step's first
+        forward (or the next ``step()``, reading :attr:`records`, ``close()``; a name the step
+        already has starts the next one). So ``opt.step(); mon.log(loss=loss)`` and
+        ``mon.log(loss=loss); opt.step()`` both write iteration ``k``'s loss at step ``k``.
+
+        Raises:
+            UsageError: a value that is not a real number or a one-element real tensor.
+        """
+        for name, value in scalars.items():
+            _check_scalar(name, value)
+        gap = self._gap
+        if gap is not None and gap.names.isdisjoint(scalars):  # late, for the step that ended
+            gap.names.update(scalars)
+            if gap.ended is not None:
+                gap.ended.log(scalars)
+            return
+        self._end_gap()
+        self._names.update(scalars)
         if self.logging:
             self._scalars.update(scalars)
 
@@ -208,17 +246,19 @@ class Monitor(Session):
         self._writer = _Writer(self.sinks)
         params = [p for ps in self._params.values() for p in ps]
         if params:
-            from ._flush import zero64
-
             zero64(params[0].device)  # made now, not in the first logging step
 
     def _closed(self) -> None:
         writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        try:
+            self._end_gap(writer)
+        finally:
+            if writer is not None:
+                writer.close()
 
     def _new_pass(self) -> None:
         self._layout.clear()
+        self._end_gap()
 
     def _output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.logging:
@@ -309,24 +349,49 @@ class Monitor(Session):
 
     def step(self) -> None:
         """Mark an optimizer step (called for you when optimizers were given): on a logging
-        step, read the statistics (one host transfer) and write them to the sinks."""
+        step, take the statistics on the device; they are read (one host transfer) and written
+        to the sinks when the step's span ends (see :meth:`log`)."""
         if self._writer is not None:
             self._writer.check()
-        if self.logging:
-            self._flush()
+        self._end_gap()  # no forward since the last step
+        ended = self._end_step() if self.logging else None
+        self._gap = _Gap(self._names, ended)
+        self._names = set()
         self.count += 1
 
-    def _flush(self) -> None:
-        from ._flush import flush
+    def _end_step(self) -> Ended:
+        world = _world()
+        ended = end_step(StepEnd(
+            step=self.count, layers=list(self.layers_watched), moments=self._moments,
+            hist=self._hist, params=self._params, before=self._before,
+            histograms=self.histograms, world=world if self.ranks == "reduce" else 1,
+            rank=_rank() if self.ranks == "each" and world > 1 else None,
+        ))  # fmt: skip
+        ended.log(self._scalars)
+        self._moments, self._hist, self._before, self._scalars = {}, {}, {}, {}
+        return ended
 
-        records, histograms = flush(self)
-        self._moments.clear()
-        self._hist.clear()
-        self._before.clear()
-        self._scalars.clear()
+    def _end_gap(self, writer: _Writer | None = None) -> None:
+        """Read the step that ended, if it was logged, and hand its records to the sinks."""
+        gap, self._gap = self._gap, None
+        if gap is None or gap.ended is None:
+            return
+        records, histograms = gap.ended.read()
         self._records.extend(records)
-        if self._writer is not None:
-            self._writer.submit(records, histograms)
+        writer = writer or self._writer
+        if writer is not None:
+            writer.submit(records, histograms)
+
+    def _collective(self) -> bool:
+        return self.ranks == "reduce" and _world() > 1
+
+
+class _Gap:
+    """From a step's end to the next step's first forward: the names logged for the step
+    that ended, and its values to read (None when it was not logged)."""
+
+    def __init__(self, names: set[str], ended: Ended | None) -> None:
+        self.names, self.ended = names, ended
 
 
 class _Writer:
@@ -392,6 +457,21 @@ def _write(sinks: list[Sink], records: list[dict[str, Any]], histograms: list[An
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _check_scalar(name: str, value: object) -> None:
+    if isinstance(value, Tensor):
+        if value.numel() == 1 and not value.is_complex():
+            return
+        shown = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    elif isinstance(value, numbers.Real):
+        return
+    else:
+        shown = repr(value)
+    raise UsageError(
+        f"Monitor.log({name}=...) takes a real number or a one-element real tensor, got "
+        f"{shown}: pass e.g. {name}=loss.detach() or {name}=float(value)"
+    )
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

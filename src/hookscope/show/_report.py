@@ -201,7 +201,7 @@ def _statistics(
             if score.requires_grad:
                 torch.autograd.backward(score.sum())
         mon.step()
-    return mon.records(), found.findings
+    return mon.records, found.findings
 
 
 def _score(output: Any, targets: Any, n: int) -> Tensor:
