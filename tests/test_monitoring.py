@@ -411,6 +411,51 @@ def test_dead_channels_of_conv1d_outputs(path: str) -> None:
     assert "dead" not in _activation(records, "0")  # dead units are an activation's
 
 
+#: activations with a region of zero derivative, and some without (no ``dead`` statistic)
+CAN_DIE = [
+    nn.ReLU(), nn.ReLU6(), nn.Hardtanh(-2.0, 2.0), nn.Hardsigmoid(), nn.Hardswish(),
+    nn.Hardshrink(0.5), nn.Softshrink(0.5), nn.Threshold(0.1, -1.0), nn.Tanh(), nn.Sigmoid(),
+]  # fmt: skip
+CANNOT_DIE = [nn.GELU(), nn.SiLU(), nn.Mish(), nn.ELU(), nn.LeakyReLU(), nn.Softplus()]
+
+
+def _channels() -> list[Tensor]:
+    """Two forwards of (4, 10): channels held at -100, -4, -1, 0.5, 4, 7 and 100, one at -100
+    and 100 in turn, one random, and one at -100 in the first forward and 0.3 in the second."""
+    held = torch.tensor([-100.0, -4.0, -1.0, 0.5, 4.0, 7.0, 100.0]).expand(4, 7)
+    turns = torch.tensor([[-100.0], [100.0], [-100.0], [100.0]])
+    noise = torch.randn(4, 1, generator=torch.Generator().manual_seed(0))
+    first = torch.cat([held, turns, noise, torch.full((4, 1), -100.0)], 1)
+    second = first.clone()
+    second[:, 9] = 0.3
+    return [first, second]
+
+
+@pytest.mark.parametrize("act", CAN_DIE + CANNOT_DIE, ids=lambda m: type(m).__name__)
+def test_dead_units_are_channels_no_gradient_passes(path: str, act: nn.Module) -> None:
+    """Dead = torch's own gradient through the activation is zero for every value of the
+    channel, on every forward of the step (a tanh held at tanh(-1) is alive; one saturated at
+    -1 is dead; a channel dead in one forward and alive in the other is alive). Activations
+    whose derivative has no zero region report no ``dead``."""
+    net = nn.Sequential(act)
+    inputs = _channels()
+    with hs.Monitor(net, layers="0", every=1) as mon:
+        for x in inputs:
+            net(x)
+        mon.step()
+    record = _activation(mon.records, "0")
+    if not any(isinstance(act, type(m)) for m in CAN_DIE):
+        assert "dead" not in record
+        return
+    no_gradient = torch.ones(10, dtype=torch.bool)
+    for x in inputs:
+        x = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(act(x).sum(), x)
+        no_gradient &= (grad == 0).all(0)
+    assert 0 < no_gradient.sum() < 9 and not no_gradient[9]  # both answers are tested
+    assert record["dead"] == pytest.approx(float(no_gradient.double().mean())), no_gradient
+
+
 def test_parametrized_layers_are_watched_with_their_parameters() -> None:
     from torch.nn.utils.parametrizations import weight_norm
 

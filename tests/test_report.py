@@ -128,6 +128,16 @@ def _findings(text: str) -> list[str]:
     return re.findall(r'<li class="(?:warn|ok)">(.*?)</li>', text)
 
 
+def _dead_column(text: str) -> dict[str, str]:
+    """The statistics table's "dead %" cell of each layer."""
+    head = re.search(r"<thead><tr>(.*?)</tr></thead>", text.split('id="statistics"')[1])
+    assert head is not None
+    column = re.findall(r"<th[^>]*>([^<]*)</th>", head[1]).index("dead %")
+    table = text.split('id="statistics"')[1].split("</table>")[0]
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", r) for r in table.split("<tr>")[2:]]
+    return {cells[0]: cells[column] for cells in rows}
+
+
 def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: Path) -> None:
     torch.manual_seed(0)
     dead = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
@@ -140,13 +150,19 @@ def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: 
         and "<code>1</code> (ReLU): 50 % of its channels" in f
         for f in _findings(text)
     ), _findings(text)
+    assert _dead_column(text) == {"0": "-", "1": "50.0", "2": "-"}
 
-    torch.manual_seed(0)
-    tanh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    with torch.no_grad():
-        tanh[0].bias[:3] = -100.0  # tanh outputs -1 there: a signal, not a dead unit
-    text = hs.report(tanh, torch.randn(8, 4), tmp_path / "tanh.html").read_text()
-    assert not any("Dead units" in f for f in _findings(text)), _findings(text)
+    for bias, dead in ((-1.0, 0), (-100.0, 50)):
+        torch.manual_seed(0)
+        tanh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        with torch.no_grad():  # half the units held at tanh(-1) (a gradient passes: alive),
+            tanh[0].weight[:3] = 0.0  # or at tanh(-100) = -1.0 (saturated: none does)
+            tanh[0].bias[:3] = bias
+        text = hs.report(tanh, torch.randn(8, 4), tmp_path / "tanh.html").read_text()
+        assert _dead_column(text)["1"] == f"{dead:.1f}"  # the table and the findings agree
+        said = [f for f in _findings(text) if "Dead units" in f]
+        assert len(said) == (1 if dead else 0), _findings(text)
+        assert not dead or f"<code>1</code> (Tanh): {dead} % of its channels" in said[0]
 
     torch.manual_seed(0)
     steep = nn.Sequential(

@@ -174,7 +174,11 @@ def _moments(inputs: StepEnd, gather: _Gather) -> list[_Entry]:
                 if across:  # every rank's count of values, added up with the rest
                     numel = (gather.add(torch.full((), m.numel, device=m.total.device), SUM),)
                 channels = (
-                    "high" if m.high.dim() else "nonzero_finite" if m.nonzero_finite.dim() else None
+                    "alive"
+                    if m.alive is not None
+                    else "nonzero_finite"
+                    if m.nonzero_finite.dim()
+                    else None
                 )
                 entries.append((name, kind, numel, gather.moments(m), channels, m.centered))
     return entries
@@ -257,8 +261,7 @@ def _histogram_entry(
     name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather
 ) -> tuple[str, str, Any]:
     slices = gather.moments(Moments(
-        m.numel, m.total, m.norm, m.nonzero, m.nonzero_finite.sum(),
-        m.low, m.high.amax() if m.high.dim() else m.high,
+        m.numel, m.total, m.norm, m.nonzero, m.nonzero_finite.sum(), m.low, m.high,
     ))  # fmt: skip
     total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
     counted = gather.add(total, SUM)

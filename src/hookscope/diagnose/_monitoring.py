@@ -21,8 +21,10 @@ everything is read with one host transfer, and the records go to the sinks on a 
 
 Statistics of a tensor: ``norm`` (L2), ``mean``, ``std``, ``min``, ``max`` over its finite
 values, ``zeros`` (fraction of exact zeros), ``nonfinite`` (count of NaN/Inf, never dropped);
-``dead`` for the outputs of activation layers (``torch.nn``'s ReLU, GELU, Tanh, ...): the
-fraction of channels that were never positive in the step's forwards. Channels are dim 1 of
+``dead`` for the outputs of activations that can have dead units (``torch.nn``'s ReLU, ReLU6,
+Hardtanh, Tanh, Sigmoid, ...: ``_dead.py``): the fraction of channels through which no
+gradient passed in the step's forwards (every output at 0 for a ReLU, at a bound of the
+range for ReLU6, Hardtanh, and saturated Tanh and Sigmoid). Channels are dim 1 of
 outputs of channels-first layers (convolutions, batch and
 instance norms, pooling) and the last dim of outputs of channels-last ones (linear, embedding,
 layer norm); a layer of neither kind (an activation, dropout) takes the layout of the layer
@@ -43,6 +45,7 @@ from torch import Tensor, nn
 from ..core import HookSet, LayerSelector, Session, is_called, unwrap
 from ..errors import UsageError
 from . import _stats
+from ._dead import no_gradient_at
 from ._flush import Ended, StepEnd, end_step, zero64
 from ._logsinks import Sink, make_sink
 from ._stats import Moments
@@ -99,14 +102,6 @@ _CHANNELS_LAST: tuple[type[nn.Module], ...] = (
     nn.MultiheadAttention,
 )
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish)
-#: layers whose outputs have dead units: the activations of torch.nn
-_DEAD_UNITS = tuple(
-    cls
-    for cls in vars(nn.modules.activation).values()
-    if isinstance(cls, type) and issubclass(cls, nn.Module) and cls is not nn.Module
-    and cls not in (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
-)  # fmt: skip
-_NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs never negative: a channel is alive when non-zero
 
 
 class Monitor(Session):
@@ -266,9 +261,8 @@ class Monitor(Session):
         t = _first_float(output)
         if t is None:
             return
-        dim = self._channel_dim(module, args, t)
-        dead = isinstance(module, _DEAD_UNITS)
-        moments = Moments.of(t, dim if dead else None, isinstance(module, _NONNEGATIVE))
+        dim = self._channel_dim(module, args, t)  # always: later layers take its layout
+        moments = Moments.of(t, dim, no_gradient_at(module))
         if moments is not None:
             self._moments.setdefault((name, "activation"), []).append(moments)
         if self.histograms == "all":

@@ -33,7 +33,7 @@ from ..errors import NonFiniteError, UsageError
 from ..explain import GradCAM, overlay, target_scores
 from ..look import Summary, feature_grids, format_shape, summary
 from . import _html
-from ._findings import Finding, activations, by_kind, findings, findings_html
+from ._findings import DEAD, Finding, by_kind, findings, findings_html
 from ._plots import Panel, colour_scale, layer_plot
 
 __all__ = ["Section", "image_batch", "probabilities", "report", "requiring_grad"]
@@ -101,9 +101,7 @@ def report(
     shape = summary(model, inputs)
     records, nonfinite_found = _statistics(model, inputs, targets)
     types = names_of(model)
-    found = findings(
-        shape, records, activations(model), nonfinite_found, _batch_size(inputs), types
-    )
+    found = findings(shape, records, nonfinite_found, _batch_size(inputs), types)
     parts: list[Section] = [("overview", "Overview", _overview(model, shape, found))]
     parts += list(sections)
     parts.append(("summary", "Summary", _summary_table(shape)))
@@ -234,7 +232,7 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
                   {"mean ± std": col(acts, "mean")}, errors={"mean ± std": col(acts, "std")}),
             Panel("Zeros and dead units", "% of the layer's outputs / channels",
                   {"outputs exactly 0": col(acts, "zeros", 100),
-                   "channels never > 0 (dead)": col(acts, "dead", 100)}, kind="bars"),
+                   "dead channels (no gradient passed)": col(acts, "dead", 100)}, kind="bars"),
             Panel("Gradients", "L2 norm of d(score) / d(output), log scale",
                   {"gradient norm": col(grads, "norm")}, log=True),
         ],
@@ -253,8 +251,10 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
     caption = (
         f"One forward and one backward of the explained scores on the {n} input(s), in eval "
         "mode. Zeros: share of a layer's output values that are exactly 0. Dead: share of its "
-        f"channels never positive on any of the {n} input(s). Gradients are of the summed "
-        "scores with respect to each layer's output (points left out: not finite)."
+        f"channels through which no gradient passed on any of the {n} input(s) ({DEAD}); '-' "
+        "for layers that cannot have dead units (GELU, SiLU and the like pass a gradient "
+        "almost everywhere). Gradients are of the summed scores with respect to each layer's "
+        "output (points left out: not finite)."
     )
     headers = ["layer", "type", "act. mean", "act. std", "zeros %", "dead %", "grad norm"]
     headers.append("non-finite")
