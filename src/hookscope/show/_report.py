@@ -34,7 +34,7 @@ from ..explain import GradCAM, overlay, target_scores
 from ..look import Summary, feature_grids, format_shape, summary
 from . import _html
 from ._findings import DEAD, Finding, by_kind, findings, findings_html
-from ._plots import Panel, colour_scale, layer_plot
+from ._plots import Panel, colour_scale, layer_panels
 
 __all__ = ["Section", "image_batch", "probabilities", "report", "requiring_grad"]
 
@@ -225,7 +225,7 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
     def col(table: dict[str, dict[str, Any]], key: str, scale: float = 1) -> list[float]:
         return [scale * float(table.get(name, {}).get(key, math.nan)) for name in layers]
 
-    plot = layer_plot(
+    plots = layer_panels(
         [f"{name} ({types.get(name, '?')})" for name in layers],
         [
             Panel("Activations", "output value: mean ± std over the batch",
@@ -258,7 +258,14 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
     )
     headers = ["layer", "type", "act. mean", "act. std", "zeros %", "dead %", "grad norm"]
     headers.append("non-finite")
-    return _html.figure(_html.image(plot, "per-layer statistics"), caption) + _html.table(
+    images = "".join(
+        _html.image(png, f"per-layer statistics: {panel}")
+        for png, panel in zip(
+            plots, ("activations", "zeros and dead units", "gradients"), strict=True
+        )
+    )
+    panels = f'<div class="panels">{images}</div>'
+    return _html.figure(panels, caption, wide=True) + _html.table(
         headers, rows, numeric=range(2, 8)
     )
 
