@@ -120,10 +120,12 @@ def _count(case: capture.Case, hs: Any) -> Result:
             c["nonfinite"] = h.count_ops(step)
         with hs.Monitor(model, every=2) as mon:
             chosen = list(getattr(mon, "layers_watched", None) or mon.layers)
-            c["log"] = h.count_ops(lambda: (step(), mon.step()))
+            # a logged step's values are read when its span ends (the next forward, or reading
+            # records): read them within the logged step's count
+            c["log"] = h.count_ops(lambda: (step(), mon.step(), mon.records))
             c["quiet"] = h.count_ops(lambda: (step(), mon.step()))
         with hs.Monitor(model, chosen[: len(chosen) // 2], every=2) as mon:
-            c["half"] = h.count_ops(lambda: (step(), mon.step()))  # a layer's cost: the slope
+            c["half"] = h.count_ops(lambda: (step(), mon.step(), mon.records))  # the slope
         with warnings.catch_warnings(), torch.autograd.detect_anomaly():
             warnings.simplefilter("ignore")
             c["anomaly"] = h.count_ops(step)

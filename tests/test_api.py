@@ -7,6 +7,7 @@ import importlib
 import inspect
 import pathlib
 import pkgutil
+import re
 import sys
 import types
 from typing import Any
@@ -57,6 +58,39 @@ def test_typed_package() -> None:
 )
 def test_errors_subclass_natural_builtins(cls: type, builtin: type) -> None:
     assert issubclass(cls, errors.HookscopeError) and issubclass(cls, builtin)
+
+
+def _drawn_hierarchy() -> dict[str, tuple[str, ...]]:
+    """Each error's bases as errors.py's docstring draws them: its parent in the tree, then
+    the built-ins in parentheses after its name."""
+    drawn: dict[str, tuple[str, ...]] = {}
+    parents = ["HookscopeError"]  # the class at each depth of the tree
+    for line in (errors.__doc__ or "").splitlines():
+        found = re.search(r"[├└]── (\w+)(?: \(([^)]*)\))?", line)
+        if found:
+            depth = found.start() // 4  # four columns per level, under HookscopeError
+            name, builtins = found[1], found[2] or ""
+            parents[depth:] = [name]
+            drawn[name] = (parents[depth - 1], *filter(None, re.split(r",\s*", builtins)))
+    return drawn
+
+
+def test_error_hierarchy_is_the_one_drawn_in_the_docstring() -> None:
+    """Every error's bases are the drawing's, in its order (NonFiniteError was drawn and built
+    without RuntimeError, which torch raises for the same finding)."""
+    drawn = _drawn_hierarchy()
+    assert set(drawn) | {"HookscopeError"} == set(errors.__all__)
+    for name, bases in drawn.items():
+        cls = getattr(errors, name)
+        assert tuple(b.__name__ for b in cls.__bases__) == bases, name
+    assert issubclass(errors.NonFiniteError, RuntimeError)
+    # the troubleshooting page's table: "also a" lists the same bases but HookscopeError
+    table = (ROOT / "docs" / "troubleshooting.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+Error)` \| ([^|]*) \|", table, flags=re.M))
+    assert set(rows) == set(drawn)
+    for name, bases in drawn.items():
+        listed = tuple(re.findall(r"`(\w+)`", rows[name]))
+        assert listed == tuple(b for b in bases if b != "HookscopeError"), name
 
 
 def _modules() -> list[str]:

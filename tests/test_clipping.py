@@ -80,6 +80,23 @@ def test_nonfinite_gradient_named() -> None:
 
 
 @pytest.mark.mutates_model
+def test_code_written_for_torchs_nonfinite_error_catches_ours() -> None:
+    """torch raises a RuntimeError for non-finite gradients: the except clause written for it
+    catches hookscope's NonFiniteError too (a FloatingPointError as well, as before)."""
+    caught = []
+    for clip in (torch.nn.utils.clip_grad_norm_, hs.clip_grad_norm):
+        model = _model_with_grads()
+        model[3].bias.grad[1] = float("inf")
+        params = [p for p in model.parameters() if p.grad is not None]
+        try:
+            clip(params, 1.0, error_if_nonfinite=True)
+        except RuntimeError as e:
+            caught.append(type(e))
+    assert caught == [RuntimeError, hs.NonFiniteError]
+    assert issubclass(hs.NonFiniteError, FloatingPointError)
+
+
+@pytest.mark.mutates_model
 def test_parameter_lists_tied_weights_and_errors() -> None:
     emb = nn.Embedding(5, 3)
     head = nn.Linear(3, 5, bias=False)

@@ -1,7 +1,8 @@
 """On CUDA, the diagnose tools read from the device as seldom as they promise: hs.nonfinite at
-most once per forward and once per backward, hs.Monitor only on logging steps (once), and
-hs.clip_grad_norm once. Counted with torch.cuda.set_sync_debug_mode, which warns at every
-synchronising call (the oracle is CUDA's own accounting, not ours). Needs a CUDA device: CI has
+most once per forward and once per backward, hs.Monitor once per logging step (when the next
+step's forward starts), and hs.clip_grad_norm once. Counted with
+torch.cuda.set_sync_debug_mode, which warns at every synchronising call (the oracle is CUDA's
+own accounting, not ours). Needs a CUDA device: CI has
 none, so these run on the GPU machine when one is lent (``pytest tests/test_cuda_syncs.py``)."""
 
 from __future__ import annotations
@@ -73,12 +74,14 @@ def test_monitor_reads_once_per_logging_step_only(histograms: bool, tmp_path: Pa
     sinks = [("tensorboard", tmp_path)] if histograms else []  # TensorBoard draws histograms
     with hs.Monitor(model, every=5, optimizer=opt, sinks=sinks) as mon:
         assert mon.histograms == histograms
-        step()  # step 0 is logged
+        step()  # step 0 is logged, and read when step 1's forward starts
+        step()
         with syncs() as quiet:
-            for _ in range(4):  # steps 1..4: not logged
+            for _ in range(3):  # steps 2..4: not logged
                 step()
         with syncs() as logged:
-            step()  # step 5: logged
+            step()  # step 5: logged...
+            step()  # ...and read when step 6's forward starts
     assert quiet == [] and 1 <= len(logged) <= 1, (quiet, logged)
 
 

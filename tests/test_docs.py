@@ -1,7 +1,9 @@
 """The documentation site (docs/, mkdocs.yml): every python block of every page runs, the site
 builds with ``mkdocs build --strict``, its API reference lists every name of
-``hookscope.__all__`` with its docstring, and every page opens in a real Chromium with no
-console error, no request leaving the machine and every image decoded."""
+``hookscope.__all__`` with its docstring (the index as the site shows docstrings, verbs
+first), every link works from the disk (file://), and every page opens in a real Chromium with
+no console error, no request leaving the machine, every image decoded, 120-column examples
+whole at 1280 px, names unbroken, and nothing wider than a 390 px phone but what scrolls."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import types
 from collections.abc import Iterator
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,7 +160,7 @@ class _Entries(HTMLParser):
 
 def _entries(site: Path) -> dict[str, str]:
     parser = _Entries()
-    for page in sorted((site / "reference").rglob("index.html")):
+    for page in sorted((site / "reference").rglob("*.html")):
         parser.feed(page.read_text())
     return {ident: " ".join(words) for ident, words in parser.text.items()}
 
@@ -207,11 +210,61 @@ def _letters(text: str) -> str:
 
 
 def _pages(site: Path) -> list[str]:
+    """Every page's path in the site: a file (``guides/capture.html``), never a folder."""
     return sorted(
-        p.relative_to(site).parent.as_posix() + "/"
-        for p in site.rglob("index.html")
-        if p.parent != site / "assets"
+        p.relative_to(site).as_posix()
+        for p in site.rglob("*.html")
+        if "assets" not in p.relative_to(site).parts and p.name != "404.html"
     )
+
+
+class _Links(HTMLParser):
+    """Every ``href`` and ``src`` of a page."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.targets: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.targets += [v for k, v in attrs if k in ("href", "src") and v]
+
+
+@pytest.mark.slow
+def test_every_link_works_from_the_disk(site: Path) -> None:
+    """Opened from file:// (mkdocs.yml says the site reads offline), a link to a folder shows
+    a directory listing, not the page: every relative link of every page must name a file."""
+    broken = []
+    for path in _pages(site):
+        parser = _Links()
+        parser.feed((site / path).read_text())
+        for target in parser.targets:
+            if re.match(r"[a-z]+:|#|//", target):  # another scheme, a fragment, a host
+                continue
+            file = (site / path).parent / target.split("#", 1)[0].split("?", 1)[0]
+            if not file.is_file():
+                broken.append(f"{path}: {target}")
+    assert not broken, "\n".join(broken[:20])
+
+
+@pytest.mark.slow
+def test_reference_index_reads_as_the_site_shows_docstrings(site: Path) -> None:
+    """The index's one-line descriptions: no raw Sphinx role, a type alias described by its
+    own docstring (not its type's, "a PEP 604 union type"), and each area's verbs before its
+    classes."""
+    text = (site / "reference" / "index.html").read_text()
+    assert not re.findall(r":(?:py:)?(?:func|class|meth|attr|data|mod|exc|obj):`", text)
+    assert "PEP 604" not in text and "union type" not in text
+    rows = re.findall(
+        r"<tr>\s*<td><a [^>]*><code>([^<]+)</code></a></td>\s*<td>(.*?)</td>", text, re.S
+    )
+    described = {name: re.sub(r"<[^>]+>", "", html) for name, html in rows}
+    assert set(described) == set(hs.__all__) - {"__version__"}
+    assert _letters(described["LayerSelector"]).startswith(_letters("The type of every layers"))
+    tables = text.split("<table>")[1:]
+    for table in tables:
+        names = re.findall(r"<td><a [^>]*><code>([^<]+)</code>", table)
+        verbs = [i for i, n in enumerate(names) if n[:1].islower()]
+        assert verbs == list(range(len(verbs))), names  # the verbs come first
 
 
 @contextlib.contextmanager
@@ -283,10 +336,52 @@ def test_every_page_in_a_real_browser(site: Path) -> None:
                 problems += [f"{path}: not decoded: {s}" for s, ok, w in seen if not ok or not w]
                 if len(page.inner_text("article").split()) < 20:
                     problems.append(f"{path}: almost no text")
+                problems += [f"{path} at 1280 px: {p}" for p in _layout(page, 1280)]
+            phone = chromium.new_page(viewport={"width": 390, "height": 800})
+            for path in _pages(site):
+                phone.goto(base + path, wait_until="networkidle")
+                problems += [f"{path} at 390 px: {p}" for p in _layout(phone, 390)]
+            on_disk = chromium.new_page(viewport={"width": 1280, "height": 900})
+            on_disk.goto((site / "index.html").as_uri())
+            on_disk.click("a[href='getting-started.html']")
+            if not on_disk.url.endswith("getting-started.html") or "pip install" not in (
+                on_disk.inner_text("article")
+            ):
+                problems.append(f"from file://, the navigation led to {on_disk.url}")
         finally:
             chromium.close()
     assert not problems, "\n".join(problems)
     assert images >= 2  # the report and the Grad-CAM picture, at least
+
+
+#: How a page lays out its code and names, in Chromium: for each code block its longest line,
+#: its width and the width it needs, whether it scrolls; each first-column name of a table
+#: and how many lines it takes; how wide the whole page is.
+_LAYOUT = """() => ({
+  code: [...document.querySelectorAll('article pre > code')].map(c => [
+    Math.max(...c.textContent.split('\\n').map(l => l.length)), c.clientWidth,
+    c.scrollWidth, getComputedStyle(c).overflowX]),
+  names: [...document.querySelectorAll('article table td:first-child code')].map(c => [
+    c.textContent, c.getClientRects().length]),
+  page: document.documentElement.scrollWidth,
+})"""
+
+
+def _layout(page: Any, width: int) -> list[str]:
+    """Examples up to 120 columns fit whole at 1280 px (they were clipped to a 670 px column);
+    wider ones, and every one on a phone, scroll inside their box, never the page; a name in
+    a table's first column is never broken across lines."""
+    seen = page.evaluate(_LAYOUT)
+    problems = []
+    for columns, shown, needed, overflow in seen["code"]:
+        if width >= 1280 and columns <= 120 and needed > shown:
+            problems.append(f"a {columns}-column example needs {needed} px, has {shown}")
+        if needed > shown and overflow not in ("auto", "scroll"):
+            problems.append(f"a {columns}-column example is cut off (overflow-x {overflow})")
+    problems += [f"{name!r} broken over {n} lines" for name, n in seen["names"] if n > 1]
+    if seen["page"] > width:
+        problems.append(f"the page is {seen['page']} px wide")
+    return problems
 
 
 # -- docstrings ----------------------------------------------------------------------------------

@@ -136,11 +136,8 @@ def test_hookscopes_own_forwards_are_invisible_to_the_users_sessions(tmp_path: P
         model(x).sum().backward()  # the user's forward
         mon.step()
     assert cap["0"].count == cap["4"].count == 1
-    steps = {r["step"] for r in mon.records if r["kind"] == "activation"} if not callable(
-        mon.records
-    ) else {r["step"] for r in mon.records() if r["kind"] == "activation"}
-    norms = [r["norm"] for r in (mon.records if not callable(mon.records) else mon.records())
-             if r["kind"] == "activation" and r["layer"] == "4"]  # fmt: skip
+    steps = {r["step"] for r in mon.records if r["kind"] == "activation"}
+    norms = [r["norm"] for r in mon.records if r["kind"] == "activation" and r["layer"] == "4"]
     assert steps == {0}
     with torch.no_grad():
         assert norms == [pytest.approx(float(model(x).norm()), rel=1e-5)]

@@ -158,7 +158,7 @@ def _monitor(model: nn.Module, x: Tensor) -> float:
         with torch.no_grad(), _eval(model):
             model(x)
         mon.step()
-    return next(r["norm"] for r in mon.records() if r["kind"] == "activation")
+    return next(r["norm"] for r in mon.records if r["kind"] == "activation")
 
 
 def _gradcam(model: nn.Module, x: Tensor) -> Tensor:
@@ -418,7 +418,7 @@ def test_nested_tensors_of_a_padded_transformer_encoder(tmp_path: Path) -> None:
     with torch.no_grad(), hs.Monitor(model, "layers.0", every=1) as mon:
         model(**inputs)
         mon.step()
-    (record,) = [r for r in mon.records() if r["kind"] == "activation"]
+    (record,) = [r for r in mon.records if r["kind"] == "activation"]
     assert record["norm"] == pytest.approx(float(nested.values().norm()), rel=1e-5)
     s = hs.summary(model, inputs)
     assert s.total_params == sum(p.numel() for p in model.parameters())

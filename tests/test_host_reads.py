@@ -219,8 +219,11 @@ def test_monitor_steps_between_logs_read_nothing(
         opt.zero_grad()
 
     with hs.Monitor(model, every=5, optimizer=opt):
-        step()  # step 0 is logged
+        with _counter(device) as logged:
+            step()  # step 0 is logged, and read when the next forward starts (the scalars
+            model(x)  # logged after opt.step() join that read)
         with _counter(device) as seen:
             for _ in range(4):
                 step()
     assert seen == [], seen
+    assert len(logged) == 1, logged

@@ -76,7 +76,7 @@ def test_statistics_dead_units_and_accumulation(path: str) -> None:
                 first_grads = torch.cat(grads)
             opt.step()
             opt.zero_grad()
-    records = mon.records()
+    records = mon.records
     assert sorted({r["step"] for r in records}) == [0, 2]  # optimizer steps, every 2
     acts = {r["layer"]: r for r in records if r["step"] == 0 and r["kind"] == "activation"}
     for layer in ("1", "2"):
@@ -107,10 +107,10 @@ def test_nonfinite_values_are_counted_not_hidden(path: str) -> None:
         with torch.no_grad():
             out = net(torch.ones(2, 2))
         mon.step()
-    (record,) = mon.records()
+    (record,) = mon.records
     assert record["nonfinite"] == 2 and record["kind"] == "activation"
     assert record["max"] == pytest.approx(_expected(out)["max"])  # over the finite values
-    assert not any(r["kind"] == "gradient" for r in mon.records())  # no_grad: none
+    assert not any(r["kind"] == "gradient" for r in mon.records)  # no_grad: none
 
 
 @pytest.mark.mutates_model
@@ -125,7 +125,7 @@ def test_sinks_read_back(tmp_path: Path) -> None:
             net(torch.randn(4, 3)).sum().backward()
             opt.step()
             opt.zero_grad()
-    records = mon.records()
+    records = mon.records
     lines = (tmp_path / "m.jsonl").read_text().splitlines()
     assert [json.loads(line) for line in lines] == json.loads(json.dumps(records))
     with open(tmp_path / "m.csv", newline="") as f:
@@ -157,7 +157,7 @@ def test_usage_errors() -> None:
         with torch.no_grad():
             single(torch.ones(1, 2))
         mon.step()
-    assert [r["layer"] for r in mon.records()] == ["", ""]  # activation, parameter
+    assert [r["layer"] for r in mon.records] == ["", ""]  # activation, parameter
 
 
 # -- TensorBoard histograms ----------------------------------------------------------------------
@@ -345,7 +345,7 @@ def test_compiled_model_that_already_ran() -> None:
         mon.step()
     with torch.no_grad():
         want = net[1](net[0](x))
-    assert _activation(mon.records(), "1")["norm"] == pytest.approx(float(want.norm()), rel=1e-6)
+    assert _activation(mon.records, "1")["norm"] == pytest.approx(float(want.norm()), rel=1e-6)
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -359,7 +359,7 @@ def test_checkpoint_recomputations_and_nonfinite_replays_are_not_forwards(reentr
     with hs.Monitor(net, every=1) as mon:
         checkpoint(net, x, use_reentrant=reentrant).sum().backward()
         mon.step()
-    assert _activation(mon.records(), "1")["norm"] == pytest.approx(want, rel=1e-6)  # not x sqrt2
+    assert _activation(mon.records, "1")["norm"] == pytest.approx(want, rel=1e-6)  # not x sqrt2
 
     class Div(nn.Module):
         def forward(self, h: Tensor) -> Tensor:
@@ -372,7 +372,7 @@ def test_checkpoint_recomputations_and_nonfinite_replays_are_not_forwards(reentr
         mon.step()
     with torch.no_grad():
         want = float(model[0](x).norm())
-    assert report.findings and _activation(mon.records(), "0")["norm"] == pytest.approx(want)
+    assert report.findings and _activation(mon.records, "0")["norm"] == pytest.approx(want)
 
 
 def test_moments_of_a_large_offset_tensor_on_both_paths(path: str) -> None:
@@ -391,7 +391,7 @@ def test_moments_of_a_large_offset_tensor_on_both_paths(path: str) -> None:
         with torch.no_grad():
             net(x)
         mon.step()
-    (record,) = mon.records()
+    (record,) = mon.records
     want = _expected(x)
     for key in ("mean", "std", "norm", "min", "max", "zeros", "nonfinite"):
         assert record[key] == pytest.approx(want[key], rel=1e-4), key
@@ -406,9 +406,54 @@ def test_dead_channels_of_conv1d_outputs(path: str) -> None:
     with hs.Monitor(net, every=1) as mon:
         net(torch.randn(5, 2, 8))
         mon.step()
-    records = mon.records()
+    records = mon.records
     assert _activation(records, "1")["dead"] == pytest.approx(1 / 4)  # the ReLU inherits dim 1
     assert "dead" not in _activation(records, "0")  # dead units are an activation's
+
+
+#: activations with a region of zero derivative, and some without (no ``dead`` statistic)
+CAN_DIE = [
+    nn.ReLU(), nn.ReLU6(), nn.Hardtanh(-2.0, 2.0), nn.Hardsigmoid(), nn.Hardswish(),
+    nn.Hardshrink(0.5), nn.Softshrink(0.5), nn.Threshold(0.1, -1.0), nn.Tanh(), nn.Sigmoid(),
+]  # fmt: skip
+CANNOT_DIE = [nn.GELU(), nn.SiLU(), nn.Mish(), nn.ELU(), nn.LeakyReLU(), nn.Softplus()]
+
+
+def _channels() -> list[Tensor]:
+    """Two forwards of (4, 10): channels held at -100, -4, -1, 0.5, 4, 7 and 100, one at -100
+    and 100 in turn, one random, and one at -100 in the first forward and 0.3 in the second."""
+    held = torch.tensor([-100.0, -4.0, -1.0, 0.5, 4.0, 7.0, 100.0]).expand(4, 7)
+    turns = torch.tensor([[-100.0], [100.0], [-100.0], [100.0]])
+    noise = torch.randn(4, 1, generator=torch.Generator().manual_seed(0))
+    first = torch.cat([held, turns, noise, torch.full((4, 1), -100.0)], 1)
+    second = first.clone()
+    second[:, 9] = 0.3
+    return [first, second]
+
+
+@pytest.mark.parametrize("act", CAN_DIE + CANNOT_DIE, ids=lambda m: type(m).__name__)
+def test_dead_units_are_channels_no_gradient_passes(path: str, act: nn.Module) -> None:
+    """Dead = torch's own gradient through the activation is zero for every value of the
+    channel, on every forward of the step (a tanh held at tanh(-1) is alive; one saturated at
+    -1 is dead; a channel dead in one forward and alive in the other is alive). Activations
+    whose derivative has no zero region report no ``dead``."""
+    net = nn.Sequential(act)
+    inputs = _channels()
+    with hs.Monitor(net, layers="0", every=1) as mon:
+        for x in inputs:
+            net(x)
+        mon.step()
+    record = _activation(mon.records, "0")
+    if not any(isinstance(act, type(m)) for m in CAN_DIE):
+        assert "dead" not in record
+        return
+    no_gradient = torch.ones(10, dtype=torch.bool)
+    for x in inputs:
+        x = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(act(x).sum(), x)
+        no_gradient &= (grad == 0).all(0)
+    assert 0 < no_gradient.sum() < 9 and not no_gradient[9]  # both answers are tested
+    assert record["dead"] == pytest.approx(float(no_gradient.double().mean())), no_gradient
 
 
 def test_parametrized_layers_are_watched_with_their_parameters() -> None:
@@ -419,7 +464,7 @@ def test_parametrized_layers_are_watched_with_their_parameters() -> None:
     with hs.Monitor(net, every=1) as mon:
         net(torch.randn(6, 3)).sum().backward()
         mon.step()
-    param = next(r for r in mon.records() if r["layer"] == "0" and r["kind"] == "parameter")
+    param = next(r for r in mon.records if r["layer"] == "0" and r["kind"] == "parameter")
     leaves = [net[0].bias, *net[0].parametrizations.weight.parameters()]
     want = torch.cat([p.detach().reshape(-1) for p in leaves]).norm()
     grads = torch.cat([p.grad.reshape(-1) for p in leaves]).norm()
@@ -445,12 +490,12 @@ def test_two_optimizers_followed_together_or_one_of_them() -> None:
 
     with hs.Monitor(net, every=1, optimizer=[first, second]) as mon:
         train(mon)
-    updates = {r["layer"]: r["update_norm"] for r in mon.records() if r["kind"] == "parameter"}
+    updates = {r["layer"]: r["update_norm"] for r in mon.records if r["kind"] == "parameter"}
     assert updates == pytest.approx(train.norms, rel=1e-5)  # type: ignore[attr-defined]
     assert mon.count == 1  # one step: each optimizer stepped once
     with hs.Monitor(net, every=1, optimizer=first) as mon:
         train(mon)
-    updates = {r["layer"]: r["update_norm"] for r in mon.records() if r["kind"] == "parameter"}
+    updates = {r["layer"]: r["update_norm"] for r in mon.records if r["kind"] == "parameter"}
     assert updates["0"] == pytest.approx(train.norms["0"], rel=1e-5)  # type: ignore[attr-defined]
     assert updates["2"] != updates["2"]  # NaN: the followed optimizer does not move it, not 0
     with pytest.raises(hs.UsageError, match="optimizer must be"):
@@ -470,7 +515,7 @@ def test_scalars_of_the_user_go_to_the_same_sinks(tmp_path: Path) -> None:
             losses.append(loss.item())
             mon.log(loss=loss, lr=0.01 * (step + 1))
             mon.step()
-    scalars = [r for r in mon.records() if r["kind"] == "scalar"]
+    scalars = [r for r in mon.records if r["kind"] == "scalar"]
     assert [(r["step"], r["layer"]) for r in scalars] == [
         (0, "loss"),
         (0, "lr"),
@@ -488,6 +533,93 @@ def test_scalars_of_the_user_go_to_the_same_sinks(tmp_path: Path) -> None:
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [s.step for s in events.Scalars("lr")] == [0, 2]
+
+
+@pytest.mark.mutates_model  # an optimizer trains the model
+@pytest.mark.parametrize("follow", ["optimizer=", "mon.step()"])
+@pytest.mark.parametrize("order", ["log, then step", "step, then log"])
+def test_scalars_are_written_at_the_step_they_describe(
+    follow: str, order: str, tmp_path: Path
+) -> None:
+    """Iteration k's loss is written beside step k's statistics whether the loop logs it before
+    the optimizer step or after it (the guide's order: it was written at step k + 1, and
+    iteration 0's never), following the optimizer or calling mon.step()."""
+    net = _net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    seen: list[float] = []  # the first layer's output norm of each iteration, by a plain hook
+    net[0].register_forward_hook(lambda m, a, out: seen.append(float(out.detach().norm())))
+    losses = []
+    with hs.Monitor(
+        net, every=2, optimizer=opt if follow == "optimizer=" else None,
+        sinks=[tmp_path / "m.jsonl"],
+    ) as mon:  # fmt: skip
+        for i in range(5):
+            x = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
+            loss = net(x).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+            if order == "log, then step":
+                mon.log(loss=loss.detach(), iteration=i)
+            opt.step()
+            if follow == "mon.step()":
+                mon.step()
+            opt.zero_grad()
+            if order == "step, then log":
+                mon.log(loss=loss.detach(), iteration=i)
+    scalars = {(r["step"], r["layer"]): r["value"] for r in mon.records if r["kind"] == "scalar"}
+    assert scalars == {
+        (k, name): pytest.approx(losses[k] if name == "loss" else k, rel=1e-6)
+        for k in (0, 2, 4)
+        for name in ("loss", "iteration")
+    }
+    norms = {
+        r["step"]: r["norm"] for r in mon.records if r["kind"] == "activation" and r["layer"] == "0"
+    }
+    assert norms == pytest.approx({k: seen[k] for k in (0, 2, 4)}, rel=1e-5)  # same iteration
+    lines = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert {(r["step"], r["layer"]): r["value"] for r in lines if r["kind"] == "scalar"} == scalars
+
+
+@pytest.mark.parametrize("order", ["log, then step", "step, then log"])
+def test_scalars_of_steps_without_forwards(order: str) -> None:
+    """With no forward between steps, a name the step already has starts the next step."""
+    with hs.Monitor(_net(), every=1) as mon:
+        for i in range(3):
+            if order == "log, then step":
+                mon.log(x=i)
+            mon.step()
+            if order == "step, then log":
+                mon.log(x=i)
+    scalars = [(r["step"], r["value"]) for r in mon.records if r["kind"] == "scalar"]
+    assert scalars == [(0, 0.0), (1, 1.0), (2, 2.0)]
+
+
+def test_records_read_the_step_that_just_ended() -> None:
+    net = _net()
+    with hs.Monitor(net, every=1) as mon:
+        net(torch.randn(4, 3)).sum().backward()
+        mon.step()
+        first = mon.records
+        assert {r["step"] for r in first} == {0} and first is not mon.records  # a copy
+        mon.log(loss=1.0)  # the step's values were read: this is step 1's
+        net(torch.randn(4, 3)).sum().backward()
+        mon.step()
+    assert [(r["step"], r["layer"]) for r in mon.records if r["kind"] == "scalar"] == [(1, "loss")]
+
+
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [
+        ("0.5", r"log\(loss=\.\.\.\) takes a real number .* got '0\.5'"),
+        (torch.ones(3), r"got a torch\.float32 tensor of shape \(3,\)"),
+        (1j, r"got 1j"),
+    ],
+)
+def test_log_refuses_what_is_not_a_scalar(value: Any, match: str) -> None:
+    with hs.Monitor(_net(), every=1) as mon:
+        with pytest.raises(hs.UsageError, match=match):
+            mon.log(loss=value)
+        mon.log(loss=torch.tensor([0.5]), n=3)  # a one-element tensor and an int are scalars
 
 
 def test_sinks_are_written_off_the_training_thread_and_errors_surface(tmp_path: Path) -> None:
@@ -510,7 +642,7 @@ def test_sinks_are_written_off_the_training_thread_and_errors_surface(tmp_path: 
     with hs.Monitor(net, every=1, sinks=[sink]) as mon:
         net(torch.randn(4, 3))
         mon.step()
-    assert sink.threads == {"hookscope-monitor"} and sink.records == mon.records()
+    assert sink.threads == {"hookscope-monitor"} and sink.records == mon.records
 
     class Broken(Recorder):
         def write(self, record: dict) -> None:

@@ -92,8 +92,7 @@ def test_monitor_takes_operation_sites() -> None:
         out = model(**batch)
         out.pow(2).sum().backward()
         mon.step()
-    records = mon.records() if callable(mon.records) else mon.records
-    by = {(r["layer"], r["kind"]): r for r in records}
+    by = {(r["layer"], r["kind"]): r for r in mon.records}
     with torch.no_grad():
         h = model.mix(model.embed(batch["input_ids"])).tanh()
         soft = torch.softmax(model.head(h + batch["attention_mask"][..., None]), dim=-1)

@@ -128,6 +128,16 @@ def _findings(text: str) -> list[str]:
     return re.findall(r'<li class="(?:warn|ok)">(.*?)</li>', text)
 
 
+def _dead_column(text: str) -> dict[str, str]:
+    """The statistics table's "dead %" cell of each layer."""
+    head = re.search(r"<thead><tr>(.*?)</tr></thead>", text.split('id="statistics"')[1])
+    assert head is not None
+    column = re.findall(r"<th[^>]*>([^<]*)</th>", head[1]).index("dead %")
+    table = text.split('id="statistics"')[1].split("</table>")[0]
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", r) for r in table.split("<tr>")[2:]]
+    return {cells[0]: cells[column] for cells in rows}
+
+
 def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: Path) -> None:
     torch.manual_seed(0)
     dead = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
@@ -140,13 +150,19 @@ def test_findings_name_dead_units_nonfinite_values_and_gradient_spans(tmp_path: 
         and "<code>1</code> (ReLU): 50 % of its channels" in f
         for f in _findings(text)
     ), _findings(text)
+    assert _dead_column(text) == {"0": "-", "1": "50.0", "2": "-"}
 
-    torch.manual_seed(0)
-    tanh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
-    with torch.no_grad():
-        tanh[0].bias[:3] = -100.0  # tanh outputs -1 there: a signal, not a dead unit
-    text = hs.report(tanh, torch.randn(8, 4), tmp_path / "tanh.html").read_text()
-    assert not any("Dead units" in f for f in _findings(text)), _findings(text)
+    for bias, dead in ((-1.0, 0), (-100.0, 50)):
+        torch.manual_seed(0)
+        tanh = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+        with torch.no_grad():  # half the units held at tanh(-1) (a gradient passes: alive),
+            tanh[0].weight[:3] = 0.0  # or at tanh(-100) = -1.0 (saturated: none does)
+            tanh[0].bias[:3] = bias
+        text = hs.report(tanh, torch.randn(8, 4), tmp_path / "tanh.html").read_text()
+        assert _dead_column(text)["1"] == f"{dead:.1f}"  # the table and the findings agree
+        said = [f for f in _findings(text) if "Dead units" in f]
+        assert len(said) == (1 if dead else 0), _findings(text)
+        assert not dead or f"<code>1</code> (Tanh): {dead} % of its channels" in said[0]
 
     torch.manual_seed(0)
     steep = nn.Sequential(
@@ -223,7 +239,7 @@ def test_plots_label_every_layer_and_axis_and_draw_no_lines_between_layers(
     monkeypatch.setattr(_plots, "_png", lambda plt, fig: figures.append(fig) or b"")
     labels = [f"layer{i}.block.conv (Conv2d)" for i in range(60)]  # many: none may be skipped
     values = [float(i) for i in range(60)]
-    _plots.layer_plot(
+    _plots.layer_panels(
         labels,
         [
             _plots.Panel("a", "value (unit)", {"mean": values}, errors={"mean": values}),
@@ -231,16 +247,75 @@ def test_plots_label_every_layer_and_axis_and_draw_no_lines_between_layers(
             _plots.Panel("c", "norm, log scale", {"g": [0.0, *values[1:]]}, log=True),
         ],
     )
-    (fig,) = figures
-    axes = fig.axes
-    assert [t.get_text() for t in axes[0].get_yticklabels()] == labels
-    assert all(ax.get_xlabel() for ax in axes) and axes[0].get_ylabel()
+    axes = [ax for fig in figures for ax in fig.axes]
+    assert len(figures) == len(axes) == 3  # one image per panel
     for ax in axes:
+        assert [t.get_text() for t in ax.get_yticklabels()] == labels
+        assert ax.get_xlabel() and ax.get_ylabel()
         for line in ax.get_lines():  # points and error caps only, never a polyline
             assert line.get_linestyle() in ("None", "") or len(line.get_xdata()) <= 1
     import matplotlib.pyplot as plt
 
-    plt.close(fig)
+    for fig in figures:
+        plt.close(fig)
+
+
+@pytest.mark.slow
+def test_figure_text_is_readable_on_a_phone_and_a_desktop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every figure with text (the statistics panels, the CAM colour scale), as Chromium lays
+    the report out at 390 and 1280 px: its smallest text, in matplotlib's own sizes, scaled
+    as the page scales the image, is at least 9 CSS pixels. (The three panels drawn as one
+    1,450 px image were shown at a quarter of that on a phone: 3 px text.)"""
+    import os
+
+    import browser
+
+    if browser.chromium() is None:
+        if os.environ.get("HOOKSCOPE_REQUIRE_BROWSER"):
+            pytest.fail("HOOKSCOPE_REQUIRE_BROWSER is set but no Chromium was found")
+        pytest.skip("no Chromium here (scripts/test.sh installs Debian's chromium as root)")
+    import matplotlib.text
+    from playwright.sync_api import sync_playwright
+
+    from hookscope.show import _plots
+
+    smallest: dict[str, float] = {}  # an image's base64 data: its smallest text, in image px
+    real = _plots._png
+
+    def measured(plt: Any, fig: Any) -> bytes:
+        texts = [t for t in fig.findobj(matplotlib.text.Text) if t.get_visible() and t.get_text()]
+        size = min(t.get_fontsize() for t in texts) * fig.dpi / 72  # points to pixels
+        data = real(plt, fig)
+        smallest[base64.b64encode(data).decode()] = size
+        return data
+
+    monkeypatch.setattr(_plots, "_png", measured)
+    path = hs.report(_cnn(), torch.randn(2, 3, 16, 16), tmp_path / "r.html")
+    assert len(smallest) >= 2  # the statistics and the colour scale
+    shown = []
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(
+            executable_path=browser.chromium(),
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+        )
+        try:
+            for width in (390, 1280):
+                page = chromium.new_page(viewport={"width": width, "height": 900})
+                page.goto(path.resolve().as_uri(), wait_until="load")
+                images = page.eval_on_selector_all(
+                    "img",
+                    "els => els.map(e => [e.src, e.getBoundingClientRect().width, e.naturalWidth])",
+                )
+                for src, css_width, natural in images:
+                    data = src.split(",", 1)[1]
+                    if data in smallest:
+                        shown.append((width, smallest[data] * css_width / natural))
+        finally:
+            chromium.close()
+    assert len(shown) == 2 * len(smallest)
+    assert all(px >= 9 for _, px in shown), shown
 
 
 def test_the_cam_section_explains_its_colours_and_scores(tmp_path: Path) -> None:

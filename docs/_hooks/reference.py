@@ -5,19 +5,40 @@ Each public name goes on the page of the subpackage that exports it (``hookscope
 mkdocstrings from its docstring; a name added to ``__all__`` appears without editing any page,
 and a name whose subpackage has no page stops the build. The names a subpackage exports beyond
 ``hookscope.__all__`` (log sinks, the method registry, the metrics) follow under their own
-heading. ``tests/test_docs.py`` checks the built pages list every name with its docstring.
+heading. The index and the pages list each area's verbs first (what a reader looks for), then
+its classes, then the rest, each with the first paragraph of its docstring rewritten for the
+site as the entries are (``docstrings.py``). ``tests/test_docs.py`` checks the built pages list
+every name with its docstring.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import inspect
+import types
 from pathlib import Path
 from typing import Any
 
 from mkdocs.structure.files import File, Files
 
 import hookscope
+
+
+def _sibling(name: str) -> Any:
+    """A module of this folder (MkDocs loads hooks by path, not as a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"_hooks_{name}", Path(__file__).with_name(f"{name}.py")
+    )
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load docs/_hooks/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_docstrings = _sibling("docstrings")
 
 #: subpackage -> (title, what it holds); the order of the reference's pages.
 AREAS: dict[str, tuple[str, str]] = {
@@ -62,18 +83,49 @@ def area_of(name: str) -> str:
     )
 
 
+def docstring(name: str) -> str:
+    """A public name's docstring; for a type alias or a constant (a union, a string), the one
+    written after its assignment, which Python does not keep (``inspect.getdoc`` would give
+    the docstring of the alias's type: "Represent a PEP 604 union type")."""
+    obj = getattr(hookscope, name)
+    if not isinstance(obj, (str, int, float, types.UnionType)):
+        return inspect.getdoc(obj) or ""
+    for path in sorted(Path(hookscope.__file__).parent.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for statement, after in zip(tree.body, tree.body[1:], strict=False):
+            target = statement.target if isinstance(statement, ast.AnnAssign) else None
+            targets = [target] if target is not None else getattr(statement, "targets", [])
+            value = getattr(after, "value", None)
+            if any(getattr(t, "id", None) == name for t in targets) and isinstance(
+                value, ast.Constant
+            ):
+                return inspect.cleandoc(str(value.value))
+    return ""
+
+
 def summary_line(name: str) -> str:
-    """The first line of a public name's docstring, for the index table."""
+    """The first paragraph of a public name's docstring, as the site shows docstrings (roles
+    become code and links), for the index table."""
     if name == "__version__":
         return "The installed version (semantic versioning)."
-    doc = inspect.getdoc(getattr(hookscope, name)) or ""
-    return doc.split("\n\n", 1)[0].replace("\n", " ").replace("|", "\\|")
+    first = docstring(name).split("\n\n", 1)[0].replace("\n", " ")
+    return str(_docstrings.markdown(first)).replace("|", "\\|")
+
+
+def _rank(name: str) -> int:
+    """The verbs first (functions, and ``capture``: a class called like one), then classes,
+    then the rest (type aliases, constants)."""
+    obj = getattr(hookscope, name, None)
+    if callable(obj) and name[:1].islower():
+        return 0
+    return 1 if isinstance(obj, type) else 2
 
 
 def grouped() -> dict[str, list[str]]:
-    """``hookscope.__all__`` by area, in ``__all__``'s order."""
+    """``hookscope.__all__`` by area: functions, classes, the rest, each in ``__all__``'s
+    order."""
     groups: dict[str, list[str]] = {area: [] for area in (*AREAS, "package")}
-    for name in hookscope.__all__:
+    for name in sorted(hookscope.__all__, key=_rank):  # a stable sort keeps __all__'s order
         groups[area_of(name)].append(name)
     return groups
 

@@ -14,7 +14,8 @@ for the same kind of problem, so ``except LookupError`` keeps working::
     ├── CompiledModelError (RuntimeError)     hooks would be silently ignored by torch.compile
     ├── UnsupportedModelError (RuntimeError)  the model runs in a way hookscope cannot follow
     ├── TorchCompatError (RuntimeError)       this torch lacks an internal hookscope relies on
-    └── NonFiniteError (FloatingPointError)   a NaN/Inf appeared (hs.nonfinite names its source)
+    └── NonFiniteError (FloatingPointError, RuntimeError)
+                                              a NaN/Inf appeared (hs.nonfinite names its source)
 
 Failures raised by the user's model or callbacks are never wrapped: they propagate unchanged,
 with a note (``add_note``) naming the layer hookscope was handling when it happened.
@@ -85,8 +86,13 @@ class TorchCompatError(HookscopeError, RuntimeError):
     """This PyTorch lacks a private internal hookscope relies on (see ``core/_torch.py``)."""
 
 
-class NonFiniteError(HookscopeError, FloatingPointError):
-    """A NaN or Inf appeared in a forward or backward watched by :func:`hookscope.nonfinite`.
+class NonFiniteError(HookscopeError, FloatingPointError, RuntimeError):
+    """A NaN or Inf appeared in a forward or backward watched by :func:`hookscope.nonfinite`,
+    or in the gradients :func:`hookscope.clip_grad_norm` was asked to clip.
+
+    A ``RuntimeError`` too, as torch raises for the same finding
+    (``clip_grad_norm_(error_if_nonfinite=True)``, ``detect_anomaly``), so code written for
+    torch's error catches this one.
 
     Attributes:
         phase: ``"forward"`` or ``"backward"``.

@@ -5,6 +5,13 @@ optimizer(s) and the monitor follows their steps through optimizer step hooks), 
 accumulation over micro-batches counts once. Step ``k`` is logged when ``k % every == 0``; on
 other steps the hooks return at once and nothing runs on the device.
 
+Step ``k`` runs from its first forward to step ``k + 1``'s first forward: the optimizer step
+(where the statistics are taken) is inside it, not at its end, so the scalars a training loop
+logs after ``optimizer.step()`` belong to the step they describe, as those logged before it
+do. Its values are therefore read when that span ends: at the next forward, the next
+``step()``, when ``records`` is read, or at ``close()``; a scalar named again before then
+starts the next step (a loop that runs no forward between steps).
+
 On a logging step, every forward (micro-batch) of the selected layers adds the moments of the
 layer's output (``_stats``) and, through a tensor hook, of the gradient w.r.t. it. Checkpoint
 recomputations and hookscope's own replays are not forwards of the model and are not counted
@@ -14,8 +21,10 @@ everything is read with one host transfer, and the records go to the sinks on a 
 
 Statistics of a tensor: ``norm`` (L2), ``mean``, ``std``, ``min``, ``max`` over its finite
 values, ``zeros`` (fraction of exact zeros), ``nonfinite`` (count of NaN/Inf, never dropped);
-``dead`` for the outputs of activation layers (``torch.nn``'s ReLU, GELU, Tanh, ...): the
-fraction of channels that were never positive in the step's forwards. Channels are dim 1 of
+``dead`` for the outputs of activations that can have dead units (``torch.nn``'s ReLU, ReLU6,
+Hardtanh, Tanh, Sigmoid, ...: ``_dead.py``): the fraction of channels through which no
+gradient passed in the step's forwards (every output at 0 for a ReLU, at a bound of the
+range for ReLU6, Hardtanh, and saturated Tanh and Sigmoid). Channels are dim 1 of
 outputs of channels-first layers (convolutions, batch and
 instance norms, pooling) and the last dim of outputs of channels-last ones (linear, embedding,
 layer norm); a layer of neither kind (an activation, dropout) takes the layout of the layer
@@ -24,6 +33,7 @@ that made its input, and otherwise dim 1 of a 4-D or larger output and the last 
 
 from __future__ import annotations
 
+import numbers
 import threading
 import weakref
 from collections.abc import Iterable, Sequence
@@ -35,6 +45,8 @@ from torch import Tensor, nn
 from ..core import HookSet, LayerSelector, ModuleCall, Session, Site, _torch, is_called, unwrap
 from ..errors import UsageError
 from . import _stats
+from ._dead import no_gradient_at
+from ._flush import Ended, StepEnd, end_step, zero64
 from ._logsinks import Sink, make_sink
 from ._stats import Moments
 
@@ -96,14 +108,6 @@ _CHANNELS_LAST: tuple[type[nn.Module], ...] = (
     nn.MultiheadAttention,
 )
 _ACTIVATIONS = (nn.ReLU, nn.GELU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.LeakyReLU, nn.ELU, nn.Mish)
-#: layers whose outputs have dead units: the activations of torch.nn
-_DEAD_UNITS = tuple(
-    cls
-    for cls in vars(nn.modules.activation).values()
-    if isinstance(cls, type) and issubclass(cls, nn.Module) and cls is not nn.Module
-    and cls not in (nn.MultiheadAttention, nn.Softmax, nn.Softmin, nn.LogSoftmax, nn.Softmax2d)
-)  # fmt: skip
-_NONNEGATIVE = (nn.ReLU, nn.ReLU6)  # outputs never negative: a channel is alive when non-zero
 
 
 class Monitor(Session):
@@ -140,7 +144,7 @@ class Monitor(Session):
         ...         loss.backward()
         ...         mon.log(loss=loss)  # scalars of yours, beside the statistics
         ...         mon.step()  # after optimizer.step() (or pass optimizer=)
-        >>> sorted({(r["step"], r["kind"]) for r in mon.records()})[:4]
+        >>> sorted({(r["step"], r["kind"]) for r in mon.records})[:4]
         [(0, 'activation'), (0, 'gradient'), (0, 'parameter'), (0, 'scalar')]
     """
 
@@ -190,7 +194,9 @@ class Monitor(Session):
         self._records: list[dict[str, Any]] = []
         self._moments: dict[tuple[str, str], list[Moments]] = {}
         self._hist: dict[tuple[str, str], list[Tensor]] = {}
-        self._scalars: dict[str, Any] = {}
+        self._scalars: dict[str, float | Tensor] = {}
+        self._names: set[str] = set()  # the names logged in this step, logged or not
+        self._gap: _Gap | None = None  # from a step's end to the next step's first forward
         self._layout: dict[int, tuple[weakref.ref[Tensor], int]] = {}
         self._before: dict[int, Tensor] = {}
         self._stepped: dict[int, int] = {}
@@ -201,15 +207,42 @@ class Monitor(Session):
         """Whether the current step is logged."""
         return self.count % self.every == 0
 
+    @property
     def records(self) -> list[dict[str, Any]]:
-        """Everything logged so far: flat :class:`MonitorRecord` dicts with ``step``,
-        ``layer``, ``kind`` and one key per statistic (what the JSONL sink writes)."""
+        """Everything logged so far (a new list): flat :class:`MonitorRecord` dicts with
+        ``step``, ``layer``, ``kind`` and one key per statistic (what the JSONL sink writes).
+
+        Reading it reads the step that just ended (see :meth:`log`), except under
+        ``ranks="reduce"`` across processes, where that read is a collective every rank makes
+        at its next forward: there the step appears then."""
+        if not self._collective():
+            self._end_gap()
         return list(self._records)
 
     def log(self, **scalars: float | Tensor) -> None:
-        """Record scalars of the current step beside the statistics (the loss, the learning
-        rate): written on logging steps, as one ``kind="scalar"`` record; tensors are read in
-        the logging step's single transfer (no synchronisation of their own)."""
+        """Record scalars beside the statistics (the loss, the learning rate), as
+        ``kind="scalar"`` records of logged steps; tensors are read in the step's single
+        transfer (no synchronisation of their own).
+
+        A scalar belongs to the step whose forwards and backward it follows, logged before
+        the optimizer step or after it: from a step's first forward to the next step's first
+        forward (or the next ``step()``, reading :attr:`records`, ``close()``; a name the step
+        already has starts the next one). So ``opt.step(); mon.log(loss=loss)`` and
+        ``mon.log(loss=loss); opt.step()`` both write iteration ``k``'s loss at step ``k``.
+
+        Raises:
+            UsageError: a value that is not a real number or a one-element real tensor.
+        """
+        for name, value in scalars.items():
+            _check_scalar(name, value)
+        gap = self._gap
+        if gap is not None and gap.names.isdisjoint(scalars):  # late, for the step that ended
+            gap.names.update(scalars)
+            if gap.ended is not None:
+                gap.ended.log(scalars)
+            return
+        self._end_gap()
+        self._names.update(scalars)
         if self.logging:
             self._scalars.update(scalars)
 
@@ -225,17 +258,19 @@ class Monitor(Session):
         self._writer = _Writer(self.sinks)
         params = [p for ps in self._params.values() for p in ps]
         if params:
-            from ._flush import zero64
-
             zero64(params[0].device)  # made now, not in the first logging step
 
     def _closed(self) -> None:
         writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
+        try:
+            self._end_gap(writer)
+        finally:
+            if writer is not None:
+                writer.close()
 
     def _new_pass(self) -> None:
         self._layout.clear()
+        self._end_gap()
 
     def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
         """An operation site's call returned (layers' outputs come to :meth:`_output`)."""
@@ -247,9 +282,8 @@ class Monitor(Session):
         t = _first_float(output)
         if t is None:
             return
-        dim = self._channel_dim(module, args, t)
-        dead = isinstance(module, _DEAD_UNITS)
-        moments = Moments.of(t, dim if dead else None, isinstance(module, _NONNEGATIVE))
+        dim = self._channel_dim(module, args, t)  # always: later layers take its layout
+        moments = Moments.of(t, dim, no_gradient_at(module))
         if moments is not None:
             self._moments.setdefault((name, "activation"), []).append(moments)
         if self.histograms == "all":
@@ -330,24 +364,49 @@ class Monitor(Session):
 
     def step(self) -> None:
         """Mark an optimizer step (called for you when optimizers were given): on a logging
-        step, read the statistics (one host transfer) and write them to the sinks."""
+        step, take the statistics on the device; they are read (one host transfer) and written
+        to the sinks when the step's span ends (see :meth:`log`)."""
         if self._writer is not None:
             self._writer.check()
-        if self.logging:
-            self._flush()
+        self._end_gap()  # no forward since the last step
+        ended = self._end_step() if self.logging else None
+        self._gap = _Gap(self._names, ended)
+        self._names = set()
         self.count += 1
 
-    def _flush(self) -> None:
-        from ._flush import flush
+    def _end_step(self) -> Ended:
+        world = _world()
+        ended = end_step(StepEnd(
+            step=self.count, layers=list(self.layers_watched), moments=self._moments,
+            hist=self._hist, params=self._params, before=self._before,
+            histograms=self.histograms, world=world if self.ranks == "reduce" else 1,
+            rank=_rank() if self.ranks == "each" and world > 1 else None,
+        ))  # fmt: skip
+        ended.log(self._scalars)
+        self._moments, self._hist, self._before, self._scalars = {}, {}, {}, {}
+        return ended
 
-        records, histograms = flush(self)
-        self._moments.clear()
-        self._hist.clear()
-        self._before.clear()
-        self._scalars.clear()
+    def _end_gap(self, writer: _Writer | None = None) -> None:
+        """Read the step that ended, if it was logged, and hand its records to the sinks."""
+        gap, self._gap = self._gap, None
+        if gap is None or gap.ended is None:
+            return
+        records, histograms = gap.ended.read()
         self._records.extend(records)
-        if self._writer is not None:
-            self._writer.submit(records, histograms)
+        writer = writer or self._writer
+        if writer is not None:
+            writer.submit(records, histograms)
+
+    def _collective(self) -> bool:
+        return self.ranks == "reduce" and _world() > 1
+
+
+class _Gap:
+    """From a step's end to the next step's first forward: the names logged for the step
+    that ended, and its values to read (None when it was not logged)."""
+
+    def __init__(self, names: set[str], ended: Ended | None) -> None:
+        self.names, self.ended = names, ended
 
 
 class _Writer:
@@ -413,6 +472,21 @@ def _write(sinks: list[Sink], records: list[dict[str, Any]], histograms: list[An
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+
+def _check_scalar(name: str, value: object) -> None:
+    if isinstance(value, Tensor):
+        if value.numel() == 1 and not value.is_complex():
+            return
+        shown = f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    elif isinstance(value, numbers.Real):
+        return
+    else:
+        shown = repr(value)
+    raise UsageError(
+        f"Monitor.log({name}=...) takes a real number or a one-element real tensor, got "
+        f"{shown}: pass e.g. {name}=loss.detach() or {name}=float(value)"
+    )
 
 
 def _optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

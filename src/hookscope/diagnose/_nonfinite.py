@@ -5,7 +5,11 @@ tensors each call takes and returns are checked on the device, many per operator
 (``torch._foreach_norm`` with the infinity norm is NaN when a tensor holds a NaN, inf when it
 holds an Inf, finite otherwise: it cannot overflow), and read with one host synchronisation at
 the end of each forward. In backward, the gradients arriving at each call's outputs and, at the
-end, the parameters' gradients are checked the same way and read once.
+end, the parameters' gradients are checked the same way and read once. That is on a GPU, where
+each operator costs a launch and each read a synchronisation (``few_operators``). On the CPU
+an operator costs its arithmetic and a read nothing, and a check is a pass over memory: a
+large tensor is checked alone as it arrives, while it is still in the cache, small ones many
+per operator, with the cheapest pass (:func:`_kinds_now`), read at once.
 
 A forward is reported when the model's output is non-finite. The call that made it is found by
 following the values back from the output (data flow; a NaN is followed to where a NaN first
@@ -39,6 +43,7 @@ from ..core import (
     unwrap,
 )
 from ..errors import NonFiniteError, UsageError
+from . import _stats as _device  # few_operators, looked up when called (tests patch it)
 from ._replay import (
     FINITE,
     INF,
@@ -47,6 +52,7 @@ from ._replay import (
     Inputs,
     floats,
     holds,
+    kind,
     plain,
     replay_backward,
     replay_forward,
@@ -58,6 +64,9 @@ __all__ = ["NonFiniteReport", "nonfinite"]
 INPUT, LOSS = "<input>", "<loss>"
 Mode = Literal["raise", "warn"]
 _BATCH = 32  # tensors checked per operator
+#: on the CPU, a tensor this large is checked at once, while it is in the cache (smaller ones
+#: wait for the operator that checks many: one dispatch instead of a dozen)
+_AT_ONCE_BYTES = 1 << 20
 _NO_REPLAY = (
     "not replayed: the model changed its inputs in place, so a replay would not see the "
     "values this forward saw"
@@ -89,14 +98,15 @@ class NonFiniteReport:
 
 
 class _Checks:
-    """Tensors to check for NaN/Inf, many per operator; :meth:`read` gets every result with
-    one host transfer. A tensor seen again at the same version shares its slot."""
+    """Tensors to check for NaN/Inf, many per operator (:meth:`read` gets every result with
+    one host transfer; on the CPU each result is read when computed, and a large tensor is
+    checked at once). A tensor seen again at the same version shares its slot."""
 
     def __init__(self) -> None:
         self._slots: dict[int, tuple[weakref.ref[Tensor], int, int]] = {}
         self._pending: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
         self._bytes: dict[tuple[torch.device, torch.dtype], int] = {}
-        self._norms: list[Tensor | None] = []
+        self._norms: list[Tensor | int | None] = []  # a norm to read, or a kind known already
 
     def __len__(self) -> int:
         return len(self._norms)
@@ -111,25 +121,31 @@ class _Checks:
         self._slots[id(t)] = (weakref.ref(t), version, slot)
         if t.is_nested or t.is_complex():
             t = plain(t)
-        if t.numel():
-            group = (t.device, t.dtype)
-            pending = self._pending.setdefault(group, [])
-            pending.append((slot, t))
-            self._bytes[group] = self._bytes.get(group, 0) + t.nbytes
-            if len(pending) >= _BATCH or self._bytes[group] >= _BATCH_BYTES:
-                self._flush(group)
+        if not t.numel():
+            return slot
+        group = (t.device, t.dtype)
+        pending = self._pending.setdefault(group, [])
+        pending.append((slot, t))
+        self._bytes[group] = self._bytes.get(group, 0) + t.nbytes
+        at_once = t.nbytes >= _AT_ONCE_BYTES and not _device.few_operators(t.device)
+        if at_once or len(pending) >= _BATCH or self._bytes[group] >= _BATCH_BYTES:
+            self._flush(group)
         return slot
 
     def _flush(self, group: tuple[torch.device, torch.dtype]) -> None:
         pending = self._pending.pop(group, [])
         self._bytes.pop(group, None)
-        if pending:
-            ts = [t for _, t in pending]
-            with torch.no_grad():
-                cpu = group[0].type == "cpu"
-                norms = _cpu_norms(ts) if cpu else _torch.foreach_norm(ts, math.inf)
-            for (slot, _), norm in zip(pending, norms, strict=True):
-                self._norms[slot] = norm
+        if not pending:
+            return
+        ts = [t for _, t in pending]
+        if not _device.few_operators(group[0]):
+            for (slot, _), known in zip(pending, _kinds_now(ts), strict=True):
+                self._norms[slot] = known
+            return
+        with torch.no_grad():
+            norms = _torch.foreach_norm(ts, math.inf)
+        for (slot, _), norm in zip(pending, norms, strict=True):
+            self._norms[slot] = norm
 
     def read(self) -> list[int]:
         """FINITE, INF or NAN per slot (one host read per device)."""
@@ -138,7 +154,9 @@ class _Checks:
         kinds = [FINITE] * len(self._norms)
         by_device: dict[torch.device, list[tuple[int, Tensor]]] = {}
         for slot, norm in enumerate(self._norms):
-            if norm is not None:
+            if isinstance(norm, int):
+                kinds[slot] = norm
+            elif norm is not None:
                 by_device.setdefault(norm.device, []).append((slot, norm))
         for items in by_device.values():
             values = torch.stack([n for _, n in items]).tolist()
@@ -147,20 +165,16 @@ class _Checks:
         return kinds
 
 
-def _cpu_norms(ts: list[Tensor]) -> list[Tensor]:
-    """Norms that are finite exactly when the tensors are, on the CPU. There the max-abs norm
-    has no vectorised kernel (several times the L2 norm's time: it made a ResNet-50 training
-    step about 1.4x), so the L2 norm comes first (one multi-tensor operator, as on a GPU) and
-    is read on the host, which costs nothing on the CPU; the rare tensor whose L2 norm is not
-    finite (a NaN or Inf inside, or finite values so large their squares overflow) is checked
-    again with the max-abs norm, which cannot overflow."""
+def _kinds_now(ts: list[Tensor]) -> list[int]:
+    """FINITE, INF or NAN of each tensor, where an operator costs its arithmetic and a read
+    nothing (the CPU): the L2 norms (one multi-tensor operator, a pass as fast as a sum; the
+    max-abs norm has no vectorised kernel there), read at once, are finite exactly when the
+    values are unless their squares overflow, and only then are the values checked exactly."""
     half = ts[0].dtype in (torch.float16, torch.bfloat16)
-    norms = list(_torch.foreach_norm(ts, 2, dtype=torch.float32 if half else None))
-    for i, norm in enumerate(norms):
-        value: float = norm.tolist()  # 0-d on the CPU: no dispatch
-        if not math.isfinite(value):
-            norms[i] = torch.linalg.vector_norm(ts[i], math.inf)
-    return norms
+    with torch.no_grad():
+        norms = _torch.foreach_norm(ts, 2, dtype=torch.float32 if half else None)
+    values: list[float] = [n.item() for n in norms]
+    return [FINITE if math.isfinite(v) else kind(t) for t, v in zip(ts, values, strict=True)]
 
 
 def _version(t: Tensor) -> int:

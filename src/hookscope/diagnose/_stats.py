@@ -1,18 +1,22 @@
 """The statistics :class:`~hookscope.Monitor` computes on the device, and how they combine.
 
-A tensor's :class:`Moments` take six or seven operators and nothing else: non-finite values
-are replaced by 0 once (``nan_to_num``) for the sum, the norm, the minimum and the maximum, and
+A tensor's :class:`Moments` take five operators and nothing else: non-finite values are
+replaced by 0 once (``nan_to_num``) for the sum, the norm, the minimum and the maximum, and
 counted as the difference of two ``count_nonzero`` (non-zero before the replacement, zero
-after). The maximum is taken per channel when dead units are wanted. That is on a GPU, where
+after). That is on a GPU, where
 each operator costs a launch (:func:`few_operators`). On the CPU an operator costs its
 arithmetic, and ``var_mean`` (Welford's method in float64) and ``count_nonzero`` (a branch per
 value) take 10 to 30 times a sum of the same tensor: there the mean and the norm around it
 are two passes, and counts sum ``x != 0`` in int32 (six more operators, a third of the
 time). The replacing zeros can only reach the minimum or the maximum if the tensor held
 non-finite values and no zero of its own; then an extreme that came out 0 is unknown and
-reported as NaN (:func:`summary`). Everything is read on the host once per logging step and
-combined there, so micro-batches, layers and kinds cost no extra device work; under
-``torch.distributed`` the values are combined across ranks first (:func:`reduce`).
+reported as NaN (:func:`summary`). Dead units are counted per channel: for a ReLU-like
+activation the non-zero finite values (which the statistics count anyway), for one whose
+flat regions are the bounds of its range (Tanh, ReLU6) the values strictly between them,
+four operators more (``_dead.py`` says which is which). Everything is read on the host once
+per logging step and combined there, so micro-batches, layers and kinds cost no extra device
+work; under ``torch.distributed`` the values are combined across ranks first
+(:func:`reduce`).
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "EDGES", "MAX", "MIN", "ROOT_SUM_SQUARES", "SUM", "Moments", "few_operators", "histogram",
-    "reduce",
+    "EDGES", "MAX", "MIN", "ROOT_SUM_SQUARES", "SUM", "Flat", "Moments", "few_operators",
+    "histogram", "reduce",
 ]  # fmt: skip
 
 #: how each value combines across ranks
@@ -47,6 +51,22 @@ def _count_nonzero(x: Tensor, dim: tuple[int, ...] | None = None) -> Tensor:
     return (x != 0).sum(dim=dim, dtype=exact)
 
 
+@dataclass(frozen=True)
+class Flat:
+    """Where an activation passes no gradient, told by its output: exactly 0 (``zero``), or
+    ``low`` / ``high``, the bounds of its range (the gradient flows strictly between them)."""
+
+    low: float = -math.inf
+    high: float = math.inf
+    zero: bool = False
+
+
+def _alive(x: Tensor, flat: Flat, others: tuple[int, ...]) -> Tensor:
+    """Per channel, the count of values strictly inside ``flat``'s bounds (NaN is not)."""
+    exact = torch.int32 if x.numel() < 2**31 else torch.int64
+    return ((x > flat.low) & (x < flat.high)).sum(dim=others, dtype=exact)
+
+
 @dataclass
 class Moments:
     """One tensor's statistics, as device tensors (``max`` per channel when asked for)."""
@@ -57,18 +77,21 @@ class Moments:
     nonzero: Tensor  # count of non-zero values (non-finite ones included)
     nonzero_finite: Tensor  # count of non-zero finite values
     low: Tensor  # minimum of the values, non-finite ones counted as 0
-    high: Tensor  # maximum of the values, non-finite ones as 0; per channel if asked
+    high: Tensor  # maximum of the values, non-finite ones as 0
     #: ``total`` and ``norm`` hold ``torch.var_mean``'s mean and variance (one operator, for
     #: float32 and float64; half precision sums in float32 instead, with two)
     centered: bool = False
+    #: per channel, the count of values a gradient passes through (dead units), when they
+    #: are not ``nonzero_finite`` counted per channel (ReLU-like: non-zero means alive)
+    alive: Tensor | None = None
 
     @staticmethod
-    def of(t: Tensor, channels: int | None = None, nonnegative: bool = False) -> Moments | None:
+    def of(t: Tensor, channels: int | None = None, flat: Flat | None = None) -> Moments | None:
         """The moments of ``t`` (a plain tensor). ``channels``: the dim whose entries are
-        channels, for dead units: the maximum is then taken per channel, or, for a layer whose
-        outputs are never negative (ReLU), the non-zero finite values are counted per channel
-        (a channel is alive when it has one), which saves an operator. None for an empty
-        tensor."""
+        channels, and ``flat``: where the layer passes no gradient, for dead units (a channel
+        is alive when it has one value elsewhere). For a ReLU-like layer the non-zero finite
+        values are then counted per channel, which costs nothing more; otherwise ``alive``
+        counts the values inside the bounds. None for an empty tensor."""
         x = t
         if x.is_nested:
             x = x.values()
@@ -78,15 +101,13 @@ class Moments:
             return None
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
         others: tuple[int, ...] = ()
-        if channels is not None and x.dim() > 1:
+        if channels is not None and flat is not None and x.dim() > 1:
             others = tuple(d for d in range(x.dim()) if d != channels % x.dim())
         with torch.no_grad():  # no autograd record (and no detach() to dispatch)
             x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
-            if others and not nonnegative:
-                low, high = x0.amin(), x0.amax(dim=others)
-            else:
-                low, high = torch.aminmax(x0)
-            per_channel = others and nonnegative
+            low, high = torch.aminmax(x0)
+            per_channel = bool(others) and flat is not None and flat.zero
+            alive = _alive(x, flat, others) if others and flat and not flat.zero else None
             centered = x0.dtype == acc
             if centered and few_operators(x0.device):
                 total, norm = torch.var_mean(x0, correction=0)[::-1]
@@ -104,6 +125,7 @@ class Moments:
                 low=low,
                 high=high,
                 centered=centered,
+                alive=alive,
             )
 
     def uncentered(self) -> Moments:
@@ -116,8 +138,8 @@ class Moments:
 
     def parts(self) -> list[tuple[Tensor, int]]:
         """``(values, how they combine)`` in a fixed order; ``nonzero_finite`` (counted per
-        channel) or ``high`` (the maximum per channel) may be vectors."""
-        return [
+        channel) may be a vector, and ``alive`` (per channel) comes last when there is one."""
+        parts = [
             (self.total, SUM),
             (self.norm, ROOT_SUM_SQUARES),
             (self.nonzero, SUM),
@@ -125,6 +147,7 @@ class Moments:
             (self.low, MIN),
             (self.high, MAX),
         ]
+        return parts if self.alive is None else [*parts, (self.alive, SUM)]
 
 
 def merged(moments: list[Moments]) -> Moments:
@@ -145,6 +168,7 @@ def merged(moments: list[Moments]) -> Moments:
         nonzero_finite=stacked("nonzero_finite").sum(0),
         low=stacked("low").amin(0),
         high=stacked("high").amax(0),
+        alive=None if moments[0].alive is None else stacked("alive").sum(0),
     )
 
 
@@ -152,9 +176,9 @@ def summary(
     numel: int, values: list[list[float]], channels: str | None, centered: bool
 ) -> dict[str, float]:
     """The record of one tensor's (or one layer's) moments read back: ``values`` per part as
-    in :meth:`Moments.parts`; ``channels``: which part is per channel (``"high"`` or
-    ``"nonzero_finite"``), giving dead units."""
-    (total,), (norm,), (nonzero,), counts, (low,), high_values = values
+    in :meth:`Moments.parts`; ``channels``: which part counts, per channel, the values a
+    gradient passes through (``"nonzero_finite"`` or ``"alive"``), giving dead units."""
+    (total,), (norm,), (nonzero,), counts, (low,), (high,), *alive = values
     if centered:  # var_mean's mean and variance over every value (NaN/Inf counted as 0)
         total, norm = total * numel, math.sqrt(max(numel * (norm + total * total), 0.0))
     nonzero_finite = sum(counts)
@@ -163,7 +187,6 @@ def summary(
     mean = total / count if count else math.nan
     sumsq = norm * norm
     var = (sumsq - count * mean * mean) / (count - 1) if count > 1 else math.nan
-    high = max(high_values) if high_values else math.nan
     if nonfinite and nonzero == numel:  # zeros in the minimum or maximum stand for NaN/Inf
         low = math.nan if low == 0 else low
         high = math.nan if high == 0 else high
@@ -177,7 +200,7 @@ def summary(
         "nonfinite": int(nonfinite),
     }
     if channels is not None:
-        per = high_values if channels == "high" else counts
+        per = alive[0] if channels == "alive" else counts
         record["dead"] = sum(1 for v in per if not v > 0) / len(per)
     return record
 

@@ -8,30 +8,22 @@ import html
 import math
 from typing import Any
 
-from torch import nn
-
 from ..errors import NonFiniteError
 from ..look import Summary
 
-__all__ = ["Finding", "activations", "by_kind", "code", "findings", "findings_html"]
+__all__ = ["DEAD", "Finding", "by_kind", "code", "findings", "findings_html"]
 
 
 def by_kind(records: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
     return {r["layer"]: r for r in records if r["kind"] == kind}
 
 
-#: activations whose negative side is (close to) flat: a unit never positive there passes on
-#: (almost) nothing. Tanh, sigmoid and the like are not here: their negative side carries signal.
-_RELU_LIKE = (
-    nn.ReLU, nn.ReLU6, nn.RReLU, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.CELU, nn.SELU, nn.GELU,
-    nn.SiLU, nn.Mish, nn.Hardswish,
-)  # fmt: skip
-
-
-def activations(model: nn.Module) -> set[str]:
-    """Names of the ReLU-like activation modules: where dead units mean something (a
-    convolution's output, or a tanh's, is often negative on purpose)."""
-    return {n for n, m in model.named_modules() if isinstance(m, _RELU_LIKE)}
+#: When a channel is dead, in the words of the table's caption and of the finding: the
+#: Monitor gives ``dead`` for the activations that can have them, and only there
+#: (``diagnose/_dead.py``)
+DEAD = (
+    "every output at 0 for a ReLU, at a bound for ReLU6 or Hardtanh, saturated for Tanh or Sigmoid"
+)
 
 
 Finding = tuple[bool, str]
@@ -48,7 +40,6 @@ def code(name: str, types: dict[str, str] | None = None) -> str:
 def findings(
     shape: Summary,
     records: list[dict[str, Any]],
-    activations: set[str],
     nonfinite_found: list[NonFiniteError],
     n: int,
     types: dict[str, str],
@@ -72,7 +63,7 @@ def findings(
                 f"{where}.",
             )
         )
-    found += _dead(acts, activations, n, types)
+    found += _dead(acts, n, types)
     found += _gradient_span(grads, types)
     found += _flops_share(shape, types)
     if not any(warn for warn, _ in found):
@@ -82,13 +73,10 @@ def findings(
     return found
 
 
-def _dead(
-    acts: dict[str, dict[str, Any]], activations: set[str], n: int, types: dict[str, str]
-) -> list[Finding]:
-    dead = sorted(
-        ((r["dead"], k) for k, r in acts.items() if k in activations and r.get("dead", 0) > 0),
-        reverse=True,
-    )
+def _dead(acts: dict[str, dict[str, Any]], n: int, types: dict[str, str]) -> list[Finding]:
+    """From the same ``dead`` values as the statistics table (a layer that has none has no
+    dead units to speak of)."""
+    dead = sorted(((r["dead"], k) for k, r in acts.items() if r.get("dead", 0) > 0), reverse=True)
     if not dead:
         return []
     where = "; ".join(f"{code(k, types)}: {100 * d:.0f} % of its channels" for d, k in dead[:5])
@@ -99,7 +87,11 @@ def _dead(
         else ""
     )
     return [
-        (True, f"Dead units (channels never positive on any of the {n} input(s)): {where}.{small}")
+        (
+            True,
+            f"Dead units, channels through which no gradient passed on any of the {n} "
+            f"input(s) ({DEAD}): {where}.{small}",
+        )
     ]
 
 

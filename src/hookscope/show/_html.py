@@ -27,6 +27,8 @@ figure { display: inline-block; margin: 0.4em 0.8em 0.8em 0; vertical-align: top
          max-width: 100%; }
 figcaption { font-size: 13px; color: #444c5c; max-width: 40em; }
 img { max-width: 100%; height: auto; }
+figure.wide { display: block; margin-right: 0; }
+.panels { display: flex; flex-wrap: wrap; gap: 0.5em 12px; }
 img.pixel { image-rendering: pixelated; }
 li.warn::marker { content: "⚠ "; } li.ok::marker { content: "✓ "; }
 @media (max-width: 600px) { body { padding: 0 0.6em 2em; } figure { margin: 0.3em 0; } }
@@ -78,5 +80,7 @@ def image(data: bytes, alt: str, *, width: int | None = None, pixel: bool = Fals
     return f'<img src="{uri}" alt="{html.escape(alt)}"{size}{cls}>'
 
 
-def figure(content: str, caption: str) -> str:
-    return f"<figure>{content}<figcaption>{html.escape(caption)}</figcaption></figure>"
+def figure(content: str, caption: str, *, wide: bool = False) -> str:
+    """``content`` with its caption; ``wide``: on a line of its own (several images inside)."""
+    cls = ' class="wide"' if wide else ""
+    return f"<figure{cls}>{content}<figcaption>{html.escape(caption)}</figcaption></figure>"

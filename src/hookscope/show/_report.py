@@ -33,8 +33,8 @@ from ..errors import NonFiniteError, UsageError
 from ..explain import GradCAM, overlay, target_scores
 from ..look import Summary, feature_grids, format_shape, summary
 from . import _html
-from ._findings import Finding, activations, by_kind, findings, findings_html
-from ._plots import Panel, colour_scale, layer_plot
+from ._findings import DEAD, Finding, by_kind, findings, findings_html
+from ._plots import Panel, colour_scale, layer_panels
 
 __all__ = ["Section", "image_batch", "probabilities", "report", "requiring_grad"]
 
@@ -105,9 +105,7 @@ def report(
         layer = cam_layer if cam_layer is not None else _last_spatial(shape)
         cams = _cams(model, inputs, layer, targets, names, max_images)
     types = names_of(model)
-    found = findings(
-        shape, records, activations(model), nonfinite_found, _batch_size(inputs), types
-    )
+    found = findings(shape, records, nonfinite_found, _batch_size(inputs), types)
     parts: list[Section] = [("overview", "Overview", _overview(model, shape, found))]
     parts += list(sections)
     parts.append(("summary", "Summary", _summary_table(shape)))
@@ -204,7 +202,7 @@ def _statistics(
             if score.requires_grad:
                 torch.autograd.backward(score.sum())
         mon.step()
-    return mon.records(), found.findings
+    return mon.records, found.findings
 
 
 def _score(output: Any, targets: Any, n: int) -> Tensor:
@@ -230,14 +228,14 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
     def col(table: dict[str, dict[str, Any]], key: str, scale: float = 1) -> list[float]:
         return [scale * float(table.get(name, {}).get(key, math.nan)) for name in layers]
 
-    plot = layer_plot(
+    plots = layer_panels(
         [f"{name} ({types.get(name, '?')})" for name in layers],
         [
             Panel("Activations", "output value: mean ± std over the batch",
                   {"mean ± std": col(acts, "mean")}, errors={"mean ± std": col(acts, "std")}),
             Panel("Zeros and dead units", "% of the layer's outputs / channels",
                   {"outputs exactly 0": col(acts, "zeros", 100),
-                   "channels never > 0 (dead)": col(acts, "dead", 100)}, kind="bars"),
+                   "dead channels (no gradient passed)": col(acts, "dead", 100)}, kind="bars"),
             Panel("Gradients", "L2 norm of d(score) / d(output), log scale",
                   {"gradient norm": col(grads, "norm")}, log=True),
         ],
@@ -256,12 +254,21 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
     caption = (
         f"One forward and one backward of the explained scores on the {n} input(s), in eval "
         "mode. Zeros: share of a layer's output values that are exactly 0. Dead: share of its "
-        f"channels never positive on any of the {n} input(s). Gradients are of the summed "
-        "scores with respect to each layer's output (points left out: not finite)."
+        f"channels through which no gradient passed on any of the {n} input(s) ({DEAD}); '-' "
+        "for layers that cannot have dead units (GELU, SiLU and the like pass a gradient "
+        "almost everywhere). Gradients are of the summed scores with respect to each layer's "
+        "output (points left out: not finite)."
     )
     headers = ["layer", "type", "act. mean", "act. std", "zeros %", "dead %", "grad norm"]
     headers.append("non-finite")
-    return _html.figure(_html.image(plot, "per-layer statistics"), caption) + _html.table(
+    images = "".join(
+        _html.image(png, f"per-layer statistics: {panel}")
+        for png, panel in zip(
+            plots, ("activations", "zeros and dead units", "gradients"), strict=True
+        )
+    )
+    panels = f'<div class="panels">{images}</div>'
+    return _html.figure(panels, caption, wide=True) + _html.table(
         headers, rows, numeric=range(2, 8)
     )
 
