@@ -69,7 +69,7 @@ def test_features_and_extract_give_the_same_rows_bit_for_bit(tmp_path: pathlib.P
     for reduce in ("token_mean", "spatial_mean", None):
         feats = hs.features(model, batch, ["mix", "::softmax"], reduce=reduce)
         store = hs.extract(
-            model, [batch], ["mix", "::softmax"], out=tmp_path / str(reduce), reduce=reduce
+            model, iter([batch]), ["mix", "::softmax"], out=tmp_path / str(reduce), reduce=reduce
         )
         for name, value in feats.items():
             assert torch.equal(torch.from_numpy(store[name][:]), value), (reduce, name)
@@ -82,7 +82,7 @@ def test_extract_takes_operation_sites(tmp_path: pathlib.Path) -> None:
     with torch.no_grad():
         h = model.mix(model.embed(batch["input_ids"])).tanh()
         want = torch.softmax(model.head(h + batch["attention_mask"][..., None]), dim=-1)
-    store = hs.extract(model, [batch], ["::softmax"], out=tmp_path / "s")
+    store = hs.extract(model, iter([batch]), ["::softmax"], out=tmp_path / "s")
     torch.testing.assert_close(torch.from_numpy(store["::softmax"][:]), want, rtol=0, atol=0)
 
 
