@@ -61,16 +61,19 @@ class AblationCAM(Perturbation):
 def zeroed(t: Tensor, grid: Grid, channels: Tensor) -> Tensor:
     """A copy of the layer's tensor ``t`` (M samples) with channel ``channels[i]`` of sample
     ``i`` set to zero."""
-    rows = torch.arange(len(t), device=t.device)
     channels = channels.to(t.device)
+    zero = torch.zeros((), dtype=t.dtype, device=t.device)
     if grid.channel_dim is not None:
-        out = t.clone()
-        out.movedim(grid.channel_dim, 1)[rows, channels] = 0
-        return out
+        # a mask, not an indexed assignment: on CUDA index_put_ waited for the device
+        moved = t.movedim(grid.channel_dim, 1)
+        hit = channels[:, None] == torch.arange(moved.shape[1], device=t.device)  # (M, C)
+        hit = hit.view(*hit.shape, *[1] * (moved.dim() - 2))
+        return torch.where(hit, zero, moved).movedim(1, grid.channel_dim)
     # a reshape= given by the user: zero where it reads each channel from (flat offsets)
     where = positions(grid, tuple(t.shape)).to(t.device)
     out = t.clone(memory_format=torch.contiguous_format)
-    out.view(len(t), -1)[rows[:, None], where[channels]] = 0
+    flat = out.view(len(t), -1)
+    flat.scatter_(1, where[channels], 0.0)
     return out
 
 
