@@ -25,6 +25,7 @@ __all__ = [
     "ModuleCall",
     "Now",
     "hidden",
+    "in_own_forward",
     "own_forward",
     "private_forward",
     "private_to",
@@ -92,9 +93,10 @@ class Now(threading.local):
 
 class _Private(threading.local):
     def __init__(self) -> None:
-        #: while a private forward runs on this thread: a marker and the sessions that see
-        #: it (else empty)
-        self.sessions: list[object] = []
+        #: the private forwards running on this thread, outermost first: each the sessions
+        #: that see it (the innermost decides: a replay inside hookscope's own forward is
+        #: seen by the replay's session alone)
+        self.blocks: list[tuple[object, ...]] = []
 
 
 _PRIVATE = _Private()
@@ -108,39 +110,48 @@ RUNNERS = object()
 @contextlib.contextmanager
 def private_forward(*sessions: object) -> Iterator[None]:
     """Forwards run inside, on this thread, are seen by ``sessions`` only: every other
-    session ignores them (other threads' forwards are not affected)."""
-    private = _PRIVATE.sessions
-    added = [object(), *sessions]
-    private.extend(added)
+    session ignores them (other threads' forwards are not affected). Nested, the innermost
+    block decides."""
+    blocks = _PRIVATE.blocks
+    blocks.append(sessions)
     try:
         yield
     finally:
-        del private[len(private) - len(added) :]
+        blocks.pop()
 
 
-def private_sessions() -> list[object]:
-    """This thread's private-forward list (empty when none runs): for hot paths, which test
-    ``private and session not in private`` themselves."""
-    return _PRIVATE.sessions
+def private_sessions() -> list[tuple[object, ...]]:
+    """This thread's private forwards (empty when none runs): a hot path tests it is empty
+    before asking :func:`hidden`."""
+    return _PRIVATE.blocks
 
 
 def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
     """Forwards hookscope runs for itself (``summary``'s, ``extract``'s, the report's): seen by
-    hookscope's runners and the sessions ``also`` names, never by the other sessions of the
-    user's code (an open ``capture`` or ``Monitor`` does not count them)."""
+    hookscope's runners, by sessions opened inside the block (the report's own ``Monitor``) and
+    by those ``also`` names, never by the sessions of the user's code (an open ``capture`` or
+    ``Monitor`` does not count them)."""
     return private_forward(RUNNERS, *also)
+
+
+def in_own_forward() -> bool:
+    """Whether the innermost private forward on this thread is hookscope's own (a session
+    opened now is hookscope's, see :func:`own_forward`)."""
+    blocks = _PRIVATE.blocks
+    return bool(blocks) and RUNNERS in blocks[-1]
 
 
 def hidden(session: object, runner: bool = False) -> bool:
     """Whether a private forward that ``session`` must not see runs on this thread
     (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`)."""
-    private = _PRIVATE.sessions
-    if not private or session in private:
+    blocks = _PRIVATE.blocks
+    if not blocks:
         return False
-    return not (runner and RUNNERS in private)
+    seen_by = blocks[-1]
+    return session not in seen_by and not (runner and RUNNERS in seen_by)
 
 
 def private_to(session: object) -> bool:
-    """Whether a private forward that ``session`` is named in runs on this thread."""
-    private = _PRIVATE.sessions
-    return bool(private) and session in private
+    """Whether the innermost private forward on this thread names ``session``."""
+    blocks = _PRIVATE.blocks
+    return bool(blocks) and session in blocks[-1]

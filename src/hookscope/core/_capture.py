@@ -230,7 +230,7 @@ class Capture(Session):
     def __exit__(
         self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
     ) -> bool:
-        done = self.now.last_done
+        done = self._now.last_done
         if isinstance(ev, StopForward) and ev.owner is self:
             self._abandon()  # the calls the stop left open end now (operation modes too)
         super().__exit__(et, ev, tb)
@@ -293,7 +293,7 @@ class Capture(Session):
     def _new_pass(self) -> None:
         if _functorch_level() is not None:  # once per forward; see also _enter_pass
             raise _transformed(type(self._layers.root).__name__)
-        now = self.now
+        now = self._now
         for opens in now.open.values():  # calls an interrupted forward of this thread left
             self._drop_open([entry[0] for entry in opens if entry is not None])
         now.open.clear()
@@ -313,7 +313,7 @@ class Capture(Session):
 
     def _enter_pass(self, site: _Site, pass_index: int) -> None:
         """The layer's first call in this pass (once per layer and forward)."""
-        if not self.now.depth and _functorch_level() is not None:  # a call outside a forward
+        if not self._now.depth and _functorch_level() is not None:  # a call outside a forward
             raise _transformed(site.name)  # of the model (the model's is checked above)
         with self._lock:
             if pass_index < site.used_in:  # another thread's later forward already ran it
@@ -349,7 +349,7 @@ class Capture(Session):
                     record._evict(len(record) - self._ring + 1, grads=self._grads)
 
     def _new_call(self, site: _Site) -> Call:
-        pass_index = self.now.pass_index
+        pass_index = self._now.pass_index
         if site.used_in != pass_index:
             self._enter_pass(site, pass_index)
         if self._ring is not None:
@@ -371,7 +371,7 @@ class Capture(Session):
     def _finished(self, site: _Site) -> None:
         """After a layer's call: note it, and with stop=True end the forward once every
         layer has finished a call in this pass."""
-        now = self.now
+        now = self._now
         now.last_done = site.name
         if self._stop:
             done: set[str] = now.extra.setdefault("done", set())
@@ -426,11 +426,11 @@ class Capture(Session):
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """``reduce="token_mean"``: note the forward's token mask (this thread's)."""
-        if self.now.depth == 1 and not (self._in_backward() or self._ignores()):
+        if self._now.depth == 1 and not (self._in_backward() or self._ignores()):
             self._store.note_inputs(self._root_binder.bind(args, kwargs))
 
     def _on_model_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self.now.depth and not (self._in_backward() or self._ignores()):
+        if not self._now.depth and not (self._in_backward() or self._ignores()):
             self._store.note_inputs({})  # a layer called outside a forward has no mask
 
     def _on_input(
@@ -452,7 +452,7 @@ class Capture(Session):
             return None
         call = self._new_call(site)
         bound = binder.bind(args, kwargs)
-        opens = self.now.open.setdefault(site, [])
+        opens = self._now.open.setdefault(site, [])
         opens.append((call, None))  # first: if storing raises, closing refunds it
         self._open_calls[id(call)] = call
         if self._inputs:
@@ -470,7 +470,7 @@ class Capture(Session):
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
-        opens = self.now.open.get(site)
+        opens = self._now.open.get(site)
         if opens:
             call, boundary = opens.pop()
             self._open_calls.pop(id(call), None)
@@ -486,11 +486,11 @@ class Capture(Session):
     # -- checkpoint replays (only captures with grads=True hook them) ----------------------
     def _replayed_input(self, site: _Site, bound: dict[str, Any]) -> None:
         found = self._watch.replayed(site.name) if self._grads else None
-        replaying = self.now.open.setdefault((site, "replay"), [])
+        replaying = self._now.open.setdefault((site, "replay"), [])
         replaying.append(None if found is None else (found, Boundary(bound)))
 
     def _replayed_output(self, site: _Site, output: Any) -> Any:
-        replaying = self.now.open.get((site, "replay"))
+        replaying = self._now.open.get((site, "replay"))
         entry = replaying.pop() if replaying else None
         if entry is None:
             return None

@@ -148,7 +148,7 @@ class Editor(Session):
         return opened
 
     def _new_pass(self) -> None:
-        self.now.open.clear()  # calls an interrupted forward of this thread left open
+        self._now.open.clear()  # calls an interrupted forward of this thread left open
 
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._plan)
@@ -183,7 +183,7 @@ class Editor(Session):
                 self._unknown[key] = index + 1
             self._replay.note([k for k, _ in first_runs], layer.name, index)
             return index, kind == REENTRANT and torch.is_grad_enabled()
-        calls: dict[str, int] = self.now.extra.setdefault("calls", {})  # this pass's
+        calls: dict[str, int] = self._now.extra.setdefault("calls", {})  # this pass's
         index = calls.get(layer.name, 0)
         calls[layer.name] = index + 1
         grads = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
@@ -224,7 +224,7 @@ class Editor(Session):
             elif grads:
                 new = self._stand_in_inputs(edit, new, layer.name, index, mirror)
         boundary = Boundary({}) if grads and any(e.on == "grad" for e in layer.on_out) else None
-        self.now.open.setdefault(layer, []).append((index, grads, boundary, mirror))
+        self._now.open.setdefault(layer, []).append((index, grads, boundary, mirror))
         return None if new is bound else binder.unbind(args, kwargs, new)
 
     def _post(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
@@ -232,7 +232,7 @@ class Editor(Session):
             raise replica_error(module)
         if self._ignores():
             return None
-        opens: list[_Open] | None = self.now.open.get(layer)
+        opens: list[_Open] | None = self._now.open.get(layer)
         if opens:
             index, grads, boundary, mirror = opens.pop()
         else:

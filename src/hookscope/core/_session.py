@@ -57,7 +57,7 @@ from torch import nn
 
 from ..errors import LayerNotFoundError, UnsupportedModelError
 from . import _torch
-from ._calls import ModuleCall, Now, hidden, private_forward, private_to
+from ._calls import ModuleCall, Now, hidden, in_own_forward, private_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled
 from ._lifetime import HookSet
@@ -115,6 +115,9 @@ class Session:
         self._recompile = recompile
         #: this_thread sessions: the threads inside (thread id -> open ``with`` blocks)
         self._threads: dict[int, int] | None = {} if this_thread else None
+        #: opened inside a forward hookscope runs for itself (``own_forward``): hookscope's
+        #: own session, which sees such forwards as its runners do
+        self._own = False
         self._hooks: HookSet | None = None
         self._exit = contextlib.ExitStack()
         self._entered = 0  # nesting of `with` blocks
@@ -192,6 +195,7 @@ class Session:
                 me = threading.get_ident()
                 self._threads.setdefault(me, 0)
             if self._hooks is None:
+                self._own = in_own_forward()
                 self._install_hooks()
         return self
 
@@ -291,7 +295,7 @@ class Session:
         if threads is not None and threading.get_ident() not in threads:
             # (a checkpoint's replay may run on an autograd device thread: that one is ours)
             return _backward_id() == -1 or hidden(self, True)
-        return hidden(self, threads is not None)
+        return hidden(self, threads is not None or self._own)
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run

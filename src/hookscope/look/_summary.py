@@ -170,7 +170,10 @@ def _run(
 
 def _cuda_devices(tensors: list[Tensor], *inputs: Any) -> list[int]:
     """The CUDA devices whose random streams the summary could draw from: the model's, the
-    inputs' and ``input_device`` (the last of ``inputs``)."""
+    inputs' and ``input_device`` (the last of ``inputs``); none without CUDA (fake CUDA
+    tensors under a ``FakeTensorMode`` have no stream to draw from)."""
+    if not torch.cuda.is_available():
+        return []
     found = {t.device.index for t in tensors if t.is_cuda}
     for tree in inputs[:-1]:
         found |= {t.device.index for _, t in leaves(tree) if t.is_cuda}

@@ -196,7 +196,7 @@ def _statistics(
         stack.enter_context(warnings.catch_warnings())
         warnings.simplefilter("ignore", RuntimeWarning)  # nonfinite's warn mode: recorded
         found = stack.enter_context(nonfinite(model, mode="warn", recompile=True))
-        with torch.enable_grad(), own_forward(mon, found):  # seen by the report's sessions
+        with torch.enable_grad():  # (its sessions, opened inside own_forward, see it)
             output = call_model(model, x)
             score = _score(output, targets, n)
             if score.requires_grad:
