@@ -148,10 +148,14 @@ def probabilities(
             scores = scores.masked_fill(~attn_mask, -math.inf)
         else:
             scores = scores + attn_mask
-    probs = scores.softmax(dim=-1)
     if attn_mask is None:  # the causal triangle leaves every row a key: no row is masked
-        return probs
-    return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+        return scores.softmax(dim=-1)
+    # A row with no key: softmax of all -inf is NaN, and its backward sends NaN through an
+    # added float mask to the query and every key even after the row is zeroed. Give the
+    # softmax finite scores there, then zero the row: zeros and zero gradients, as SDPA's
+    # math kernel gives.
+    dead = scores.isneginf().all(dim=-1, keepdim=True)
+    return scores.masked_fill(dead, 0.0).softmax(dim=-1).masked_fill(dead, 0.0)
 
 
 def weights_grad(value: Tensor, heads: int | None, grad_out: Tensor) -> Tensor:
