@@ -46,6 +46,7 @@ __all__ = [
     "foreach_mul",
     "foreach_norm",
     "foreach_sub",
+    "function_class",
     "function_mode_on",
     "functorch_level",
     "inner_code",
@@ -164,6 +165,14 @@ def node_sequence_nr(node: Any) -> int:
     """The sequence number of an autograd node (the order in which nodes were created)."""
     seq: int = node._sequence_nr()
     return seq
+
+
+def function_class(node: Any) -> type | None:
+    """The ``torch.autograd.Function`` whose backward an autograd node runs (a custom
+    Function's node is an instance of a class PyTorch makes for it, which names the Function
+    in ``_forward_cls``); None for a node of a built-in operator."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls if isinstance(cls, type) else None
 
 
 _engine = _find(
