@@ -678,3 +678,38 @@ def test_a_custom_autograd_function_is_named_as_itself() -> None:
         model(torch.randn(3, 4)).sum().backward()
     assert (info.value.module, info.value.op) == ("1", f"{__name__}.BadSqrt")
     assert f"in the backward of {__name__}.BadSqrt" in str(info.value)
+
+
+# -- unusual tensors ----------------------------------------------------------------------------
+class SparseLog(nn.Module):
+    """log of its input, returned as a sparse tensor (NaN where the input is negative)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x).to_sparse()
+
+
+class Dense(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_dense()
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_sparse_outputs_are_checked_by_their_values() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), SparseLog(), Dense(), nn.Linear(4, 1))
+    with hs.nonfinite(model) as report:  # it died reading a sparse tensor's nbytes
+        model(torch.randn(3, 4)).sum().backward()
+    assert report.ok and report.forwards == report.backwards == 1
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), SparseLog(), Dense(), nn.Linear(4, 1))
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        model(torch.randn(3, 4))  # negative inputs reach the log: NaN
+    assert (info.value.phase, info.value.module, info.value.op) == ("forward", "2", "aten.log")
+
+
+@pytest.mark.mutates_model  # backward writes .grad (meta tensors)
+def test_a_meta_device_model_has_no_values_to_find_non_finite() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    with hs.nonfinite(model) as report:  # it failed copying out of meta
+        model(torch.randn(3, 4, device="meta")).sum().backward()
+    assert report.ok and report.forwards == report.backwards == 1

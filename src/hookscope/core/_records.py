@@ -131,7 +131,7 @@ class Call:
         extra = self._more()
         extra.grads = {}
         if extra.inputs is None and inputs is not None:
-            extra.skeleton = _tree.map_tensors(lambda p, t: t.new_empty(0, device="meta"), inputs)
+            extra.skeleton = _tree.map_tensors(_placeholder, inputs)
 
     def _no_grad(self, key: Path, why: str) -> None:
         self._more().why[key] = why
@@ -544,3 +544,9 @@ class LayerRecord:
             f"LayerRecord({self.name!r}, {self.module_type}, calls={len(self.calls)}/"
             f"{self.count}, output={shown})"
         )
+
+
+def _placeholder(path: Any, t: Tensor) -> Tensor:
+    """An empty meta tensor standing for ``t`` in a skeleton (``new_empty`` of a jagged
+    nested tensor raises)."""
+    return torch.empty(0, dtype=t.dtype, device="meta")

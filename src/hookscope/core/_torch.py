@@ -16,7 +16,9 @@ CI tests torch 2.13.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import itertools
 import operator
 import sys
 import types
@@ -63,6 +65,7 @@ __all__ = [
     "schema_arguments",
     "sequence_nr",
     "set_stance",
+    "sparse_values",
     "version",
     "wrap_inline_codes",
 ]
@@ -238,7 +241,10 @@ _has_kernel = _find(
 def dispatch_has_composite(func: Any) -> bool:
     """Whether an aten operator has a CompositeImplicitAutograd kernel (a decomposition)."""
     has: Callable[[str, str], bool] = need("torch._C._dispatch_has_kernel_for_dispatch_key")
-    return has(func.name(), "CompositeImplicitAutograd")
+    try:
+        return has(func.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # not a dispatcher operator (``prim::layout``, a jagged .layout)
+        return False
 
 
 # -- tensors and operators ------------------------------------------------------------------------
@@ -248,13 +254,42 @@ version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 and raises RuntimeError)."""
 
 
-def nested_sizes(t: torch.Tensor) -> torch.Tensor:
-    """The ``(samples, dims)`` sizes of a nested tensor's components (a CPU tensor)."""
-    sizes: torch.Tensor = need("torch.Tensor._nested_tensor_size")(t)
-    return sizes
+def nested_sizes(t: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The sizes of a nested tensor's components, read from its metadata without running an
+    operator (a dispatch mode counting the model's operators, or a user's, would see one:
+    even ``.layout`` and ``.unbind()`` of a jagged tensor dispatch). Strided layout: its
+    CPU size tensor; jagged layout (``torch.nested._internal``'s ``NestedTensor``): its
+    values' shape with the ragged dim cut at its offsets (or lengths, where it has holes).
+    On a GPU the jagged offsets are read on the host."""
+    jagged = INTERNALS["torch.nested._internal.nested_tensor.NestedTensor"]
+    if jagged is None or not isinstance(t, jagged):
+        sizes: list[list[int]] = need("torch.Tensor._nested_tensor_size")(t).tolist()
+        return tuple(tuple(s) for s in sizes)
+    shape = list(t._values.shape)
+    dim = t._ragged_idx - 1  # in the values, which have no batch dim
+    if t._lengths is not None:
+        lengths: list[int] = t._lengths.tolist()
+    else:
+        offsets: list[int] = t._offsets.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    return tuple((*shape[:dim], n, *shape[dim + 1 :]) for n in lengths)
 
 
 _find("torch.Tensor._nested_tensor_size", lambda: torch.Tensor._nested_tensor_size)
+_find("torch.Tensor._values", lambda: torch.Tensor._values)
+
+
+def sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a sparse tensor's stored values, as they are (a COO tensor's
+    uncoalesced too: ``.values()`` would refuse it)."""
+    if t.layout == torch.sparse_coo:
+        values: torch.Tensor = need("torch.Tensor._values")(t)
+        return values
+    return t.values()
+_find(
+    "torch.nested._internal.nested_tensor.NestedTensor",
+    lambda: importlib.import_module("torch.nested._internal.nested_tensor").NestedTensor,
+)
 
 
 def is_mutable(func: Any) -> bool:

@@ -111,8 +111,10 @@ class _Checks:
         slot = len(self._norms)
         self._norms.append(None)
         self._slots[id(t)] = (weakref.ref(t), version, slot)
-        if t.is_nested or t.is_complex():
-            t = plain(t)
+        if t.is_meta:  # no values to check (a meta-device model): finite as far as known
+            return slot
+        if t.is_nested or t.is_complex() or t.layout != torch.strided:
+            t = plain(t)  # the values of nested and sparse tensors
         if t.numel():
             group = (t.device, t.dtype)
             pending = self._pending.setdefault(group, [])

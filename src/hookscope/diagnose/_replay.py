@@ -46,6 +46,7 @@ from ..core import (
     private_forward,
 )
 from ..core._torch import node_sequence_nr, sequence_nr
+from ._stats import stored
 
 __all__ = [
     "INTENDED",
@@ -89,12 +90,10 @@ class _Stop(BaseException):
 
 
 def plain(t: Tensor) -> Tensor:
-    """The values of ``t`` as an ordinary tensor (a nested tensor's packed values; complex
-    numbers as pairs of reals)."""
-    t = t.detach()
-    if t.is_nested:
-        t = t.values()
-    return torch.view_as_real(t) if t.is_complex() else t
+    """The values of ``t`` as an ordinary tensor (a nested tensor's packed values, a sparse
+    tensor's stored values: its other values are zeros, finite; complex numbers as pairs of
+    reals)."""
+    return stored(t.detach())[0]
 
 
 def stats(tensors: list[Tensor]) -> dict[str, Any]:
@@ -258,6 +257,8 @@ class _Flow:
         """The value ``t`` holds: its storage at its current version (views share both). A
         storage at an address whose previous storage was freed is a new generation, so that
         a temporary's address taken over by a later tensor is not mistaken for it."""
+        if t.layout != torch.strided and not t.is_nested:  # sparse: its values' storage
+            t = _torch.sparse_values(t)
         try:
             storage = t.untyped_storage()
             address, version = storage.data_ptr(), _torch.version(t)

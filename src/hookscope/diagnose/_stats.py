@@ -57,13 +57,13 @@ def stored(t: Tensor) -> tuple[Tensor, int]:
     sparse tensor's stored values (duplicates summed) and its implicit zeros, a nested
     tensor's packed values; complex numbers as pairs of reals."""
     x, dense = t, 0
-    if t.layout == torch.sparse_coo:
+    if t.is_nested:  # (checked first: a jagged tensor's .layout runs an operator)
+        x = t.values()
+    elif t.layout == torch.sparse_coo:
         x = (t if t.is_coalesced() else t.coalesce()).values()
         dense = t.numel()
     elif t.layout in _COMPRESSED:
         x, dense = t.values(), t.numel()
-    elif t.is_nested:
-        x = t.values()
     if x.is_complex():
         x, dense = torch.view_as_real(x), 2 * dense
     return x, max(dense - x.numel(), 0)
