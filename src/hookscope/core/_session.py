@@ -60,7 +60,7 @@ from . import _torch
 from ._calls import ModuleCall, Now, hidden, private_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled
-from ._lifetime import HookSet
+from ._lifetime import HookSet, unseen
 from ._naming import Layers, Site, is_called, unwrap
 from .ops._attention import attention_args, probabilities
 from .ops._select import forward_op, op_binder
@@ -192,7 +192,7 @@ class Session:
                 me = threading.get_ident()
                 self._threads.setdefault(me, 0)
             if self._hooks is None:
-                self._install_hooks()
+                unseen(self._install_hooks)()  # hookscope's own work: no function mode sees it
         return self
 
     def _install_hooks(self) -> None:
@@ -215,6 +215,9 @@ class Session:
 
     def close(self) -> None:
         """Remove every hook this session added. Idempotent; results stay readable."""
+        unseen(self._shut)()
+
+    def _shut(self) -> None:
         with self._lock:
             try:
                 self._exit.close()

@@ -21,6 +21,7 @@ import inspect
 import itertools
 import operator
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +41,7 @@ __all__ = [
     "backward_id",
     "buffers_of",
     "call_raised",
+    "call_shown",
     "checkpoint_codes",
     "children",
     "current_dispatch_mode",
@@ -50,7 +52,9 @@ __all__ = [
     "foreach_sub",
     "function_class",
     "function_mode_on",
+    "function_stack_length",
     "functorch_level",
+    "hide_function_modes",
     "inner_code",
     "is_mutable",
     "missing",
@@ -61,6 +65,7 @@ __all__ = [
     "push_function_mode",
     "queue_callback",
     "remove_function_mode",
+    "restore_function_modes",
     "saved_tensor_hooks_active",
     "schema_arguments",
     "sequence_nr",
@@ -286,6 +291,8 @@ def sparse_values(t: torch.Tensor) -> torch.Tensor:
         values: torch.Tensor = need("torch.Tensor._values")(t)
         return values
     return t.values()
+
+
 _find(
     "torch.nested._internal.nested_tensor.NestedTensor",
     lambda: importlib.import_module("torch.nested._internal.nested_tensor").NestedTensor,
@@ -395,10 +402,74 @@ _MODES = _find(
 )
 
 
+class _Hidden(threading.local):
+    """Per thread: the function modes each region of hookscope's own code took off the stack
+    (:func:`hide_function_modes`), innermost last, each bottom first."""
+
+    def __init__(self) -> None:
+        self.regions: list[list[Any]] = []
+
+
+_HIDDEN = _Hidden()
+
+
+def function_stack_length() -> int:
+    """How many torch function modes are on this thread's stack (0 almost always: the
+    check that keeps hookscope's hooks cheap)."""
+    length: int = need("torch._C torch function mode stack")[0]()
+    return length
+
+
+def hide_function_modes() -> None:
+    """Take every torch function mode off this thread's stack until
+    :func:`restore_function_modes`: hookscope's own work (copies, statistics, bookkeeping) is
+    then invisible to the user's modes and to other sessions' interceptors. A mode pushed or
+    removed meanwhile (a session's interceptor, by its hooks) is pushed or left out as if the
+    stack had been there."""
+    length, _, _, pop = need("torch._C torch function mode stack")
+    taken = [pop() for _ in range(length())]
+    taken.reverse()
+    _HIDDEN.regions.append(taken)
+
+
+def restore_function_modes() -> None:
+    """Put back the modes the innermost :func:`hide_function_modes` took, under those pushed
+    since."""
+    length, _, push, pop = need("torch._C torch function mode stack")
+    taken = _HIDDEN.regions.pop()
+    since = [pop() for _ in range(length())]
+    for mode in taken:
+        push(mode)
+    for mode in reversed(since):
+        push(mode)
+
+
+def call_shown(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` with the modes the innermost hidden region took back on the
+    stack: an operation a handler forwards is the model's, and modes below must see it."""
+    regions = _HIDDEN.regions
+    if not regions or not regions[-1]:
+        return func(*args, **kwargs)
+    length, _, push, pop = need("torch._C torch function mode stack")
+    base, taken = length(), regions[-1]
+    regions[-1] = []  # shown now: a nested pass-through must not push them again
+    for mode in taken:
+        push(mode)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        back = [pop() for _ in range(length() - base)]
+        back.reverse()
+        regions[-1] = back
+
+
 def function_mode_on(mode: object) -> bool:
-    """Whether ``mode`` is on this thread's torch function mode stack (at any depth)."""
+    """Whether ``mode`` is on this thread's torch function mode stack (at any depth), or
+    taken off it for a while by :func:`hide_function_modes`."""
     length, at, _, _ = need("torch._C torch function mode stack")
-    return any(at(i) is mode for i in range(length()))
+    if any(at(i) is mode for i in range(length())):
+        return True
+    return any(m is mode for region in _HIDDEN.regions for m in region)
 
 
 def push_function_mode(mode: object) -> None:
@@ -409,9 +480,12 @@ def push_function_mode(mode: object) -> None:
 
 def remove_function_mode(mode: object) -> None:
     """Take ``mode`` off the stack wherever it is (``__exit__`` pops the top, whatever it
-    is); the modes above it stay, in order. Nothing happens if it is not there."""
-    _, _, push, pop = need("torch._C torch function mode stack")
-    if not function_mode_on(mode):
+    is); the modes above it stay, in order. Nothing happens if it is not there. A mode taken
+    off for a while by :func:`hide_function_modes` is left out when they are put back."""
+    length, at, push, pop = need("torch._C torch function mode stack")
+    if not any(at(i) is mode for i in range(length())):
+        for region in _HIDDEN.regions:
+            region[:] = [m for m in region if m is not mode]
         return
     above = []
     while (top := pop()) is not mode:
