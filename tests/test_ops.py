@@ -524,6 +524,17 @@ def test_attention_weights_equal_the_explicit_softmax(case: str) -> None:
         cap["::attention_weights"].grad_input  # noqa: B018
 
 
+def test_an_attention_weights_record_shows_the_output_it_returns() -> None:
+    torch.manual_seed(0)
+    m = SDPA()
+    with hs.capture(m, "::attention_weights") as cap:
+        m(torch.randn(2, 6, 16))
+    record = cap["::attention_weights"]
+    assert record.output.shape == (2, 4, 6, 6)
+    for shown in (repr(record), repr(record.calls[0])):
+        assert "output=None" not in shown and "[2, 4, 6, 6]" in shown, shown
+
+
 KNOCKOUT = torch.ones(6, 6)
 KNOCKOUT[3:, 0] = 0.0  # attention knockout: queries 3..5 may not read token 0
 EDITED = {

@@ -280,6 +280,48 @@ class Capture(Session):
         """
         return list(self.records)
 
+    def values(self) -> list[LayerRecord]:
+        """The captured layers' records, in the order of :meth:`keys`.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, ["0", "1"]) as cap:
+            ...     _ = model(torch.ones(1, 2))
+            >>> [record.output.shape for record in cap.values()]
+            [torch.Size([1, 3]), torch.Size([1, 3])]
+        """
+        return list(self.records.values())
+
+    def items(self) -> list[tuple[str, LayerRecord]]:
+        """``(name, record)`` of each captured layer, in the order of :meth:`keys` (as a
+        mapping's ``items``).
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, ["0", "1"]) as cap:
+            ...     _ = model(torch.ones(1, 2))
+            >>> {name: record.count for name, record in cap.items()}
+            {'0': 1, '1': 1}
+        """
+        return list(self.records.items())
+
+    def get(self, name: str, default: Any = None) -> LayerRecord | Any:
+        """The record of layer ``name`` (any of its names), or ``default`` if this capture
+        has no such layer (as a mapping's ``get``).
+
+        Example:
+            >>> import torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, "0") as cap:
+            ...     pass
+            >>> cap.get("1") is None, cap.get("0").name
+            (True, '0')
+        """
+        found = self.records.get(self._layers.canonical(name)) if isinstance(name, str) else None
+        return default if found is None else found
+
     def __repr__(self) -> str:
         calls = sum(len(r) for r in self.records.values())
         state = "open" if self._hooks is not None else "closed"
