@@ -36,6 +36,9 @@ set of policies, decided here:
 * **Private forwards.** A forward hookscope runs on the user's model for its own purposes (the
   NaN tracer's replay) is seen only by the sessions it names (:func:`private_forward`).
 * ``torch.func`` transforms: calls inside them are refused by the sessions that record values.
+* **Function modes.** hookscope's own work (hooks, opening, closing, an operation site's
+  handler) runs with the torch function mode stack taken off (``_lifetime.unseen``): a user's
+  ``TorchFunctionMode`` sees the model's operations only.
 
 Nesting. ``with`` on a session that is already open nests: the hooks stay until the
 outermost block exits. :meth:`close` closes at once.
