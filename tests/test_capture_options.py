@@ -354,3 +354,16 @@ def test_autograd_grad_wrt_a_capture_needs_the_tensor_itself() -> None:
         loss = model(x).sum()
     with pytest.raises(RuntimeError, match="not have been used in the graph"):
         torch.autograd.grad(loss, clone["1"].output)
+
+
+def test_a_capture_reads_like_a_mapping() -> None:
+    """keys, values, items and get agree with [] and in, in selection order."""
+    model = nn.Sequential(nn.Linear(2, 3), nn.ReLU(), nn.Linear(3, 1))
+    with hs.capture(model, ["2", nn.ReLU]) as cap:
+        model(torch.randn(4, 2))
+    assert cap.keys() == ["2", "1"]
+    assert cap.values() == [cap["2"], cap["1"]]
+    assert cap.items() == list(zip(cap.keys(), cap.values(), strict=True))
+    assert dict(cap.items()) == {k: cap[k] for k in cap}
+    assert cap.get("1") is cap["1"] and cap.get("0") is None and cap.get("0", 7) == 7
+    assert ("0" in cap, "1" in cap) == (False, True)

@@ -225,3 +225,36 @@ def test_float64_gradients_get_a_float64_norm() -> None:
     report = hs.clip_grad_norm(net, 10.0)
     assert report.total_norm == float(want)  # exactly: no float32 rounding on the way
     assert report.total_norm != float(want.float())
+
+
+def _sparse_model() -> nn.Module:
+    """An embedding with sparse gradients (repeated lookups: an uncoalesced gradient, the
+    same row listed once per lookup) beside a dense layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2))
+    (model(torch.tensor([[1, 1, 2], [3, 1, 9]])) ** 2).sum().backward()
+    return model
+
+
+@pytest.mark.mutates_model  # clipping changes .grad on purpose; values are compared below
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_sparse_embedding_gradients_equal_torch_on_their_dense_form(
+    norm_type: float, per_layer: bool
+) -> None:
+    """torch's clip_grad_norm_ has no sparse norm kernel: the oracle is torch's clipping of
+    the same gradients made dense (the values a sparse gradient stands for)."""
+    ours, theirs = _sparse_model(), _sparse_model()
+    assert ours[0].weight.grad.is_sparse and not ours[0].weight.grad.is_coalesced()
+    for p in theirs.parameters():
+        p.grad = p.grad.to_dense()
+    groups = [list(m.parameters()) for m in theirs] if per_layer else [list(theirs.parameters())]
+    totals = [torch.nn.utils.clip_grad_norm_(g, 0.5, norm_type=norm_type) for g in groups]
+    report = hs.clip_grad_norm(ours, 0.5, norm_type=norm_type, per_layer=per_layer)
+    if per_layer:
+        assert report.layers == pytest.approx({"0": float(totals[0]), "1": float(totals[1])})
+    else:
+        assert report.total_norm == pytest.approx(float(totals[0]), rel=1e-6)
+    assert ours[0].weight.grad.is_sparse  # scaled in place, still sparse
+    for a, b in zip(ours.parameters(), theirs.parameters(), strict=True):
+        torch.testing.assert_close(a.grad.to_dense(), b.grad)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from collections import namedtuple
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -56,6 +58,50 @@ def test_patch_from_previous_capture() -> None:
     with hs.edit(model, {"1": hs.patch(src)}):
         patched = model(X)
     assert torch.equal(patched, clean)
+
+
+@pytest.mark.parametrize("on", ["output", "grad"])
+@pytest.mark.mutates_model  # backward writes .grad
+def test_patch_of_one_clean_run_into_a_batch_broadcasts_it(on: str) -> None:
+    """The usual set-up: one clean prompt, a batch of corrupted ones."""
+    model, clean_x = net(), torch.randn(1, 4)
+    with hs.capture(model, "1", grads=on == "grad") as src:
+        model(clean_x).sum().backward()
+    with hs.edit(model, {"1": hs.patch(src, on=on)}):  # type: ignore[arg-type]
+        patched = model(X)
+        patched.sum().backward()
+    if on == "output":
+        want = model[2](src["1"].output.expand(6, 5))
+        torch.testing.assert_close(patched, want, rtol=0, atol=0)
+
+
+def test_patch_of_another_shape_says_what_to_do() -> None:
+    model = net()
+    with hs.capture(model, "1") as src:
+        model(torch.randn(2, 4))
+    with (
+        pytest.raises(hs.EditError, match=r"recorded \(2, 5\).*has \(6, 5\).*batch 1") as info,
+        hs.edit(model, {"1": hs.patch(src)}),
+    ):
+        model(X)
+    assert "allow_shape_change" not in str(info.value)  # patch takes no such option
+
+
+@pytest.mark.parametrize(
+    ("edit", "value"),
+    [(hs.replace, torch.ones(3)), (hs.add, torch.ones(2, 1, 5)), (hs.scale, torch.ones(7, 5))],
+)
+def test_a_value_that_does_not_broadcast_is_refused_naming_both_shapes(
+    edit: Any, value: torch.Tensor
+) -> None:
+    model = net()
+    shapes = (
+        re.escape(f"{edit.__name__} on '1' output: ")
+        + ".*"
+        + re.escape(f"{tuple(value.shape)} does not broadcast to the (6, 5)")
+    )
+    with pytest.raises(hs.EditError, match=shapes), hs.edit(model, {"1": edit(value)}):
+        model(X)
 
 
 def test_patch_per_call_of_reused_module() -> None:
@@ -138,7 +184,8 @@ def test_at_star_edits_every_leaf() -> None:
 
 def test_shape_and_dtype_changes_are_refused_unless_allowed() -> None:
     model = net()
-    with pytest.raises(hs.EditError, match="allow_shape_change=True"):
+    advice = r"give the function as hs\.transform\(fn, allow_shape_change=True\)"
+    with pytest.raises(hs.EditError, match=advice):  # advice that can be followed
         with hs.edit(model, {"0": lambda t: t[:, :2]}):
             model(X)
     with pytest.raises(hs.EditError, match="float64"):

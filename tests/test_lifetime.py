@@ -291,3 +291,73 @@ def test_closing_removes_every_hook_even_when_one_removal_raises() -> None:
     assert all(not layer._forward_hooks for layer in model)
     assert len(hooks) == 0
     hooks.close()  # idempotent afterwards
+
+
+# -- hookscope's own work is invisible to the user's torch function modes ----------------------
+class Attending(nn.Module):
+    """A linear layer, a softmax and a fused attention call: operations to select."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.softmax(self.lin(x), dim=-1)
+        q = h.view(2, 1, 3, 8)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).view(2, 3, 8)
+
+
+class Seen(torch.overrides.TorchFunctionMode):
+    """The user's own mode: the name of every call it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **(kwargs or {}))
+
+
+SESSIONS = {
+    "capture": lambda m: hs.capture(m, "lin", grads=True, inputs=True),
+    "capture operations": lambda m: hs.capture(
+        m, ["::softmax", "::attention_weights", "::scaled_dot_product_attention"], grads=True
+    ),
+    "edit": lambda m: hs.edit(
+        m, {"lin": [hs.scale(2.0), hs.scale(1.0, on="grad"), hs.scale(1.0, on="input_grad")]}
+    ),
+    "edit operations": lambda m: hs.edit(
+        m, {"::softmax": hs.scale(1.0, on="grad"), "::attention_weights": hs.scale(1.0)}
+    ),
+    "Monitor": lambda m: hs.Monitor(m, layers=["lin", "::softmax"], every=1),
+    "nonfinite": lambda m: hs.nonfinite(m),
+}
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+@pytest.mark.parametrize("outside", [False, True], ids=["mode inside", "mode outside"])
+@pytest.mark.parametrize("name", list(SESSIONS))
+def test_a_users_function_mode_sees_the_models_operations_only(name: str, outside: bool) -> None:
+    """The same calls as without hookscope (no __get__, detach, clone, statistics), whether
+    the user's mode was entered before the session opened or inside it."""
+    torch.manual_seed(0)
+    model, x = Attending(), torch.randn(2, 3, 8, requires_grad=True)
+
+    def step() -> list[str]:
+        with Seen() as seen:
+            model(x).sum().backward()
+        return seen.names
+
+    want = step()
+    assert "scaled_dot_product_attention" in want and "softmax" in want
+    session = SESSIONS[name](model)  # (the test's residue fixture reads arguments here)
+    if outside:
+        with Seen() as seen, session:
+            model(x).sum().backward()
+        got = seen.names
+    else:
+        with session:
+            got = step()
+    assert got == want
+    assert not torch.overrides._get_current_function_mode_stack()

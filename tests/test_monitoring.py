@@ -652,3 +652,60 @@ def test_sinks_are_written_off_the_training_thread_and_errors_surface(tmp_path: 
         with hs.Monitor(net, every=1, sinks=[Broken()]) as mon:
             net(torch.randn(4, 3))
             mon.step()
+
+
+def _records(mon: hs.Monitor) -> list[dict[str, Any]]:
+    """``mon.records`` (a method now, a property soon)."""
+    found = mon.records
+    return list(found() if callable(found) else found)
+
+
+class Sparsify(nn.Module):
+    """A layer whose output is a sparse COO tensor (half its values are zeros), made
+    uncoalesced (each value split in two halves at the same index)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        s = x.relu().to_sparse()
+        indices = torch.cat([s.indices(), s.indices()], 1)
+        values = torch.cat([s.values(), s.values()]) / 2
+        return torch.sparse_coo_tensor(indices, values, s.shape, check_invariants=True)
+
+
+class Densify(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_dense()
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_a_sparse_output_is_measured_as_the_dense_tensor_it_stands_for(path: str) -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(3, 8), Sparsify(), Densify(), nn.Linear(8, 1))
+    x = torch.randn(5, 3)
+    seen: list[Tensor] = []
+    net[1].register_forward_hook(lambda m, a, out: seen.append(out.detach().to_dense()))
+    want = net(x)
+    with hs.Monitor(net, layers=["1"], every=1) as mon:
+        got = net(x)  # the forward goes on (it died in aminmax)
+        got.sum().backward()
+        mon.step()
+    assert torch.equal(got, want)
+    (act,) = [r for r in _records(mon) if r["kind"] == "activation"]
+    for key, value in _expected(seen[-1]).items():
+        assert act[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    assert "dead" not in act  # no channels in a sparse tensor's values
+    assert any(r["kind"] == "gradient" for r in _records(mon))
+    stats = importlib.import_module("hookscope.diagnose._stats")  # TensorBoard's histograms
+    sparse = Sparsify()(torch.randn(5, 8))
+    assert torch.equal(stats.histogram([sparse]), stats.histogram([sparse.to_dense()]))
+
+
+@pytest.mark.mutates_model  # an optimizer steps the meta parameters
+def test_a_meta_device_model_runs_and_its_valueless_tensors_are_left_out() -> None:
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(3, 6), nn.ReLU(), nn.Linear(6, 2))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    with hs.Monitor(net, optimizer=opt, every=1) as mon:
+        net(torch.randn(4, 3, device="meta")).sum().backward()
+        mon.log(lr=0.1)
+        opt.step()
+    assert _records(mon) == [{"step": 0, "layer": "lr", "kind": "scalar", "value": 0.1}]

@@ -161,3 +161,37 @@ def test_module_under_a_second_attribute_name_is_an_alias() -> None:
     with hs.capture(model, "again") as cap:
         out = model(torch.randn(1, 2))
     assert torch.equal(cap["again"].output, out.detach())
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.ReLU()])
+        self.heads = nn.ModuleDict({"out": nn.Linear(2, 1)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.heads["out"](x)
+
+
+def test_names_mark_the_containers_capture_refuses() -> None:
+    model = Blocks()
+    listed = hs.names(model)
+    assert listed == {
+        "blocks": "ModuleList (container)",
+        "blocks.0": "Linear",
+        "blocks.1": "ReLU",
+        "heads": "ModuleDict (container)",
+        "heads.out": "Linear",
+    }
+    for name, kind in listed.items():  # what names marks is exactly what capture refuses
+        if kind.endswith("(container)"):
+            with pytest.raises(hs.UsageError, match="container"):
+                hs.capture(model, name)
+    layers = [n for n, kind in listed.items() if not kind.endswith("(container)")]
+    with hs.capture(model, layers) as cap:
+        model(torch.randn(3, 2))
+    assert [cap[n].count for n in layers] == [1, 1, 1]
+    with_ops = hs.names(model, ops=True, inputs=torch.randn(3, 2))
+    assert with_ops["blocks"] == "ModuleList (container)" and "blocks.0::linear" in with_ops

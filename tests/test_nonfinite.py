@@ -7,6 +7,7 @@ import contextlib
 import copy
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -586,3 +587,143 @@ def test_a_model_that_changes_its_inputs_in_place_is_named_without_a_replay() ->
     with pytest.raises(hs.NonFiniteError, match="not replayed") as info, hs.nonfinite(model):
         model(x)
     assert (info.value.module, info.value.op) == ("1", None)
+
+
+# -- who is blamed in backward ------------------------------------------------------------------
+def _fp16_overflow_net() -> tuple[nn.Module, Tensor]:
+    """Under float16 autocast, the last Linear's weight and bias gradients (sums over 512
+    rows of a scaled gradient of 1024) overflow float16; nothing else does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 1))
+    with torch.no_grad():
+        model[2].weight.fill_(1e-3)
+    return model, torch.randn(512, 4)
+
+
+def _fp16_step(model: nn.Module, x: Tensor, scaler: torch.amp.GradScaler) -> None:
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(x)
+    scaler.scale(out.float().sum()).backward()
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_a_float16_autocast_overflow_is_blamed_where_it_happens() -> None:
+    model, x = _fp16_overflow_net()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    _fp16_step(model, x, scaler)  # the oracle: plain torch, which parameters overflowed
+    bad = [n for n, p in model.named_parameters() if not p.grad.isfinite().all()]
+    assert bad == ["2.weight", "2.bias"]
+    model.zero_grad()
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        _fp16_step(model, x, scaler)  # the replay runs under the forward's autocast
+    e = info.value
+    assert (e.phase, e.module, e.call, e.op) == ("backward", "2", 1, "aten.addmm")
+    assert e.stats["parameters"] == bad
+    model.zero_grad()
+    with hs.nonfinite(model, scaler=scaler) as report:  # no replay: tier 1's own blame
+        _fp16_step(model, x, scaler)
+    assert report.ok and [(o.module, o.op) for o in report.overflows] == [("2", None)]
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_an_infinity_in_the_first_layers_weight_gradient_is_blamed_on_it() -> None:
+    """The model makes no autograd node outside its Linear '0': their ranges of nodes are
+    the same, and the inner call made them."""
+    lin = nn.Linear(4, 1, bias=False)
+    with torch.no_grad():
+        lin.weight.fill_(1e-30)
+    model = nn.Sequential(lin, nn.Identity())
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        (model(torch.full((64, 4), 1e37)) * 1e3).sum().backward()
+    assert (info.value.module, info.value.op, info.value.stats["parameters"]) == (
+        "0", "aten.mm", ["0.weight"],
+    )  # fmt: skip
+
+
+class SqrtOfChild(nn.Module):
+    """The root's own code takes sqrt(0) of its child's output: infinite derivative."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sqrt(self.q(x) * 0)
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_an_operation_of_the_models_own_forward_is_blamed_on_the_model() -> None:
+    torch.manual_seed(0)
+    model = SqrtOfChild()
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        model(torch.randn(3, 4)).sum().backward()
+    assert (info.value.module, info.value.call, info.value.op) == ("", 1, "aten.sqrt")
+    assert "first produced by SqrtOfChild" in str(info.value)
+
+
+class BadSqrt(torch.autograd.Function):
+    """A custom Function whose backward divides by zero."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return grad / (x - x)
+
+
+class UsesBadSqrt(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return BadSqrt.apply(self.lin(x))
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_a_custom_autograd_function_is_named_as_itself() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), UsesBadSqrt(), nn.Linear(4, 1))
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        model(torch.randn(3, 4)).sum().backward()
+    assert (info.value.module, info.value.op) == ("1", f"{__name__}.BadSqrt")
+    assert f"in the backward of {__name__}.BadSqrt" in str(info.value)
+
+
+# -- unusual tensors ----------------------------------------------------------------------------
+class SparseLog(nn.Module):
+    """log of its input, returned as a sparse tensor (NaN where the input is negative)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.log(x).to_sparse()
+
+
+class Dense(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_dense()
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_sparse_outputs_are_checked_by_their_values() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sigmoid(), SparseLog(), Dense(), nn.Linear(4, 1))
+    with hs.nonfinite(model) as report:  # it died reading a sparse tensor's nbytes
+        model(torch.randn(3, 4)).sum().backward()
+    assert report.ok and report.forwards == report.backwards == 1
+    model = nn.Sequential(nn.Linear(4, 4), nn.Identity(), SparseLog(), Dense(), nn.Linear(4, 1))
+    with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
+        model(torch.randn(3, 4))  # negative inputs reach the log: NaN
+    assert (info.value.phase, info.value.module, info.value.op) == ("forward", "2", "aten.log")
+
+
+@pytest.mark.mutates_model  # backward writes .grad (meta tensors)
+def test_a_meta_device_model_has_no_values_to_find_non_finite() -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    with hs.nonfinite(model) as report:  # it failed copying out of meta
+        model(torch.randn(3, 4, device="meta")).sum().backward()
+    assert report.ok and report.forwards == report.backwards == 1

@@ -524,6 +524,17 @@ def test_attention_weights_equal_the_explicit_softmax(case: str) -> None:
         cap["::attention_weights"].grad_input  # noqa: B018
 
 
+def test_an_attention_weights_record_shows_the_output_it_returns() -> None:
+    torch.manual_seed(0)
+    m = SDPA()
+    with hs.capture(m, "::attention_weights") as cap:
+        m(torch.randn(2, 6, 16))
+    record = cap["::attention_weights"]
+    assert record.output.shape == (2, 4, 6, 6)
+    for shown in (repr(record), repr(record.calls[0])):
+        assert "output=None" not in shown and "[2, 4, 6, 6]" in shown, shown
+
+
 KNOCKOUT = torch.ones(6, 6)
 KNOCKOUT[3:, 0] = 0.0  # attention knockout: queries 3..5 may not read token 0
 EDITED = {
@@ -550,6 +561,42 @@ def test_edited_attention_weights_replace_that_call_only(case: str, edit: str) -
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(before["::attention_weights"].output, probs)
     torch.testing.assert_close(after["::attention_weights"].output, fn(probs))
+
+
+def _fully_masked(kind: str) -> Tensor:
+    """A mask whose query 2 may read no key (float: all -inf; bool: all False)."""
+    if kind == "float":
+        mask = torch.randn(1, 1, 6, 6, generator=torch.Generator().manual_seed(4))
+        mask[..., 2, :] = float("-inf")
+        return mask
+    mask = MASK.clone()
+    mask[2, :] = False
+    return mask
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+@pytest.mark.parametrize("kind", ["float", "bool"])
+def test_fully_masked_rows_under_an_edit_have_sdpas_own_gradients(kind: str) -> None:
+    """The explicit path of an edit gives a query that may read no key a zero row, as SDPA
+    does, and the gradients SDPA's math kernel gives (not NaN for that query and every key)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    m, x = SDPA(attn_mask=_fully_masked(kind)), torch.randn(2, 6, 16, requires_grad=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        want = m(x)
+        want.pow(2).sum().backward()
+    want_grads = [x.grad, m.qkv.weight.grad, m.qkv.bias.grad]
+    x.grad = m.qkv.weight.grad = m.qkv.bias.grad = None
+    with hs.edit(m, {"::attention_weights": lambda p: p * 1.0}) as ed:
+        got = m(x)
+        got.pow(2).sum().backward()
+    assert ed.applied == {"::attention_weights": 1}
+    assert torch.equal(got[:, 2], torch.zeros_like(got[:, 2]))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for a, b in zip([x.grad, m.qkv.weight.grad, m.qkv.bias.grad], want_grads, strict=True):
+        assert a is not None and b is not None and a.isfinite().all()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 class ScaleGrad(torch.autograd.Function):

@@ -189,3 +189,97 @@ def test_under_gradient_checkpointing(reentrant: bool) -> None:
         assert [cap[k].count for k in cap] == [1, 1]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+# -- decoding: transformers packs grouped query heads into the query-length axis ---------------
+DECODING = {
+    "llama-gqa-padded": ("LlamaModel", transformers.LlamaConfig, {}, True),
+    "mistral-sliding-window": (  # every decoding step of a sliding-window model has a mask
+        "MistralModel", transformers.MistralConfig, {"sliding_window": 4}, False,
+    ),
+}  # fmt: skip
+
+
+def _decoding(name: str, implementation: str = "eager") -> tuple[nn.Module, nn.Module]:
+    """(SDPA model, a model of ``implementation``) of a ``DECODING`` case, same weights."""
+    model, config, extra, _ = DECODING[name]
+    cls = getattr(transformers, model)
+    options = {**SMALL, "num_key_value_heads": 2, "vocab_size": 100, **extra}
+    torch.manual_seed(0)
+    fused = cls(config(attn_implementation="sdpa", **options)).eval()
+    other = cls(config(attn_implementation=implementation, **options)).eval()
+    other.load_state_dict(fused.state_dict())
+    return fused, other
+
+
+def _one_step(model: nn.Module, name: str) -> dict[str, Any]:
+    """The inputs of one decoding step after a prefill of 7 tokens (left padding if the case
+    says so): the prefill runs here, without hookscope."""
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    if DECODING[name][3]:
+        mask[1, :2] = 0
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :7], attention_mask=mask[:, :7], use_cache=True)
+    return {"input_ids": ids[:, 7:], "attention_mask": mask, "cache": cache.past_key_values}
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+@pytest.mark.parametrize("name", list(DECODING))
+def test_attention_weights_while_decoding_are_in_eager_layout(name: str) -> None:
+    """One query, 4 heads over 2 key/value heads: eager's ``(B, 4, 1, S)``, head by head, not
+    the packed ``(B, 2, 2, S)`` the SDPA call sees; their gradients too."""
+    fused, eager = _decoding(name)
+    ref = eager(**_one_step(eager, name), output_attentions=True)
+    weight = torch.randn(ref.last_hidden_state.shape, generator=torch.manual_seed(2))
+    (ref_grad,) = torch.autograd.grad((ref.last_hidden_state * weight).sum(), ref.attentions[1])
+    inputs = _one_step(fused, name)
+    with hs.capture(fused, "layers.*.self_attn::attention_weights", grads=True) as cap:
+        out = fused(**inputs).last_hidden_state
+        (out * weight).sum().backward()
+    for i in range(2):
+        got = cap[f"layers.{i}.self_attn::attention_weights"]
+        assert got.output.shape == ref.attentions[i].shape == (2, 4, 1, ref.attentions[i].size(-1))
+        torch.testing.assert_close(got.output, ref.attentions[i], rtol=0, atol=1e-6)
+    scale = float(ref_grad.abs().max())
+    got_grad = cap["layers.1.self_attn::attention_weights"].grad
+    live = ref.attentions[1] > 0  # masked keys: their values differ and do not matter
+    torch.testing.assert_close(got_grad[live], ref_grad[live], rtol=1e-4, atol=2e-6 * scale)
+
+
+def _head_mask_gqa_attention(heads: Tensor, layer: int) -> Callable[..., tuple[Tensor, Tensor]]:
+    """The oracle: Llama's eager attention written out (key/value heads repeated), head
+    ``heads`` multiplied in after the softmax in ``layer``."""
+
+    def attention(
+        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
+        scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        groups = module.num_key_value_groups
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        scores = query @ key.transpose(-1, -2) * (scaling or query.size(-1) ** -0.5)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        probs = scores.softmax(-1)
+        if module.layer_idx == layer:
+            probs = probs * heads[:, None, None]
+        return (probs @ value).transpose(1, 2), probs
+
+    return attention
+
+
+@pytest.mark.parametrize("name", list(DECODING))
+def test_head_edit_while_decoding_addresses_eager_heads(name: str) -> None:
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    heads = torch.tensor([1.0, 0.0, 0.5, 0.0])  # heads 1 and 3 share no key/value head
+    transformers.AttentionInterface.register("head_masked_gqa", _head_mask_gqa_attention(heads, 1))
+    AttentionMaskInterface.register("head_masked_gqa", eager_mask)
+    fused, oracle = _decoding(name, "head_masked_gqa")
+    want = oracle(**_one_step(oracle, name)).last_hidden_state
+    edit = {"layers.1.self_attn::attention_weights": lambda p: p * heads[:, None, None]}
+    inputs = _one_step(fused, name)
+    with hs.edit(fused, edit) as ed:
+        got = fused(**inputs).last_hidden_state
+    assert ed.applied == {"layers.1.self_attn::attention_weights": 1}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

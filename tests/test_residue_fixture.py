@@ -87,7 +87,7 @@ FAULTS: dict[str, tuple[str, str, str, str]] = {
     ),
     "function_mode": (
         "_torch.py",
-        "    while (top := pop()) is not mode:",
+        '    length, at, push, pop = need("torch._C torch function mode stack")',
         "    return  # forget to take the operation mode off the stack",
         "global state changed: torch function modes",
     ),

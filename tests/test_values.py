@@ -187,3 +187,84 @@ def test_capture_inside_vmap_is_refused() -> None:
     with hs.capture(model, "0") as cap, pytest.raises(hs.UnsupportedModelError, match="vmap"):
         torch.func.vmap(model)(torch.randn(5, 3, 4))
     assert cap["0"].count == 0  # nothing half-recorded
+
+
+# -- jagged nested tensors (layout=torch.jagged) ------------------------------------------------
+def _jagged(requires_grad: bool = False) -> Tensor:
+    parts = [torch.randn(3, 4, generator=torch.Generator().manual_seed(i)) for i in (1, 2)]
+    parts[1] = torch.cat([parts[1], torch.randn(2, 4, generator=torch.manual_seed(3))])
+    return torch.nested.nested_tensor(parts, layout=torch.jagged, requires_grad=requires_grad)
+
+
+@pytest.mark.mutates_model  # backward writes .grad
+def test_capture_of_jagged_nested_tensors_with_gradients_equals_raw_hooks() -> None:
+    model = mlp()
+    seen: dict[str, Tensor] = {}
+
+    def hook(m: nn.Module, args: tuple[Tensor, ...], out: Tensor) -> None:
+        seen["output"] = out.detach().clone()
+        out.register_hook(lambda g: seen.__setitem__("grad", g))
+
+    handle = model[0].register_forward_hook(hook)
+    x = _jagged(requires_grad=True)
+    model(x).values().pow(2).sum().backward()
+    handle.remove()
+    x = _jagged(requires_grad=True)
+    with hs.capture(model, "0", grads=True) as cap:  # the forward died in new_empty()
+        model(x).values().pow(2).sum().backward()
+    got = cap["0"]
+    assert got.output.is_nested and got.grad.is_nested
+    torch.testing.assert_close(got.output.values(), seen["output"].values())
+    torch.testing.assert_close(got.grad.values(), seen["grad"].values())
+
+
+def test_summary_of_jagged_nested_tensors_reads_their_sizes() -> None:
+    from hookscope.look import NestedShape
+
+    model, x = mlp(), _jagged()
+    rows = {r.name: r for r in hs.summary(model, x).rows}  # it died reading the shapes
+    want = tuple(tuple(c.shape) for c in model[0](x).unbind())
+    assert rows["0"].output == NestedShape(want) and want == ((3, 6), (5, 6))
+    assert rows["0"].flops == 2 * (3 + 5) * 4 * 6 and rows["2"].flops == 2 * (3 + 5) * 6 * 2
+
+
+def test_jagged_nested_tensors_have_no_batch_mean_and_say_so() -> None:
+    model = mlp()
+    means = hs.features(model, _jagged(), ["0"], reduce="token_mean")["0"]
+    torch.testing.assert_close(
+        means, torch.stack([c.mean(0) for c in model[0](_jagged()).unbind()])
+    )
+    with pytest.raises(hs.UsageError, match=r"batch_mean' of a nested tensor.*token_mean"):
+        hs.features(model, _jagged(), ["0"], reduce="batch_mean")
+
+
+def test_edits_of_jagged_nested_tensors_equal_the_edit_by_hand() -> None:
+    model = mlp()
+    want = model[2](model[1](model[0](_jagged()) * 2.0)).values()
+    with hs.edit(model, {"0": hs.scale(2.0)}):
+        got = model(_jagged()).values()
+    torch.testing.assert_close(got, want)
+
+
+class ToSparse(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.relu().to_sparse()
+
+
+class ToDense(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x.to_dense()
+
+
+def test_sparse_outputs_are_captured_and_edited_as_they_are() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), ToSparse(), ToDense(), nn.Linear(6, 2))
+    x = torch.randn(3, 4)
+    sparse = model[1](model[0](x))
+    with hs.capture(model, "1") as cap:
+        model(x)
+    assert cap["1"].output.is_sparse
+    torch.testing.assert_close(cap["1"].output.to_dense(), sparse.to_dense())
+    with hs.edit(model, {"1": hs.scale(3.0)}):
+        got = model(x)
+    torch.testing.assert_close(got, model[3]((sparse * 3.0).to_dense()))

@@ -86,10 +86,15 @@ def hooks_left(model: nn.Module) -> int:
 # ---------------------------------------------------------------------------------------
 # Names
 # ---------------------------------------------------------------------------------------
+def listed_type(m: nn.Module) -> str:
+    """The type ``hs.names`` lists: a container without a ``forward`` of its own is marked."""
+    return type(m).__name__ + (" (container)" if type(m).forward is nn.Module.forward else "")
+
+
 @pytest.mark.parametrize("entry", zoo_params())
 def test_names_are_named_modules_of_unwrapped_model(entry: ZooEntry) -> None:
     model, _, _ = entry.build()
-    expected = {n: type(m).__name__ for n, m in unwrap(model).named_modules() if n}
+    expected = {n: listed_type(m) for n, m in unwrap(model).named_modules() if n}
     assert hs.names(model) == expected
     assert set(entry.layers) <= set(hs.names(model))
 
@@ -838,7 +843,7 @@ def test_wrapped_names_work_with_and_without_prefix(entry_name: str) -> None:
 
 def test_double_wrapping_names() -> None:
     base, _, _ = ZOO["deep_nesting"].build()
-    expected = {n: type(m).__name__ for n, m in base.named_modules() if n}
+    expected = {n: listed_type(m) for n, m in base.named_modules() if n}
     assert hs.names(nn.DataParallel(torch.compile(base, backend="eager"))) == expected
     assert hs.names(torch.compile(nn.DataParallel(base), backend="eager")) == expected
 

@@ -33,7 +33,14 @@ from ._session import Run, Session, replica_error
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
 from ._watch import PENDING, GradWatch
-from .ops._attention import WAITING, attention_args, probabilities, weights_grad
+from .ops._attention import (
+    WAITING,
+    attention_args,
+    packed_groups,
+    probabilities,
+    unpack,
+    weights_grad,
+)
 from .ops._select import OpSelector, forward_op, op_binder
 
 __all__ = ["Capture", "StopForward", "capture"]
@@ -273,6 +280,48 @@ class Capture(Session):
             ['1', '0']
         """
         return list(self.records)
+
+    def values(self) -> list[LayerRecord]:
+        """The captured layers' records, in the order of :meth:`keys`.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, ["0", "1"]) as cap:
+            ...     _ = model(torch.ones(1, 2))
+            >>> [record.output.shape for record in cap.values()]
+            [torch.Size([1, 3]), torch.Size([1, 3])]
+        """
+        return list(self.records.values())
+
+    def items(self) -> list[tuple[str, LayerRecord]]:
+        """``(name, record)`` of each captured layer, in the order of :meth:`keys` (as a
+        mapping's ``items``).
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, ["0", "1"]) as cap:
+            ...     _ = model(torch.ones(1, 2))
+            >>> {name: record.count for name, record in cap.items()}
+            {'0': 1, '1': 1}
+        """
+        return list(self.records.items())
+
+    def get(self, name: str, default: Any = None) -> LayerRecord | Any:
+        """The record of layer ``name`` (any of its names), or ``default`` if this capture
+        has no such layer (as a mapping's ``get``).
+
+        Example:
+            >>> import torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 3), nn.ReLU())
+            >>> with hs.capture(model, "0") as cap:
+            ...     pass
+            >>> cap.get("1") is None, cap.get("0").name
+            (True, '0')
+        """
+        found = self.records.get(self._layers.canonical(name)) if isinstance(name, str) else None
+        return default if found is None else found
 
     def __repr__(self) -> str:
         calls = sum(len(r) for r in self.records.values())
@@ -529,11 +578,12 @@ class Capture(Session):
         self, wsite: _Site, func: Any, run: Run, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         bound = op_binder(func).bind(args, kwargs)
+        groups = packed_groups(wsite.module, bound["query"], bound["key"])
         if backward_id() != -1:  # a checkpoint's replay: only gradients may still be wanted
             found = self._watch.replayed(wsite.name) if self._grads else None
             out = run(args, kwargs)
             if found is not None:
-                self._hook_weights_grad(found, bound, out)
+                self._hook_weights_grad(found, bound, groups, out)
             return out
         call = self._new_call(wsite)
         eager = self._store._reduce is not None  # reduce= applies to the weights, not Q, K, V
@@ -550,15 +600,17 @@ class Capture(Session):
             call._set_output(slot[0])
         elif eager:
             with torch.no_grad():
-                call._set_output(probabilities(**attention_args(bound)))
+                call._set_output(unpack(probabilities(**attention_args(bound)), groups))
         else:
-            call._set_lazy(_lazy_weights)
+            call._set_lazy(functools.partial(_lazy_weights, groups))
         if self._grads:
-            self._weights_grads(wsite, call, bound, out)
+            self._weights_grads(wsite, call, bound, groups, out)
         self._keep(wsite, call)
         return out
 
-    def _weights_grads(self, wsite: _Site, call: Call, bound: dict[str, Any], out: Any) -> None:
+    def _weights_grads(
+        self, wsite: _Site, call: Call, bound: dict[str, Any], groups: int, out: Any
+    ) -> None:
         call._expect_grads(None)
         for path, _ in _tree.leaves(bound):
             call._no_grad(("input", *path), _NO_INPUT_GRADS)
@@ -571,9 +623,9 @@ class Capture(Session):
             if boundary != PENDING:
                 call._no_grad(_OUTPUT, boundary)
             return
-        self._hook_weights_grad(call, bound, out)
+        self._hook_weights_grad(call, bound, groups, out)
 
-    def _hook_weights_grad(self, call: Call, bound: dict[str, Any], out: Any) -> None:
+    def _hook_weights_grad(self, call: Call, bound: dict[str, Any], groups: int, out: Any) -> None:
         if not isinstance(out, Tensor) or not out.requires_grad:
             call._no_grad(_OUTPUT, why_no_grad())
             return
@@ -581,13 +633,13 @@ class Capture(Session):
         heads = bound["query"].size(-3) if bound.get("enable_gqa") else None
 
         def on_grad(grad: Tensor) -> None:
-            call._set_grad(_OUTPUT, weights_grad(value, heads, grad))
+            call._set_grad(_OUTPUT, unpack(weights_grad(value, heads, grad), groups))
 
         self.hooks.tensor(out, on_grad)
 
 
-def _lazy_weights(call: Call) -> Tensor:
-    return probabilities(**attention_args(call.inputs))
+def _lazy_weights(groups: int, call: Call) -> Tensor:
+    return unpack(probabilities(**attention_args(call.inputs)), groups)
 
 
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest

@@ -91,26 +91,48 @@ def transform(
 
 
 def replace(value: Tensor | float, *, on: EditTarget = "output", at: PathLike = None) -> Edit:
-    """Replace with ``value`` (broadcast to the original shape, cast to its dtype)."""
+    """Replace with ``value`` (broadcast to the original shape, cast to its dtype).
+
+    Raises:
+        EditError: in the forward, naming the layer and both shapes, if ``value`` does not
+            broadcast to the tensor it replaces (nothing is changed).
+    """
     _check_value(value, "replace")
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
         v = torch.as_tensor(value, dtype=t.dtype, device=t.device)
+        _fits(v, t, ctx, "replace", on, "value")
         return v.expand(t.shape).clone()
 
     return Edit(fn, on, at, name="replace")
 
 
 def add(delta: Tensor | float, *, on: EditTarget = "output", at: PathLike = None) -> Edit:
-    """Add ``delta`` (e.g. a steering vector), broadcast."""
+    """Add ``delta`` (e.g. a steering vector), broadcast to the tensor's shape (an
+    :class:`~hookscope.EditError` naming both shapes if it does not broadcast)."""
     _check_value(delta, "add")
-    return Edit(lambda t, ctx: t + _like(delta, t), on, at, name="add")
+
+    def fn(t: Tensor, ctx: EditContext) -> Tensor:
+        d = _like(delta, t)
+        _fits(d, t, ctx, "add", on, "delta")
+        out: Tensor = t + d
+        return out
+
+    return Edit(fn, on, at, name="add")
 
 
 def scale(factor: Tensor | float, *, on: EditTarget = "output", at: PathLike = None) -> Edit:
-    """Multiply by ``factor``."""
+    """Multiply by ``factor`` (a tensor broadcasts to the tensor's shape, or
+    :class:`~hookscope.EditError`)."""
     _check_value(factor, "scale")
-    return Edit(lambda t, ctx: t * _like(factor, t), on, at, name="scale")
+
+    def fn(t: Tensor, ctx: EditContext) -> Tensor:
+        k = _like(factor, t)
+        _fits(k, t, ctx, "scale", on, "factor")
+        out: Tensor = t * k
+        return out
+
+    return Edit(fn, on, at, name="scale")
 
 
 def ablate(*, on: EditTarget = "output", at: PathLike = None) -> Edit:
@@ -131,6 +153,7 @@ def mean_ablate(
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
         m = _like(mean, t) if mean is not None else t.mean(dim=tuple(dims), keepdim=True)
+        _fits(m, t, ctx, "mean_ablate", on, "mean")
         return m.expand(t.shape).clone()
 
     return Edit(fn, on, at, name="mean_ablate")
@@ -140,8 +163,14 @@ def patch(source: Any, *, on: EditTarget = "output", at: PathLike = None) -> Edi
     """Replace with the values a previous :func:`capture` recorded (activation patching).
 
     The n-th call of the layer in this forward gets the n-th captured call of the same layer
-    (``source`` may be the whole capture or one layer's record). For ``on="grad"`` /
-    ``"input_grad"`` the source must have captured gradients (``grads=True``).
+    (``source`` may be the whole capture or one layer's record). A source of batch 1 is
+    broadcast over the batch: one clean run patched into a batch of corrupted prompts. Values
+    are cast to the dtype of the tensor they replace when both are floating point. For
+    ``on="grad"`` / ``"input_grad"`` the source must have captured gradients (``grads=True``).
+
+    Raises:
+        EditError: in the forward, if the source has fewer calls of the layer, or recorded a
+            shape that is neither this call's nor this call's with a batch of 1.
     """
     if not isinstance(source, LayerRecord) and not hasattr(source, "records"):
         raise UsageError(f"patch needs a Capture or a LayerRecord, not {type(source).__name__}")
@@ -163,10 +192,37 @@ def patch(source: Any, *, on: EditTarget = "output", at: PathLike = None) -> Edi
             if on == "input"
             else call.grad_inputs
         )
-        value: Tensor = _tree.get(tree, ctx.path)
-        return value.to(t.device).clone()
+        value: Tensor = _like(_tree.get(tree, ctx.path), t)
+        if value.shape == t.shape:
+            return value.clone()
+        if value.dim() == t.dim() and value.size(0) == 1 and value.shape[1:] == t.shape[1:]:
+            return value.expand(t.shape).clone()  # one clean run, over the whole batch
+        raise EditError(
+            f"patch for {ctx.layer!r} {on}{_tree.path_str(ctx.path)}: the source recorded "
+            f"{tuple(value.shape)} for call {ctx.call}, but this call has {tuple(t.shape)}. "
+            "A patch takes the same shape, or a source of batch 1 (broadcast over the "
+            "batch): capture the source with inputs of this shape (the same sequence length, "
+            "padded), or patch chosen positions with hs.transform(lambda h: ...)"
+        )
 
     return Edit(fn, on, at, name="patch")
+
+
+def _fits(value: Any, t: Tensor, ctx: EditContext, edit: str, on: str, what: str) -> None:
+    """Refuse a value that does not broadcast to ``t``'s shape, before anything is written."""
+    if not isinstance(value, Tensor):
+        return
+    small, big = value.shape, t.shape
+    fits = len(small) <= len(big) and all(
+        a in (1, b) for a, b in zip(reversed(small), reversed(big), strict=False)
+    )
+    if not fits:
+        raise EditError(
+            f"{edit} on {ctx.layer!r} {on}{_tree.path_str(ctx.path)}: its {what} of shape "
+            f"{tuple(value.shape)} does not broadcast to the {tuple(t.shape)} it edits; give "
+            f"a {what} of that shape, or one that broadcasts to it (sizes 1 or missing in "
+            "front)"
+        )
 
 
 def _check_value(value: Any, what: str) -> None:
@@ -213,7 +269,12 @@ def call_checked(
     raise EditError(
         f"{where} changed {_tree.describe(old)} on {old.device} into {_tree.describe(new)} on "
         f"{new.device}"
-        + ("; gradients must keep their shape" if grad else "; pass allow_shape_change=True")
+        + (
+            "; gradients must keep their shape"
+            if grad
+            else "; to change it on purpose, give the function as "
+            "hs.transform(fn, allow_shape_change=True)"
+        )
     )
 
 

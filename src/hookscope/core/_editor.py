@@ -372,7 +372,7 @@ class Editor(Session):
         explicit)."""
         waiting = list(WAITING)  # the captures above this edit see its result
         own = [(functools.partial(self._edit_weights, layer), waiting) for layer in weights]
-        return explicit([*own, *chain_of(func)])
+        return explicit([*own, *chain_of(func)], weights[0].module)
 
     def _edit_weights(self, layer: _Layer, probs: Tensor) -> Tensor:
         if layer.pre:  # gradient edits: mark where the call starts

@@ -23,6 +23,11 @@ takes it off; a call ended by a ``BaseException``, which skips the post-hook, le
 passing every call through untouched, until the session's next forward or its close takes it
 off); guided backpropagation enters one with ``with`` around its forward.
 
+hookscope's own work is invisible to torch function modes, the user's and its own: every hook
+it registers runs with the function mode stack taken off (when there is one: an empty stack is
+the fast path), and so do the handlers of operation sites, except for the operation they
+forward (:func:`unseen`, :func:`run_unseen`, ``_torch.hide_function_modes``).
+
 Tensor and node hooks are removed on close like module hooks, so a backward that runs after
 the session ended sees none of them. It never uses module backward hooks: the legacy
 ``register_backward_hook`` reports the last op's gradients, and ``register_full_backward_hook``
@@ -54,7 +59,7 @@ import copyreg
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -70,8 +75,12 @@ __all__ = [
     "FunctionInterceptor",
     "HookSet",
     "Shared",
+    "run_unseen",
     "training_mode",
+    "unseen",
 ]
+
+_T = TypeVar("_T")
 
 #: Handle ids of module hooks hookscope holds right now (dropped from pickled state).
 _MODULE_HOOK_IDS: set[int] = set()
@@ -192,7 +201,7 @@ class HookSet:
         self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
     ) -> None:
         """Register ``fn`` as a forward pre-hook of ``module`` until :meth:`close`."""
-        fn = self._outside_graphs(fn)
+        fn = self._outside_graphs(unseen(fn))
         self._module(module, module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
     def forward(
@@ -205,7 +214,7 @@ class HookSet:
     ) -> None:
         """Register ``fn`` as a forward hook of ``module`` until :meth:`close`
         (``always_call=True``: it runs even when the forward raises)."""
-        fn = self._outside_graphs(fn)
+        fn = self._outside_graphs(unseen(fn))
         handle = module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
         self._module(module, handle)
 
@@ -215,13 +224,14 @@ class HookSet:
         (an LSTM's ``output`` when the loss reads only ``h_n``)."""
 
         def hook(grad: Tensor | None) -> Tensor | None:
-            return None if grad is None else fn(grad)
+            return None if grad is None else run(grad)
 
+        run = unseen(fn)
         self._keep(tensor.register_hook(hook))  # type: ignore[no-untyped-call]
 
     def node(self, node: Any, fn: Callable[[Any, Any], Any]) -> None:
         """Hook an autograd node: ``fn(grad_inputs, grad_outputs)`` after it runs."""
-        self._keep(node.register_hook(fn))
+        self._keep(node.register_hook(unseen(fn)))
 
     def optimizer_step(
         self,
@@ -230,6 +240,7 @@ class HookSet:
         after: Callable[[torch.optim.Optimizer], None],
     ) -> None:
         """Call ``before(optimizer)`` / ``after(optimizer)`` around each of its steps."""
+        before, after = unseen(before), unseen(after)
         self._handles.append(optimizer.register_step_pre_hook(lambda o, *_: before(o)))
         self._handles.append(optimizer.register_step_post_hook(lambda o, *_: after(o)))
 
@@ -270,6 +281,35 @@ class HookSet:
         if len(self._handles) >= self._prune_at:
             self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]
             self._prune_at = 2 * len(self._handles) + 256
+
+
+def unseen(fn: Callable[..., _T]) -> Callable[..., _T]:
+    """``fn`` (a hook) run with the torch function mode stack taken off, when there is one:
+    a user's ``TorchFunctionMode`` sees the model's operations, not hookscope's copies and
+    statistics. The stack's length is checked first: an empty stack costs one call."""
+    length = _torch.function_stack_length
+
+    def run(*args: Any, **kwargs: Any) -> _T:
+        if not length():
+            return fn(*args, **kwargs)
+        _torch.hide_function_modes()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _torch.restore_function_modes()
+
+    return run
+
+
+def run_unseen(fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` with the torch function mode stack taken off (always, even when empty,
+    so that the operation it forwards finds the modes it took: the handler of an operation
+    site, whose forwarded call ``ops._select.forward_op`` runs where the modes see it)."""
+    _torch.hide_function_modes()
+    try:
+        return fn(*args)
+    finally:
+        _torch.restore_function_modes()
 
 
 class FunctionInterceptor(TorchFunctionMode):

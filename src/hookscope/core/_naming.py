@@ -361,14 +361,16 @@ def names(model: nn.Module, layers: LayerSelector | None = None) -> dict[str, st
     Names are those of ``named_modules()`` on the unwrapped model, so they are the same for
     ``model``, ``nn.DataParallel(model)`` and ``torch.compile(model)``. Containers that are
     never called (``nn.ModuleList``, ``nn.ModuleDict``) are listed, since their names prefix
-    their children's, but cannot be captured themselves.
+    their children's, but cannot be captured themselves: their type name says so,
+    ``"ModuleList (container)"``.
 
     Args:
         model: any ``nn.Module``, wrapped or not.
         layers: optionally, a selector to preview what it matches.
 
     Returns:
-        An ordered dict of name to type name, in ``named_modules()`` order.
+        An ordered dict of name to type name (``" (container)"`` added for containers), in
+        ``named_modules()`` order.
 
     Raises:
         LayerNotFoundError: ``layers`` matches nothing.
@@ -377,6 +379,8 @@ def names(model: nn.Module, layers: LayerSelector | None = None) -> dict[str, st
         >>> import torch.nn as nn, hookscope as hs
         >>> hs.names(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
         {'0': 'Linear', '1': 'ReLU'}
+        >>> hs.names(nn.ModuleDict({"blocks": nn.ModuleList([nn.ReLU()])}))
+        {'blocks': 'ModuleList (container)', 'blocks.0': 'ReLU'}
     """
     known = Layers(model)
     if layers is not None:
@@ -385,7 +389,14 @@ def names(model: nn.Module, layers: LayerSelector | None = None) -> dict[str, st
     if layers is not None:
         order = list(known.modules)
         chosen = dict(sorted(chosen.items(), key=lambda kv: order.index(kv[0])))
-    return {name: _type_name(module) for name, module in chosen.items()}
+    return {
+        name: _type_name(module) + ("" if is_called(module) else CONTAINER)
+        for name, module in chosen.items()
+    }
+
+
+#: what ``names`` adds to a container's type name (it is never called: nothing to capture)
+CONTAINER = " (container)"
 
 
 _NAMES_OPS = (

@@ -73,7 +73,8 @@ def names(
     Names are those of ``named_modules()`` on the unwrapped model, so they are the same for
     ``model``, ``nn.DataParallel(model)`` and ``torch.compile(model)``. Containers that are
     never called (``nn.ModuleList``, ``nn.ModuleDict``) are listed, since their names prefix
-    their children's, but cannot be captured themselves.
+    their children's, but cannot be captured themselves: their type name says so,
+    ``"ModuleList (container)"``.
 
     With ``ops=True`` the model runs once on ``inputs`` (under ``torch.no_grad()``, in its
     current training mode, invisible to other open sessions) and each layer is followed by
@@ -92,7 +93,8 @@ def names(
             arguments or a mapping of keyword arguments.
 
     Returns:
-        An ordered dict of name to type name, in ``named_modules()`` order.
+        An ordered dict of name to type name (``" (container)"`` added for containers), in
+        ``named_modules()`` order.
 
     Raises:
         LayerNotFoundError: ``layers`` matches nothing.

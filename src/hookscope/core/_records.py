@@ -131,7 +131,7 @@ class Call:
         extra = self._more()
         extra.grads = {}
         if extra.inputs is None and inputs is not None:
-            extra.skeleton = _tree.map_tensors(lambda p, t: t.new_empty(0, device="meta"), inputs)
+            extra.skeleton = _tree.map_tensors(_placeholder, inputs)
 
     def _no_grad(self, key: Path, why: str) -> None:
         self._more().why[key] = why
@@ -287,8 +287,19 @@ class Call:
             "depends on this value while the capture is open."
         )
 
+    def _shown_output(self) -> str:
+        """The output as a repr shows it; attention weights, computed when read, too."""
+        extra = self._extra
+        if extra is None or extra.lazy is None:
+            return _tree.describe(self._output)
+        try:
+            with torch.no_grad():
+                return _tree.describe(extra.lazy(self))
+        except Exception:  # a repr must not raise (inputs gone with an evicted call)
+            return "computed when read"
+
     def __repr__(self) -> str:
-        parts = [f"{self.layer!r}", f"call={self.index}", f"output={_tree.describe(self._output)}"]
+        parts = [f"{self.layer!r}", f"call={self.index}", f"output={self._shown_output()}"]
         if self._extra is not None and self._extra.inputs is not None:
             parts.append(f"inputs={_tree.describe(self._extra.inputs)}")
         if self._extra is not None and self._extra.grads is not None:
@@ -539,8 +550,14 @@ class LayerRecord:
     def __repr__(self) -> str:
         if not self.calls:
             return f"LayerRecord({self.name!r}, {self.module_type}, no calls)"
-        shown = _tree.describe(self.calls[-1]._output)
+        shown = self.calls[-1]._shown_output()
         return (
             f"LayerRecord({self.name!r}, {self.module_type}, calls={len(self.calls)}/"
             f"{self.count}, output={shown})"
         )
+
+
+def _placeholder(path: Any, t: Tensor) -> Tensor:
+    """An empty meta tensor standing for ``t`` in a skeleton (``new_empty`` of a jagged
+    nested tensor raises)."""
+    return torch.empty(0, dtype=t.dtype, device="meta")

@@ -44,6 +44,12 @@ def token_mean(t: Tensor, mask: Tensor | None) -> Tensor:
 
 
 def _batch_mean(t: Tensor, mask: Tensor | None) -> Tensor:
+    if t.is_nested:
+        raise UsageError(
+            "reduce='batch_mean' of a nested tensor: its samples have different lengths, so "
+            "they have no mean over the batch; use 'token_mean' (each sample's mean) or a "
+            "function"
+        )
     return t.mean(dim=0) if t.ndim > 0 else t
 
 

@@ -36,6 +36,9 @@ set of policies, decided here:
 * **Private forwards.** A forward hookscope runs on the user's model for its own purposes (the
   NaN tracer's replay) is seen only by the sessions it names (:func:`private_forward`).
 * ``torch.func`` transforms: calls inside them are refused by the sessions that record values.
+* **Function modes.** hookscope's own work (hooks, opening, closing, an operation site's
+  handler) runs with the torch function mode stack taken off (``_lifetime.unseen``): a user's
+  ``TorchFunctionMode`` sees the model's operations only.
 
 Nesting. ``with`` on a session that is already open nests: the hooks stay until the
 outermost block exits. :meth:`close` closes at once.
@@ -60,7 +63,7 @@ from . import _torch
 from ._calls import ModuleCall, Now, hidden, in_own_forward, private_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled
-from ._lifetime import HookSet
+from ._lifetime import HookSet, unseen
 from ._naming import Layers, Site, is_called, unwrap
 from .ops._attention import attention_args, probabilities
 from .ops._select import forward_op, op_binder
@@ -196,7 +199,7 @@ class Session:
                 self._threads.setdefault(me, 0)
             if self._hooks is None:
                 self._own = in_own_forward()
-                self._install_hooks()
+                unseen(self._install_hooks)()  # hookscope's own work: no function mode sees it
         return self
 
     def _install_hooks(self) -> None:
@@ -219,6 +222,9 @@ class Session:
 
     def close(self) -> None:
         """Remove every hook this session added. Idempotent; results stay readable."""
+        unseen(self._shut)()
+
+    def _shut(self) -> None:
         with self._lock:
             try:
                 self._exit.close()

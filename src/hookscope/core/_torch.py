@@ -16,9 +16,12 @@ CI tests torch 2.13.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import itertools
 import operator
 import sys
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +41,7 @@ __all__ = [
     "backward_id",
     "buffers_of",
     "call_raised",
+    "call_shown",
     "checkpoint_codes",
     "children",
     "current_dispatch_mode",
@@ -46,8 +50,11 @@ __all__ = [
     "foreach_mul",
     "foreach_norm",
     "foreach_sub",
+    "function_class",
     "function_mode_on",
+    "function_stack_length",
     "functorch_level",
+    "hide_function_modes",
     "inner_code",
     "is_mutable",
     "missing",
@@ -58,10 +65,12 @@ __all__ = [
     "push_function_mode",
     "queue_callback",
     "remove_function_mode",
+    "restore_function_modes",
     "saved_tensor_hooks_active",
     "schema_arguments",
     "sequence_nr",
     "set_stance",
+    "sparse_values",
     "version",
     "wrap_inline_codes",
 ]
@@ -166,6 +175,14 @@ def node_sequence_nr(node: Any) -> int:
     return seq
 
 
+def function_class(node: Any) -> type | None:
+    """The ``torch.autograd.Function`` whose backward an autograd node runs (a custom
+    Function's node is an instance of a class PyTorch makes for it, which names the Function
+    in ``_forward_cls``); None for a node of a built-in operator."""
+    cls = getattr(node, "_forward_cls", None)
+    return cls if isinstance(cls, type) else None
+
+
 _engine = _find(
     "torch.autograd.Variable._execution_engine.queue_callback",
     lambda: torch.autograd.Variable._execution_engine.queue_callback,
@@ -229,7 +246,10 @@ _has_kernel = _find(
 def dispatch_has_composite(func: Any) -> bool:
     """Whether an aten operator has a CompositeImplicitAutograd kernel (a decomposition)."""
     has: Callable[[str, str], bool] = need("torch._C._dispatch_has_kernel_for_dispatch_key")
-    return has(func.name(), "CompositeImplicitAutograd")
+    try:
+        return has(func.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # not a dispatcher operator (``prim::layout``, a jagged .layout)
+        return False
 
 
 # -- tensors and operators ------------------------------------------------------------------------
@@ -239,13 +259,44 @@ version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 and raises RuntimeError)."""
 
 
-def nested_sizes(t: torch.Tensor) -> torch.Tensor:
-    """The ``(samples, dims)`` sizes of a nested tensor's components (a CPU tensor)."""
-    sizes: torch.Tensor = need("torch.Tensor._nested_tensor_size")(t)
-    return sizes
+def nested_sizes(t: torch.Tensor) -> tuple[tuple[int, ...], ...]:
+    """The sizes of a nested tensor's components, read from its metadata without running an
+    operator (a dispatch mode counting the model's operators, or a user's, would see one:
+    even ``.layout`` and ``.unbind()`` of a jagged tensor dispatch). Strided layout: its
+    CPU size tensor; jagged layout (``torch.nested._internal``'s ``NestedTensor``): its
+    values' shape with the ragged dim cut at its offsets (or lengths, where it has holes).
+    On a GPU the jagged offsets are read on the host."""
+    jagged = INTERNALS["torch.nested._internal.nested_tensor.NestedTensor"]
+    if jagged is None or not isinstance(t, jagged):
+        sizes: list[list[int]] = need("torch.Tensor._nested_tensor_size")(t).tolist()
+        return tuple(tuple(s) for s in sizes)
+    shape = list(t._values.shape)
+    dim = t._ragged_idx - 1  # in the values, which have no batch dim
+    if t._lengths is not None:
+        lengths: list[int] = t._lengths.tolist()
+    else:
+        offsets: list[int] = t._offsets.tolist()
+        lengths = [b - a for a, b in itertools.pairwise(offsets)]
+    return tuple((*shape[:dim], n, *shape[dim + 1 :]) for n in lengths)
 
 
 _find("torch.Tensor._nested_tensor_size", lambda: torch.Tensor._nested_tensor_size)
+_find("torch.Tensor._values", lambda: torch.Tensor._values)
+
+
+def sparse_values(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a sparse tensor's stored values, as they are (a COO tensor's
+    uncoalesced too: ``.values()`` would refuse it)."""
+    if t.layout == torch.sparse_coo:
+        values: torch.Tensor = need("torch.Tensor._values")(t)
+        return values
+    return t.values()
+
+
+_find(
+    "torch.nested._internal.nested_tensor.NestedTensor",
+    lambda: importlib.import_module("torch.nested._internal.nested_tensor").NestedTensor,
+)
 
 
 def is_mutable(func: Any) -> bool:
@@ -351,10 +402,74 @@ _MODES = _find(
 )
 
 
+class _Hidden(threading.local):
+    """Per thread: the function modes each region of hookscope's own code took off the stack
+    (:func:`hide_function_modes`), innermost last, each bottom first."""
+
+    def __init__(self) -> None:
+        self.regions: list[list[Any]] = []
+
+
+_HIDDEN = _Hidden()
+
+
+def function_stack_length() -> int:
+    """How many torch function modes are on this thread's stack (0 almost always: the
+    check that keeps hookscope's hooks cheap)."""
+    length: int = need("torch._C torch function mode stack")[0]()
+    return length
+
+
+def hide_function_modes() -> None:
+    """Take every torch function mode off this thread's stack until
+    :func:`restore_function_modes`: hookscope's own work (copies, statistics, bookkeeping) is
+    then invisible to the user's modes and to other sessions' interceptors. A mode pushed or
+    removed meanwhile (a session's interceptor, by its hooks) is pushed or left out as if the
+    stack had been there."""
+    length, _, _, pop = need("torch._C torch function mode stack")
+    taken = [pop() for _ in range(length())]
+    taken.reverse()
+    _HIDDEN.regions.append(taken)
+
+
+def restore_function_modes() -> None:
+    """Put back the modes the innermost :func:`hide_function_modes` took, under those pushed
+    since."""
+    length, _, push, pop = need("torch._C torch function mode stack")
+    taken = _HIDDEN.regions.pop()
+    since = [pop() for _ in range(length())]
+    for mode in taken:
+        push(mode)
+    for mode in reversed(since):
+        push(mode)
+
+
+def call_shown(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``func(*args, **kwargs)`` with the modes the innermost hidden region took back on the
+    stack: an operation a handler forwards is the model's, and modes below must see it."""
+    regions = _HIDDEN.regions
+    if not regions or not regions[-1]:
+        return func(*args, **kwargs)
+    length, _, push, pop = need("torch._C torch function mode stack")
+    base, taken = length(), regions[-1]
+    regions[-1] = []  # shown now: a nested pass-through must not push them again
+    for mode in taken:
+        push(mode)
+    try:
+        return func(*args, **kwargs)
+    finally:
+        back = [pop() for _ in range(length() - base)]
+        back.reverse()
+        regions[-1] = back
+
+
 def function_mode_on(mode: object) -> bool:
-    """Whether ``mode`` is on this thread's torch function mode stack (at any depth)."""
+    """Whether ``mode`` is on this thread's torch function mode stack (at any depth), or
+    taken off it for a while by :func:`hide_function_modes`."""
     length, at, _, _ = need("torch._C torch function mode stack")
-    return any(at(i) is mode for i in range(length()))
+    if any(at(i) is mode for i in range(length())):
+        return True
+    return any(m is mode for region in _HIDDEN.regions for m in region)
 
 
 def push_function_mode(mode: object) -> None:
@@ -365,9 +480,12 @@ def push_function_mode(mode: object) -> None:
 
 def remove_function_mode(mode: object) -> None:
     """Take ``mode`` off the stack wherever it is (``__exit__`` pops the top, whatever it
-    is); the modes above it stay, in order. Nothing happens if it is not there."""
-    _, _, push, pop = need("torch._C torch function mode stack")
-    if not function_mode_on(mode):
+    is); the modes above it stay, in order. Nothing happens if it is not there. A mode taken
+    off for a while by :func:`hide_function_modes` is left out when they are put back."""
+    length, at, push, pop = need("torch._C torch function mode stack")
+    if not any(at(i) is mode for i in range(length())):
+        for region in _HIDDEN.regions:
+            region[:] = [m for m in region if m is not mode]
         return
     above = []
     while (top := pop()) is not mode:

@@ -4,7 +4,9 @@ Same arithmetic as ``torch.nn.utils.clip_grad_norm_`` (norms per gradient, the t
 those norms, one coefficient ``max_norm / (total + 1e-6)`` capped at 1, gradients scaled in
 place), plus a report: the total norm before and after, each layer's norm, which layers were
 scaled and by what factor, and the parameters whose gradients are not finite. Everything is
-computed on the device and read with one host transfer.
+computed on the device and read with one host transfer. Sparse gradients
+(``nn.Embedding(sparse=True)``) are clipped too: their norms are those of the dense gradients
+they stand for (torch's ``clip_grad_norm_`` has no sparse norm kernel).
 """
 
 from __future__ import annotations
@@ -60,19 +62,35 @@ def _layer_of(name: str) -> str:
 def _norms(grads: list[Tensor], norm_type: float) -> Tensor:
     """Each gradient's norm in its own dtype (``torch._foreach_norm``, one operator per device
     and dtype, as ``clip_grad_norm_``), promoted to the widest and gathered on the first
-    gradient's device."""
+    gradient's device. A sparse gradient's norm is its stored values' (the rest is zeros);
+    an empty one's is 0."""
     device = grads[0].device
+    values = [_values(g.detach()) for g in grads]
     groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
-    for i, g in enumerate(grads):
-        groups.setdefault((g.device, g.dtype), []).append(i)
-    norms: list[Tensor | None] = [None] * len(grads)
+    for i, v in enumerate(values):
+        if v.numel():
+            groups.setdefault((v.device, v.dtype), []).append(i)
+    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
+    norms: list[Tensor] = [torch.zeros((), dtype=dtype, device=device)] * len(grads)
     with torch.no_grad():
         for idx in groups.values():
-            found = _torch.foreach_norm([grads[i].detach() for i in idx], norm_type)
+            found = _torch.foreach_norm([values[i] for i in idx], norm_type)
             for i, n in zip(idx, found, strict=True):
                 norms[i] = n
-    dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads), torch.float32)
-    return torch.stack([n.to(device, dtype) for n in norms if n is not None])
+    return torch.stack([n.to(device, dtype) for n in norms])
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _values(g: Tensor) -> Tensor:
+    """The values a gradient's norm is taken over: a sparse gradient's stored values, with
+    duplicates summed (``nn.Embedding(sparse=True)`` leaves an index once per lookup)."""
+    if g.layout == torch.sparse_coo:
+        return (g if g.is_coalesced() else g.coalesce()).values()
+    if g.layout in _COMPRESSED:
+        return g.values()
+    return g
 
 
 def _total(norms: Tensor, norm_type: float) -> Tensor:
@@ -175,9 +193,10 @@ def clip_grad_norm(
             module=layers[top],
             stats={"total_norm": total_v},
         )
-    for i, idx in enumerate(groups.values()):
-        for j in idx:
-            grads[j].detach().mul_(coef[i].to(grads[j].device, grads[j].dtype))
+    with torch.no_grad():  # (a sparse tensor's detach() is a copy: scale the gradient itself)
+        for i, idx in enumerate(groups.values()):
+            for j in idx:
+                grads[j].mul_(coef[i].to(grads[j].device, grads[j].dtype))
     clipped = {layer: c for layer, c in zip(layers, coef_v, strict=True) if c < 1.0}
     return ClipReport(
         total_norm=total_v,

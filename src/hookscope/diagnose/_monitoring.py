@@ -175,9 +175,12 @@ class Monitor(Session):
         self.layers_watched = {n: s.module for n, s in chosen.items()}
         self._layer_sites = {n: s.module for n, s in chosen.items() if s.op is None}
         self._watch_ops(chosen)  # operation sites come to _returned
-        #: parameters of each watched layer (an operation has none of its own)
+        #: parameters of each watched layer (an operation has none of its own; those on the
+        #: meta device have no values and are left out)
         self._params = {
-            n: _layer_params(m) if n in self._layer_sites else []
+            n: [p for p in _layer_params(m) if _stats.has_values(p)]
+            if n in self._layer_sites
+            else []
             for n, m in self.layers_watched.items()
         }
         made = [make_sink(s) for s in sinks]
@@ -280,7 +283,7 @@ class Monitor(Session):
         if not self.logging:
             return
         t = _first_float(output)
-        if t is None:
+        if t is None or not _stats.has_values(t):  # a meta tensor: left out
             return
         dim = self._channel_dim(module, args, t)  # always: later layers take its layout
         moments = Moments.of(t, dim, no_gradient_at(module))
@@ -292,6 +295,8 @@ class Monitor(Session):
             self.hooks.tensor(t, lambda g: self._on_grad(name, g))
 
     def _on_grad(self, name: str, grad: Tensor) -> None:
+        if not _stats.has_values(grad):
+            return
         moments = Moments.of(grad)
         if moments is not None:
             self._moments.setdefault((name, "gradient"), []).append(moments)

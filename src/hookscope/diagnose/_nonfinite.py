@@ -49,7 +49,9 @@ from ._replay import (
     INF,
     INTENDED,
     NAN,
+    Autocast,
     Inputs,
+    autocast_state,
     floats,
     holds,
     kind,
@@ -119,8 +121,10 @@ class _Checks:
         slot = len(self._norms)
         self._norms.append(None)
         self._slots[id(t)] = (weakref.ref(t), version, slot)
-        if t.is_nested or t.is_complex():
-            t = plain(t)
+        if t.is_meta:  # no values to check (a meta-device model): finite as far as known
+            return slot
+        if t.is_nested or t.is_complex() or t.layout != torch.strided:
+            t = plain(t)  # the values of nested and sparse tensors
         if not t.numel():
             return slot
         group = (t.device, t.dtype)
@@ -203,6 +207,7 @@ class _Pass:
     module: nn.Module
     inputs: Inputs
     rng: Any
+    autocast: Autocast
     checks: _Checks = field(default_factory=_Checks)
     recs: list[_Rec] = field(default_factory=list)
     open: dict[int, _Rec] = field(default_factory=dict)  # id(ModuleCall) -> running record
@@ -262,7 +267,8 @@ class _Tracer(Session):
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if call.parent is None:  # a forward starts (the model's, or a layer called alone)
             self.report.forwards += 1
-            self.pass_ = _Pass(call.module, Inputs(args, kwargs), _rng_state())
+            state = _rng_state(), autocast_state()
+            self.pass_ = _Pass(call.module, Inputs(args, kwargs), *state)
         p = self.pass_
         if p is None:
             return
@@ -311,13 +317,13 @@ class _Tracer(Session):
         module, call, st = origin.name, origin.call, {}
         if self.replay and p.inputs.unchanged:
             found, outside = replay_forward(
-                p.module, self.names, self.allowed, p.inputs.call, p.rng
+                p.module, self.names, self.allowed, p.inputs.call, p.rng, p.autocast
             )
             if outside == INTENDED:
                 p.found = False
                 return
-            if found is not None:
-                op, module, call, st = found[0], found[1] or origin.name, found[2], found[3]
+            if found is not None:  # '' is the root's own code: a name, not a miss
+                op, module, call, st = found[0], _named(found[1], origin.name), found[2], found[3]
             elif outside == INPUT and not self.allow_inputs:
                 self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
                 return
@@ -357,16 +363,21 @@ class _Tracer(Session):
             self._backward("backward", LOSS, None, None, {"gradient": _stats(grads)})
         elif any(kinds[s] for *_, s in arrived) or any(kinds[s] for s in slots):
             first = next((a for a in arrived if kinds[a[3]]), None)
+            bad = [pn for (pn, _), s in zip(params, slots, strict=False) if kinds[s]]
             receiver = first[1] if first is not None else None
-            name, n = (receiver.name, receiver.call) if receiver is not None else ("", None)
+            if receiver is not None:
+                name, n = receiver.name, receiver.call
+            else:  # only parameters' gradients: the module holding them all
+                name, n = _owner_of(bad), None
             op: str | None = None
             st: dict[str, Any] = {}
             if self.replay and self.scaler is None and p.out_grads and p.inputs.unchanged:
-                found = replay_backward(p.module, self.names, p.inputs.call, p.rng, p.out_grads)
+                found = replay_backward(
+                    p.module, self.names, p.inputs.call, p.rng, p.out_grads, p.autocast
+                )
                 if found is not None:
-                    op, name, n, st = found[0], found[1] or name, found[2], found[3]
+                    op, name, n, st = found[0], _named(found[1], name), found[2], found[3]
             if first is None:
-                bad = [pn for (pn, _), s in zip(params, slots, strict=False) if kinds[s]]
                 st = {**st, "parameters": bad[:10]}
             self._backward("backward", name, n, op, st)
 
@@ -417,6 +428,22 @@ def _origin(recs: list[_Rec], kinds: list[int], start: int, want: int) -> _Rec |
             return made
         slot, consumer = bad[0], made
     return consumer
+
+
+def _named(found: str | None, fallback: str) -> str:
+    """The module a replay named (``''``, the root's own code, included), else tier 1's."""
+    return fallback if found is None else found
+
+
+def _owner_of(parameters: list[str]) -> str:
+    """The innermost module holding every one of ``parameters`` (dotted names)."""
+    common = [p.split(".")[:-1] for p in parameters]
+    prefix: list[str] = []
+    for parts in zip(*common, strict=False):
+        if len(set(parts)) != 1:
+            break
+        prefix.append(parts[0])
+    return ".".join(prefix)
 
 
 def _rng_state() -> tuple[Tensor, list[Tensor]]:

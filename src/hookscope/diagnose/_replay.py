@@ -1,7 +1,8 @@
 """Tier 2 of ``hs.nonfinite``: replay a step at operator level to name the producer.
 
 The step is replayed on the copies of its inputs taken when the forward began, with that
-forward's RNG state, as a private forward (no other session sees it) on clones of the model's
+forward's RNG state and autocast regions (a float16 overflow happens again), as a private
+forward (no other session sees it) on clones of the model's
 buffers (the real ones are neither changed nor bumped in version, so a backward of the user's
 own graph still works). ``.grad`` is never touched.
 
@@ -17,7 +18,9 @@ second replay stops at that operator to measure its inputs and outputs.
 Backward: the replayed graph is differentiated into a private gradient with the gradient that
 reached the model's outputs, and post-hooks on its nodes find the first node that sent a
 non-finite gradient while receiving a finite one; autograd sequence numbers recorded around
-each module call name the call that created the node.
+each module call name the call that created the node (the innermost call whose range holds
+it: the model's own code when no child's does). A node is named by its aten operator, or by
+the ``torch.autograd.Function`` it runs.
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ from ..core import (
     private_forward,
 )
 from ..core._torch import node_sequence_nr, sequence_nr
+from ._stats import stored
 
 __all__ = [
     "INTENDED",
+    "Autocast",
     "Found",
     "Inputs",
+    "autocast_state",
     "floats",
     "holds",
     "plain",
@@ -62,18 +68,32 @@ Found = tuple[str | None, str | None, int, dict[str, Any]]
 
 FINITE, INF, NAN = 0, 1, 2
 
+#: the autocast regions a forward ran in: (device type, dtype) of each enabled one
+Autocast = tuple[tuple[str, torch.dtype], ...]
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps")
+
+
+def autocast_state() -> Autocast:
+    """The autocast regions the code running now is in."""
+    found = []
+    for device in _AUTOCAST_DEVICES:
+        try:
+            if torch.is_autocast_enabled(device):
+                found.append((device, torch.get_autocast_dtype(device)))
+        except RuntimeError:  # a device type this build does not know
+            continue
+    return tuple(found)
+
 
 class _Stop(BaseException):
     """Ends a replay early (a BaseException: model code cannot catch it)."""
 
 
 def plain(t: Tensor) -> Tensor:
-    """The values of ``t`` as an ordinary tensor (a nested tensor's packed values; complex
-    numbers as pairs of reals)."""
-    t = t.detach()
-    if t.is_nested:
-        t = t.values()
-    return torch.view_as_real(t) if t.is_complex() else t
+    """The values of ``t`` as an ordinary tensor (a nested tensor's packed values, a sparse
+    tensor's stored values: its other values are zeros, finite; complex numbers as pairs of
+    reals)."""
+    return stored(t.detach())[0]
 
 
 def stats(tensors: list[Tensor]) -> dict[str, Any]:
@@ -162,17 +182,23 @@ class _Tracker(Session):
         return bool(self.allowed) and any(self._name(c) in self.allowed for c in self.now.stack)
 
     def owner(self, seq: int) -> tuple[str | None, int]:
-        inside = [r for r in self.ranges if r[0] <= seq < r[1]]
-        if not inside:
-            return None, 0
-        best = min(inside, key=lambda r: r[1] - r[0])
-        return best[2], best[3]
+        """The innermost call whose range of sequence numbers holds ``seq``. Ranges nest; a
+        call whose range equals its parent's (the parent made no node outside it) started
+        later and is the inner one."""
+        best = None
+        for r in self.ranges:  # in the order the calls started
+            if r[0] <= seq < r[1] and (best is None or r[1] - r[0] <= best[1] - best[0]):
+                best = r
+        return (None, 0) if best is None else (best[2], best[3])
 
 
 @contextlib.contextmanager
-def _replaying(module: nn.Module, rng: Any, tracker: _Tracker) -> Iterator[None]:
-    """The RNG as it was when the forward began (the caller's restored after), clones of every
-    buffer in place of the real ones, and a private forward seen only by ``tracker``."""
+def _replaying(
+    module: nn.Module, rng: Any, autocast: Autocast, tracker: _Tracker
+) -> Iterator[None]:
+    """The RNG as it was when the forward began (the caller's restored after), its autocast
+    regions, clones of every buffer in place of the real ones, and a private forward seen only
+    by ``tracker``."""
     swapped = [
         (m, name, b)
         for m in module.modules()
@@ -187,8 +213,11 @@ def _replaying(module: nn.Module, rng: Any, tracker: _Tracker) -> Iterator[None]
             torch.random.set_rng_state(rng[0])
             if rng[1]:
                 torch.cuda.set_rng_state_all(rng[1])
-            with tracker, private_forward(tracker):
-                yield
+            with contextlib.ExitStack() as regions:
+                for device, dtype in autocast:
+                    regions.enter_context(torch.autocast(device, dtype=dtype))
+                with tracker, private_forward(tracker):
+                    yield
     finally:
         for m, name, b in swapped:
             _torch.buffers_of(m)[name] = b
@@ -228,6 +257,8 @@ class _Flow:
         """The value ``t`` holds: its storage at its current version (views share both). A
         storage at an address whose previous storage was freed is a new generation, so that
         a temporary's address taken over by a later tensor is not mistaken for it."""
+        if t.layout != torch.strided and not t.is_nested:  # sparse: its values' storage
+            t = _torch.sparse_values(t)
         try:
             storage = t.untyped_storage()
             address, version = storage.data_ptr(), _torch.version(t)
@@ -365,7 +396,12 @@ def producer(flow: _Flow, start: Value, want: int) -> tuple[_Op | None, str | No
 
 
 def replay_forward(
-    module: nn.Module, names: dict[int, str], allowed: set[str], inputs: Any, rng: Any
+    module: nn.Module,
+    names: dict[int, str],
+    allowed: set[str],
+    inputs: Any,
+    rng: Any,
+    autocast: Autocast = (),
 ) -> tuple[Found | None, str | None]:
     """``(found, outside)``: the operator to blame for the non-finite output (see
     :func:`producer`; ``(None, None)`` if the output is finite in the replay), or, if the
@@ -374,7 +410,7 @@ def replay_forward(
     flow = _Flow()
     tracker = _Tracker(module, names)
     tracker.allowed = allowed
-    with _replaying(module, rng, tracker):
+    with _replaying(module, rng, autocast, tracker):
         _register_outside(flow, module, names, inputs)
         with _Record(tracker, flow):
             _call(module, inputs)
@@ -388,7 +424,7 @@ def replay_forward(
     if op is None:
         return None, outside
     measure = _Record(_Tracker(module, names), _Flow(), stop_at=op.index)
-    with _replaying(module, rng, measure.tracker), contextlib.suppress(_Stop), measure:
+    with _replaying(module, rng, autocast, measure.tracker), contextlib.suppress(_Stop), measure:
         _call(module, inputs)
     return (op.name, op.module, op.call, measure.measured or {}), None
 
@@ -413,11 +449,12 @@ def replay_backward(
     inputs: Any,
     rng: Any,
     out_grads: dict[int, Tensor],
+    autocast: Autocast = (),
 ) -> Found | None:
     """The first backward node that sent a non-finite gradient, and the call that made it."""
     tracker = _Tracker(module, names, seq=True)
     found: list[Found] = []
-    with _replaying(module, rng, tracker), torch.enable_grad():
+    with _replaying(module, rng, autocast, tracker), torch.enable_grad():
         output = _call(module, inputs)
         pairs = [(t, out_grads[i]) for i, (_, t) in enumerate(leaves(output)) if i in out_grads]
         outs = [t for t, _ in pairs if t.requires_grad]
@@ -459,15 +496,36 @@ def _node_hook(tracker: _Tracker, node: Any, found: list[Found]) -> Any:
         if after > FINITE and (before == FINITE or (after == NAN and before != NAN)):
             name, call = tracker.owner(node_sequence_nr(node))
             st = {"gradient in": stats(ins), "gradient out": stats(outs)}
-            found.append((_op_of(node.name()), name, call, st))
+            found.append((_op_of(node), name, call, st))
             raise _Stop
 
     return check
 
 
-def _op_of(node_name: str) -> str:
-    base = re.sub(r"Backward\d*$", "", node_name)
-    return "aten." + re.sub(r"(?<!^)(?=[A-Z])", "_", base).lower()
+def _op_of(node: Any) -> str:
+    """What an autograd node runs the backward of: a ``torch.autograd.Function`` by its
+    qualified name, an aten operator (``MmBackward0`` -> ``aten.mm``) where one of that name
+    exists, else the node's own name (``CopySlices``)."""
+    function = _torch.function_class(node)
+    if function is not None:
+        return f"{function.__module__}.{function.__qualname__}"
+    name: str = node.name()
+    base = re.sub(r"Backward\d*$", "", name.rsplit("::", 1)[-1])
+    # a word starts at a capital after a small letter, or before a capital and a small
+    # letter (MaxPool2DWithIndices -> max_pool2d_with_indices)
+    op = re.sub(r"(?<=[a-z])(?=[A-Z])|(?<=[A-Z0-9])(?=[A-Z][a-z])", "_", base).lower()
+    for candidate in (op, f"_{op}"):
+        if _is_aten(candidate):
+            return f"aten.{candidate}"
+    return name
+
+
+def _is_aten(name: str) -> bool:
+    try:
+        getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 class Inputs:

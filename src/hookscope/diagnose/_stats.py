@@ -17,6 +17,11 @@ four operators more (``_dead.py`` says which is which). Everything is read on th
 per logging step and combined there, so micro-batches, layers and kinds cost no extra device
 work; under ``torch.distributed`` the values are combined across ranks first
 (:func:`reduce`).
+
+Unusual tensors: a sparse tensor's statistics are those of the dense tensor it stands for,
+computed on its stored values (the rest counted as zeros), without dead units; a nested
+tensor's are its packed values'; a tensor on the meta device has no values
+(:func:`has_values`) and is left out.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from torch import Tensor
 
 __all__ = [
     "EDGES", "MAX", "MIN", "ROOT_SUM_SQUARES", "SUM", "Flat", "Moments", "few_operators",
-    "histogram", "reduce",
+    "has_values", "histogram", "reduce", "stored",
 ]  # fmt: skip
 
 #: how each value combines across ranks
@@ -41,6 +46,31 @@ def few_operators(device: torch.device) -> bool:
     """Whether statistics on ``device`` take the fewest operators (each is a kernel launch)
     rather than the least arithmetic (the CPU; see the module docstring)."""
     return device.type != "cpu"
+
+
+def has_values(t: Tensor) -> bool:
+    """Whether ``t`` has values to measure: a tensor on the meta device has a shape only."""
+    return not t.is_meta
+
+
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def stored(t: Tensor) -> tuple[Tensor, int]:
+    """The values of ``t`` as a plain tensor, and how many zeros ``t`` holds besides them: a
+    sparse tensor's stored values (duplicates summed) and its implicit zeros, a nested
+    tensor's packed values; complex numbers as pairs of reals."""
+    x, dense = t, 0
+    if t.is_nested:  # (checked first: a jagged tensor's .layout runs an operator)
+        x = t.values()
+    elif t.layout == torch.sparse_coo:
+        x = (t if t.is_coalesced() else t.coalesce()).values()
+        dense = t.numel()
+    elif t.layout in _COMPRESSED:
+        x, dense = t.values(), t.numel()
+    if x.is_complex():
+        x, dense = torch.view_as_real(x), 2 * dense
+    return x, max(dense - x.numel(), 0)
 
 
 def _count_nonzero(x: Tensor, dim: tuple[int, ...] | None = None) -> Tensor:
@@ -87,23 +117,22 @@ class Moments:
 
     @staticmethod
     def of(t: Tensor, channels: int | None = None, flat: Flat | None = None) -> Moments | None:
-        """The moments of ``t`` (a plain tensor). ``channels``: the dim whose entries are
-        channels, and ``flat``: where the layer passes no gradient, for dead units (a channel
-        is alive when it has one value elsewhere). For a ReLU-like layer the non-zero finite
-        values are then counted per channel, which costs nothing more; otherwise ``alive``
-        counts the values inside the bounds. None for an empty tensor."""
-        x = t
-        if x.is_nested:
-            x = x.values()
-        if x.is_complex():
-            x = torch.view_as_real(x)
-        if x.numel() == 0:
-            return None
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        others: tuple[int, ...] = ()
-        if channels is not None and flat is not None and x.dim() > 1:
-            others = tuple(d for d in range(x.dim()) if d != channels % x.dim())
+        """The moments of ``t`` (see the module docstring for sparse and nested tensors; no
+        channels for a sparse one). ``channels``: the dim whose entries are channels, and
+        ``flat``: where the layer passes no gradient, for dead units (a channel is alive when
+        it has one value elsewhere). For a ReLU-like layer the non-zero finite values are then
+        counted per channel, which costs nothing more; otherwise ``alive`` counts the values
+        inside the bounds. None for an empty tensor."""
         with torch.no_grad():  # no autograd record (and no detach() to dispatch)
+            x, zeros = stored(t)
+            if zeros:
+                return _with_zeros(x, zeros)
+            if x.numel() == 0:
+                return None
+            acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+            others: tuple[int, ...] = ()
+            if channels is not None and flat is not None and x.dim() > 1:
+                others = tuple(d for d in range(x.dim()) if d != channels % x.dim())
             x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
             low, high = torch.aminmax(x0)
             per_channel = bool(others) and flat is not None and flat.zero
@@ -148,6 +177,24 @@ class Moments:
             (self.high, MAX),
         ]
         return parts if self.alive is None else [*parts, (self.alive, SUM)]
+
+
+def _with_zeros(x: Tensor, zeros: int) -> Moments:
+    """The moments of the values ``x`` and ``zeros`` more zeros (a sparse tensor's), with no
+    channels: the sum and norm of ``x``, extremes widened to 0."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x0 = torch.nan_to_num(x.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+    zero = torch.zeros(1, dtype=x0.dtype, device=x0.device)
+    low, high = torch.aminmax(torch.cat([x0, zero]))
+    return Moments(
+        numel=x.numel() + zeros,
+        total=x0.sum(dtype=acc),
+        norm=torch.linalg.vector_norm(x0, dtype=acc),
+        nonzero=_count_nonzero(x),
+        nonzero_finite=_count_nonzero(x0),
+        low=low,
+        high=high,
+    )
 
 
 def merged(moments: list[Moments]) -> Moments:
@@ -250,11 +297,11 @@ def histogram(tensors: list[Tensor]) -> Tensor:
     first = tensors[0]
     counts = torch.zeros(len(EDGES) + 1, dtype=torch.float64, device=first.device)
     for t in tensors:
-        x = t.detach()
-        if x.is_complex():
-            x = torch.view_as_real(x)
+        x, zeros = stored(t.detach())
         x = x.reshape(-1)
         edges = _edges_on(x.device, torch.float64 if x.dtype == torch.float64 else torch.float32)
         finite = torch.isfinite(x).to(torch.float64)
         counts.index_add_(0, torch.bucketize(x.to(edges.dtype), edges), finite)
+        if zeros:  # a sparse tensor's implicit zeros, in the bucket that ends at 0
+            counts[len(EDGES) // 2] += zeros
     return counts

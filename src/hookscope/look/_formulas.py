@@ -229,10 +229,7 @@ _NESTED_ONLY: dict[Any, Formula] = {aten.linear: _by_shape(_linear)}
 
 
 def _components(t: Tensor) -> list[tuple[int, ...]]:
-    if t.layout == torch.strided:
-        sizes: list[list[int]] = _torch.nested_sizes(t).tolist()  # CPU metadata: no sync
-        return [(1, *s) for s in sizes]
-    return [(1, *c.shape) for c in t.unbind()]
+    return [(1, *s) for s in _torch.nested_sizes(t)]
 
 
 def _per_component(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[Any, Any]]:

@@ -61,13 +61,6 @@ ShapeTree: TypeAlias = (
 )
 
 
-def _nested_sizes(t: Tensor) -> tuple[tuple[int, ...], ...]:
-    if t.layout == torch.strided:  # strided nested tensors have no .shape
-        sizes: list[list[int]] = _torch.nested_sizes(t).tolist()  # a CPU tensor: no sync
-        return tuple(tuple(s) for s in sizes)
-    return tuple(tuple(c.shape) for c in t.unbind())  # jagged layout
-
-
 def _children(obj: Any) -> list[tuple[str | None, Any]] | None:
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: keep the names
         return [(str(k), v) for k, v in zip(obj._fields, obj, strict=True)]
@@ -97,7 +90,7 @@ class Walk:
             if self.dtype is None:
                 self.dtype = obj.dtype
             if obj.is_nested:
-                nested = NestedShape(_nested_sizes(obj))
+                nested = NestedShape(_torch.nested_sizes(obj))
                 self.nbytes += nested.numel() * obj.element_size()
                 return nested
             self.nbytes += obj.numel() * obj.element_size()

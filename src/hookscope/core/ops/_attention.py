@@ -15,6 +15,14 @@ fused call and computes them from the call's own arguments (query, key, mask, sc
 With ``dropout_p > 0`` (training) the probabilities are those before dropout: the fused
 kernel's random mask cannot be observed.
 
+**Packed grouped-query heads.** To decode one token with grouped-query attention and a mask
+(every decoding step of a sliding-window model), Hugging Face transformers reshapes the query
+``(B, H, 1, D)`` into ``(B, H/g, g, D)``, its ``g = module.num_key_value_groups`` heads per
+key/value head in the query-length axis, so that SDPA needs no repeated keys; it undoes this
+after the call. The weights are returned and edited in eager attention's layout,
+``(B, H, 1, S)`` (:func:`packed_groups`, :func:`unpack`): an edit of head ``h`` addresses
+head ``h``.
+
 Sessions stack (see ``_watch``): the explicit computation is itself a call named
 ``scaled_dot_product_attention`` that sessions below the edit see, and a capture opened after
 an edit records the edited probabilities (:data:`_WAITING`), one opened before the unedited.
@@ -27,7 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import handle_torch_function, has_torch_function
 
 __all__ = [
@@ -37,7 +45,10 @@ __all__ = [
     "attention_args",
     "chain_of",
     "explicit",
+    "pack",
+    "packed_groups",
     "probabilities",
+    "unpack",
     "weights_grad",
 ]
 
@@ -53,6 +64,55 @@ WAITING: list[list[Tensor]] = []
 def _repeat(t: Tensor, heads: int) -> Tensor:
     """Key or value heads repeated for grouped-query attention (``enable_gqa=True``)."""
     return t.repeat_interleave(heads // t.size(-3), dim=-3)
+
+
+def _heads(module: nn.Module) -> int | None:
+    """The number of query heads a transformers attention module declares, if it does."""
+    for owner, attr in (
+        (getattr(module, "config", None), "num_attention_heads"),
+        (module, "num_heads"),
+        (module, "num_attention_heads"),
+    ):
+        value = getattr(owner, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
+
+
+def packed_groups(module: nn.Module, query: Tensor, key: Tensor) -> int:
+    """How many query heads per key/value head transformers packed into the query-length
+    axis of this SDPA call of ``module`` (1: none; see the module docstring).
+
+    A packed call has as many query heads as key heads, ``H / g``, and ``g`` queries, where
+    ``g = module.num_key_value_groups > 1`` and ``H`` the module's head count: no other of
+    transformers' paths gives the query ``H / g`` heads (repeated keys give both ``H``,
+    SDPA's ``enable_gqa`` gives the query ``H``).
+    """
+    groups = getattr(module, "num_key_value_groups", None)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 1:
+        return 1
+    if query.dim() < 3 or key.dim() < 3 or query.size(-2) != groups:
+        return 1
+    if query.size(-3) != key.size(-3) or _heads(module) != query.size(-3) * groups:
+        return 1
+    return groups
+
+
+def unpack(weights: Tensor, groups: int) -> Tensor:
+    """Weights (or their gradient) of a packed call, ``(..., H/g, g, S)``, in eager
+    attention's layout ``(..., H, 1, S)``: head ``k·g + r`` is row ``r`` of key head ``k``."""
+    if groups == 1:
+        return weights
+    *batch, kv_heads, rows, keys = weights.shape
+    return weights.reshape(*batch, kv_heads * rows, 1, keys)
+
+
+def pack(weights: Tensor, groups: int) -> Tensor:
+    """The inverse of :func:`unpack`: back in the packed call's layout."""
+    if groups == 1:
+        return weights
+    *batch, heads, _, keys = weights.shape
+    return weights.reshape(*batch, heads // groups, groups, keys)
 
 
 def attention_args(bound: dict[str, Any]) -> dict[str, Any]:
@@ -88,10 +148,14 @@ def probabilities(
             scores = scores.masked_fill(~attn_mask, -math.inf)
         else:
             scores = scores + attn_mask
-    probs = scores.softmax(dim=-1)
     if attn_mask is None:  # the causal triangle leaves every row a key: no row is masked
-        return probs
-    return probs.masked_fill(scores.isneginf().all(dim=-1, keepdim=True), 0.0)
+        return scores.softmax(dim=-1)
+    # A row with no key: softmax of all -inf is NaN, and its backward sends NaN through an
+    # added float mask to the query and every key even after the row is zeroed. Give the
+    # softmax finite scores there, then zero the row: zeros and zero gradients, as SDPA's
+    # math kernel gives.
+    dead = scores.isneginf().all(dim=-1, keepdim=True)
+    return scores.masked_fill(dead, 0.0).softmax(dim=-1).masked_fill(dead, 0.0)
 
 
 def weights_grad(value: Tensor, heads: int | None, grad_out: Tensor) -> Tensor:
@@ -102,10 +166,11 @@ def weights_grad(value: Tensor, heads: int | None, grad_out: Tensor) -> Tensor:
     return grad_out @ value.transpose(-2, -1)
 
 
-def explicit(chain: Chain) -> Callable[..., Tensor]:
-    """An SDPA function computing ``dropout(edits(P)) @ V`` explicitly; ``chain``'s edits
-    apply in order (the session opened first first), each filling the slots of the captures
-    waiting above it."""
+def explicit(chain: Chain, module: nn.Module) -> Callable[..., Tensor]:
+    """An SDPA function computing ``dropout(edits(P)) @ V`` explicitly for a call made by
+    ``module``'s code; ``chain``'s edits apply in order (the session opened first first), in
+    eager attention's layout (:func:`unpack`), each filling the slots of the captures waiting
+    above it."""
 
     def scaled_dot_product_attention(
         query: Tensor,
@@ -124,11 +189,13 @@ def explicit(chain: Chain) -> Callable[..., Tensor]:
                 enable_gqa=enable_gqa,
             )  # fmt: skip
             return out
-        probs = probabilities(query, key, attn_mask, is_causal, scale, enable_gqa)
+        groups = packed_groups(module, query, key)
+        probs = unpack(probabilities(query, key, attn_mask, is_causal, scale, enable_gqa), groups)
         for edit, waiting in chain:
             probs = edit(probs)
             for slot in waiting:
                 slot[:] = [probs]
+        probs = pack(probs, groups)
         if dropout_p > 0:
             probs = torch.dropout(probs, dropout_p, True)
         return probs @ (_repeat(value, query.size(-3)) if enable_gqa else value)

@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import UsageError
+from .. import _torch
 from .._bind import Binder
 
 __all__ = [
@@ -163,10 +164,13 @@ def parse(text: str) -> tuple[str, str, int | None]:
 
 def forward_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run an intercepted operation. Every handler runs the call it intercepted through here,
-    so that sessions below it still see the call as the module's (see ``OpWatch.owner``)."""
-    return func(*args, **kwargs)
+    so that sessions below it still see the call as the module's (see ``OpWatch.owner``),
+    and so do the user's function modes, which a handler's own work is hidden from
+    (``_lifetime.run_unseen``)."""
+    return _call_shown(func, args, kwargs)
 
 
+_call_shown = _torch.call_shown
 _BINDERS: dict[Any, Binder] = {}
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from ...errors import LayerNotFoundError, UnsupportedModelError
 from .. import _torch
 from .._calls import ModuleCall
-from .._lifetime import FunctionInterceptor
+from .._lifetime import FunctionInterceptor, run_unseen
 from .._naming import Layers
 from ._select import METADATA, SDPA, WEIGHTS, OpSelector, forward_op, op_name
 
@@ -175,7 +175,7 @@ class OpWatch:
         k = counts[name] = counts.get(name, 0) + 1
         if self._listener is not None:
             run = lambda: forward_op(func, args, kwargs)  # noqa: E731
-            return self._listener(running.call, name, k, func, run)
+            return run_unseen(self._listener, running.call, name, k, func, run)
         if not selected:
             return forward_op(func, args, kwargs)
         assert self._handler is not None
@@ -187,7 +187,9 @@ class OpWatch:
             weights = [x for x in pair if x is not None]
         if not found and not weights:
             return forward_op(func, args, kwargs)
-        return self._handler(running.call, found, weights, func, args, kwargs)
+        # the handler's own work (copies, explicit attention) is hidden from every function
+        # mode; the call it forwards is not (forward_op)
+        return run_unseen(self._handler, running.call, found, weights, func, args, kwargs)
 
     # -- resolution ------------------------------------------------------------------------------
     def _seen(self) -> dict[str, dict[str, int]]:
