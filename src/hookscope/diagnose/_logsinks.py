@@ -15,7 +15,10 @@ from typing import Any, Protocol
 from .._extras import require
 from ..errors import UsageError
 
-__all__ = ["CSV_FIELDS", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "make_sink"]
+__all__ = [
+    "CSV_FIELDS", "ROOT", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "make_sink",
+    "scalars",
+]  # fmt: skip
 
 #: The CSV header: every key a record can have (empty where a record has none).
 CSV_FIELDS = (
@@ -24,8 +27,33 @@ CSV_FIELDS = (
 )  # fmt: skip
 
 
+#: the name of the model itself (layer ``""``) in a metric's name, where a name cannot be empty
+ROOT = "_root"
+_NOT_STATISTICS = ("step", "layer", "kind", "rank")
+
+
+def scalars(record: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
+    """A record's numbers as ``(name, value)``: ``{prefix}{layer}/{kind}/{statistic}``, and a
+    value given to ``Monitor.log`` under ``{prefix}{its name}`` (the model itself, layer
+    ``""``, is :data:`ROOT` here)."""
+    if record["kind"] == "scalar":
+        return [(f"{prefix}{record['layer']}", record["value"])]
+    head = f"{prefix}{record['layer'] or ROOT}/{record['kind']}"
+    return [
+        (f"{head}/{key}", value)
+        for key, value in record.items()
+        if key not in _NOT_STATISTICS and isinstance(value, (int, float))
+    ]
+
+
 class Sink(Protocol):
-    """What a Monitor sink is: any object with these three methods (your own too)."""
+    """What a Monitor sink is: any object with these three methods (your own too).
+
+    A sink that draws histograms also has ``histograms`` (``True`` for parameters and their
+    gradients, ``"all"`` for activations and output gradients too) and
+    ``histogram(tag, step, stats, counts, edges)`` (:meth:`TensorBoardSink.histogram`); one
+    that shows images has ``image(tag, step, image)`` (an RGB ``uint8`` array ``(H, W, 3)``:
+    the maps of ``hookscope.integrations``)."""
 
     def write(self, record: dict[str, Any]) -> None:
         """Take one record: a flat dict with ``step``, ``layer``, ``kind`` and statistics."""
@@ -138,6 +166,10 @@ class TensorBoardSink:
             sum_squares=stats["sum_squares"], bucket_limits=limits, bucket_counts=kept,
             global_step=step,
         )  # fmt: skip
+
+    def image(self, tag: str, step: int, image: Any) -> None:
+        """One RGB image ``(H, W, 3)``, ``uint8``."""
+        self._writer.add_image(tag, image, global_step=step, dataformats="HWC")
 
     def flush(self) -> None:
         """Flush the writer's event file."""
