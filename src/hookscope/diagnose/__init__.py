@@ -5,13 +5,14 @@ from ._clipping import ClipReport, clip_grad_norm
 from ._logsinks import CSVSink, JSONLSink, TensorBoardSink
 from ._monitoring import Monitor
 from ._nonfinite import NonFiniteReport, nonfinite
-from ._trackers import MLflowSink, WandbSink
+from ._trackers import MetricsSink, MLflowSink, WandbSink
 
 __all__ = [
     "CSVSink",
     "ClipReport",
     "JSONLSink",
     "MLflowSink",
+    "MetricsSink",
     "Monitor",
     "NonFiniteReport",
     "TensorBoardSink",

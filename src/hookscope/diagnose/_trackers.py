@@ -17,9 +17,9 @@ from typing import Any
 
 from .._extras import require
 from ..errors import UsageError
-from ._logsinks import scalars
+from ._logsinks import histogram_name, scalars
 
-__all__ = ["MLflowSink", "WandbSink", "merged_buckets"]
+__all__ = ["MLflowSink", "MetricsSink", "WandbSink", "merged_buckets"]
 
 _HISTOGRAMS = (True, False, "all")
 
@@ -48,6 +48,51 @@ def merged_buckets(
         limits.append(float(edges[stop - 1]) if stop - 1 < len(edges) else stats["max"])
     limits[-1] = stats["max"]
     return merged, limits
+
+
+class MetricsSink:
+    """Monitor records to any tracker that takes a dict of numbers at a step: one call
+    ``log(metrics, step)`` per logged step, the numbers named as :class:`WandbSink` names
+    them (after ``prefix``).
+
+    Args:
+        log: called with ``({name: value}, step)``: a Lightning logger's ``log_metrics``
+            (``lambda m, step: logger.log_metrics(m, step=step)``), a Neptune or Comet run's
+            logging method, your own.
+        prefix: put before every name (``""`` for none).
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> from hookscope.diagnose import MetricsSink
+        >>> calls = []
+        >>> net = nn.Sequential(nn.Linear(2, 2))
+        >>> sink = MetricsSink(lambda metrics, step: calls.append((step, metrics)))
+        >>> with hs.Monitor(net, every=1, sinks=[sink]) as mon:
+        ...     net(torch.ones(1, 2)).sum().backward()
+        ...     mon.step()
+        >>> [(step, sorted(m)[:2]) for step, m in calls]
+        [(0, ['hookscope/0/activation/max', 'hookscope/0/activation/mean'])]
+    """
+
+    def __init__(self, log: Any, *, prefix: str = "hookscope/") -> None:
+        if not callable(log):
+            raise UsageError(f"log must be callable as log(metrics, step), got {log!r}")
+        self._log, self.prefix = log, prefix
+        self._pending: dict[int, dict[str, float]] = {}
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Add ``record``'s numbers to its step's call."""
+        self._pending.setdefault(record["step"], {}).update(scalars(record, self.prefix))
+
+    def flush(self) -> None:
+        """One call per step written since the last flush."""
+        pending, self._pending = self._pending, {}
+        for step in sorted(pending):
+            self._log(pending[step], step)
+
+    def close(self) -> None:
+        """Send what is left."""
+        self.flush()
 
 
 class WandbSink:
@@ -116,7 +161,7 @@ class WandbSink:
         values, limits = merged_buckets(stats, counts, edges, self.bins)
         if values:
             made = self._wandb.Histogram(np_histogram=(values, limits))
-            self._at(step)[f"{self.prefix}{tag}"] = made
+            self._at(step)[histogram_name(tag, self.prefix)] = made
 
     def image(self, tag: str, step: int, image: Any) -> None:
         """Add a ``wandb.Image`` to its step's call (sent at the next :meth:`flush`)."""
@@ -202,7 +247,7 @@ class MLflowSink:
             if c:
                 limits.append(float(edges[i]) if i < len(edges) else stats["max"])
                 kept.append(float(c))
-        self._hists.setdefault(step, {})[tag] = {
+        self._hists.setdefault(step, {})[histogram_name(tag)] = {
             "limits": limits, "counts": kept, **{k: float(v) for k, v in stats.items()}
         }  # fmt: skip
 
