@@ -96,22 +96,24 @@ class Training:
         opts = self.options
         self._open = True
         try:
-            if opts.nonfinite:
-                mode: Literal["raise", "warn"] = "warn" if opts.nonfinite == "warn" else "raise"
-                self.report = self._sessions.enter_context(
-                    nonfinite(model, mode=mode, scaler=scaler)
-                )
             sinks = [Locked(s) if callable(getattr(s, "image", None)) else s for s in opts.sinks]
             self._relay = Relay(loggers) if loggers else None
             self._image_sinks = [
                 s for s in [*sinks, *loggers] if callable(getattr(s, "image", None))
             ]
-            if opts.monitor:
+            self.monitor = None
+            if opts.monitor:  # built first: it checks its arguments before anything opens
                 relayed = [self._relay] if self._relay is not None else []
                 self.monitor = Monitor(
                     model, opts.layers, every=opts.every, sinks=[*sinks, *relayed],
                     optimizer=list(optimizers), ranks=opts.ranks, scaler=scaler,
                 )  # fmt: skip
+            if opts.nonfinite:
+                mode: Literal["raise", "warn"] = "warn" if opts.nonfinite == "warn" else "raise"
+                self.report = self._sessions.enter_context(
+                    nonfinite(model, mode=mode, scaler=scaler)
+                )
+            if self.monitor is not None:
                 self._sessions.enter_context(self.monitor)
         except BaseException:
             self.close()
