@@ -24,6 +24,8 @@ from hookscope.integrations import Maps
 def test_a_callback_without_its_trainer_names_its_extra(
     monkeypatch: pytest.MonkeyPatch, module: str, missing: str, extra: str
 ) -> None:
+    for name in [m for m in sys.modules if m.startswith(f"{missing}.")]:
+        monkeypatch.delitem(sys.modules, name)  # imported by earlier tests: forgotten here
     monkeypatch.setitem(sys.modules, missing, None)  # `import missing` raises ImportError
     monkeypatch.delitem(sys.modules, module, raising=False)
     with pytest.raises(ImportError, match=rf'pip install "hookscope\[{extra}\]"'):

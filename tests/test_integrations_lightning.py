@@ -239,13 +239,14 @@ def _wandb_history(root: Path) -> list[dict[str, Any]]:
 
 @pytest.mark.slow
 def test_the_trainers_loggers_hold_the_records_and_the_maps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     """A TensorBoardLogger, a WandbLogger (offline) and an MLFlowLogger (a local file
     store) at once, read back with TensorBoard's, W&B's and MLflow's own readers: the
     records at the optimizer steps, parameter histograms, and the Grad-CAM maps of a fixed
     batch drawn at each epoch's end."""
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
+    request.addfinalizer(wandb.teardown)  # W&B's service process: none left behind
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -266,8 +267,6 @@ def test_the_trainers_loggers_hold_the_records_and_the_maps(
     trainer = _trainer(tmp_path, callback, accumulate_grad_batches=ACCUMULATE, logger=loggers,
                        max_epochs=2)  # fmt: skip
     trainer.fit(LitCNN(), _loader(data))
-    import wandb
-
     wandb.finish()
     records = callback.records
     steps = list(range(2 * STEPS))

@@ -198,9 +198,10 @@ def _wandb_history(root: Path) -> list[dict[str, Any]]:
 
 
 def test_report_to_trackers_hold_the_records_and_the_attention_maps(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
+    request.addfinalizer(wandb.teardown)  # W&B's service process: none left behind
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -218,7 +219,6 @@ def test_report_to_trackers_hold_the_records_and_the_attention_maps(
     trainer = _train(tmp_path, callback, report_to=["wandb", "mlflow", "tensorboard"],
                      num_train_epochs=2)  # fmt: skip
     import mlflow
-    import wandb
 
     wandb.finish()
     records = callback.records

@@ -9,6 +9,7 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,13 +98,17 @@ def _histogram(row: dict[str, Any], name: str) -> dict[str, Any] | None:
 
 
 @pytest.fixture
-def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """W&B in offline mode in a folder of the test's: nothing leaves the machine."""
-    pytest.importorskip("wandb")
+def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """W&B in offline mode in a folder of the test's: nothing leaves the machine, and W&B's
+    service process is stopped after the test."""
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
-    return tmp_path
+    try:
+        yield tmp_path
+    finally:
+        wandb.teardown()
 
 
 def _run_dir(root: Path) -> Path:

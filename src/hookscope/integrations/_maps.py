@@ -31,7 +31,8 @@ _ATTENTION_SIZE = 96  # an attention map is enlarged (nearest) to at least this 
 class Maps:
     """CAM or attention maps of a fixed batch, drawn every ``every`` epochs and logged as
     one image (the batch's maps side by side) to the trainer's loggers and to hookscope's
-    sinks that take images (W&B, MLflow, TensorBoard), at the optimizer step.
+    sink objects that take images (``WandbSink``, ``MLflowSink``, ``TensorBoardSink``; a
+    ``("tensorboard", dir)`` spec does not), at the optimizer step.
 
     Args:
         inputs: the batch: images ``(N, 3, H, W)`` for a CAM (moved to the model's device),

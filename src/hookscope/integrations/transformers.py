@@ -185,6 +185,7 @@ class HookscopeCallback(TrainerCallback):
         scaler = getattr(optimizer, "scaler", None)
         self._training.open(model, [inner], scaler=scaler, loggers=loggers)
         self._epoch = -1
+        self.clip_reports = []
         self._take_clipping(args)
 
     def _take_clipping(self, args: TrainingArguments) -> None:
