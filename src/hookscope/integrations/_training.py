@@ -146,10 +146,10 @@ class Training:
             self._relay.drain()
 
     def draw(self, model: nn.Module, epoch: int, step: int) -> None:
-        """At an epoch's end: draw the maps if they are due and send them to every sink
-        that takes images."""
+        """At an epoch's end: draw the maps if they are due, keep them in :attr:`images` and
+        send them to every sink that takes images."""
         maps = self.options.maps
-        if maps is None or not self._open or not self._image_sinks or not maps.due(epoch):
+        if maps is None or not self._open or not maps.due(epoch):
             return
         image = maps.render(model)
         self.images[maps.name] = image
