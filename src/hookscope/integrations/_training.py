@@ -102,19 +102,18 @@ class Training:
                 s for s in [*sinks, *loggers] if callable(getattr(s, "image", None))
             ]
             self.monitor = None
-            if opts.monitor:  # built first: it checks its arguments before anything opens
+            if opts.monitor:
                 relayed = [self._relay] if self._relay is not None else []
                 self.monitor = Monitor(
                     model, opts.layers, every=opts.every, sinks=[*sinks, *relayed],
                     optimizer=list(optimizers), ranks=opts.ranks, scaler=scaler,
                 )  # fmt: skip
+                self._sessions.enter_context(self.monitor)
             if opts.nonfinite:
                 mode: Literal["raise", "warn"] = "warn" if opts.nonfinite == "warn" else "raise"
                 self.report = self._sessions.enter_context(
                     nonfinite(model, mode=mode, scaler=scaler)
                 )
-            if self.monitor is not None:
-                self._sessions.enter_context(self.monitor)
         except BaseException:
             self.close()
             raise
