@@ -13,7 +13,7 @@ from pathlib import Path
 
 def main(wheel: str, sdist: str) -> None:
     names = zipfile.ZipFile(wheel).namelist()
-    packages = {"core", "look", "diagnose", "explain", "extract", "show"}
+    packages = {"core", "look", "diagnose", "explain", "extract", "show", "integrations"}
     for required in ["hookscope/__init__.py", "hookscope/py.typed"] + [
         f"hookscope/{p}/__init__.py" for p in sorted(packages)
     ]:

@@ -20,7 +20,7 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "hookscope"
-CAPABILITIES = ("look", "diagnose", "explain", "extract", "show")
+CAPABILITIES = ("look", "diagnose", "explain", "extract", "show", "integrations")
 LIFETIME = PACKAGE / "core" / "_lifetime.py"
 TORCH_LIST = PACKAGE / "core" / "_torch.py"
 #: private names of other libraries than torch that hookscope uses, and why
@@ -387,6 +387,33 @@ def test_importing_hookscope_or_its_command_line_does_not_import_dynamo() -> Non
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     before, after = done.stdout.split()
     assert after == before, "importing hookscope imported torch._dynamo"
+
+
+#: what the trainer integrations and the tracker sinks wrap: imported only where used
+OPTIONAL_LIBRARIES = (
+    "lightning",
+    "pytorch_lightning",
+    "transformers",
+    "accelerate",
+    "wandb",
+    "mlflow",
+)
+
+
+def test_importing_hookscope_imports_no_integration_nor_what_they_wrap() -> None:
+    """``import hookscope`` (and its command line) imports neither ``hookscope.integrations``
+    nor the trainers and trackers it wraps; importing ``hookscope.integrations`` imports no
+    trainer either (each callback module needs its extra)."""
+    code = (
+        "import sys, hookscope, hookscope.show, hookscope.diagnose; "
+        "first = sorted(m for m in sys.modules if m.split('.')[0] in WRAPPED "
+        "or m.startswith('hookscope.integrations')); "
+        "import hookscope.integrations; "
+        "then = sorted(m for m in sys.modules if m.split('.')[0] in WRAPPED); "
+        "print(first, then)"
+    ).replace("WRAPPED", repr(OPTIONAL_LIBRARIES))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[] []", done.stdout
 
 
 # -- the page ----------------------------------------------------------------------------------

@@ -37,6 +37,17 @@ SLOW_PAGES = {
     "guides/diagnose.md",
     "guides/attribution.md",
     "guides/operations.md",
+    "guides/integrations.md",
+}
+#: Warnings the libraries a page runs emit about themselves (pytest makes warnings errors).
+PAGE_WARNINGS = {
+    "guides/integrations.md": [
+        # Lightning's advice on data loader workers, and its use of a pytree class torch 2.13
+        # deprecates: Lightning's, not the page's
+        "ignore:The '\\w+_dataloader' does not have many workers",
+        "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated",
+        "ignore:The number of training batches",
+    ],
 }
 #: Languages a fenced block may have: python blocks run here; the others are shell sessions
 #: and program output. A block that is Python but must not run has no place in the docs.
@@ -64,6 +75,7 @@ def test_the_docs_have_every_guide() -> None:
         "diagnose",
         "attribution",
         "cli",
+        "integrations",
     }
     assert names == expected
     assert {p.name for p in DOCS.glob("*.md")} >= {
@@ -91,7 +103,11 @@ def test_every_guide_has_code_that_runs() -> None:
 @pytest.mark.parametrize(
     "page",
     [
-        pytest.param(p, marks=[pytest.mark.slow] if _page_id(p) in SLOW_PAGES else [])
+        pytest.param(
+            p,
+            marks=[pytest.mark.slow] * (_page_id(p) in SLOW_PAGES)
+            + [pytest.mark.filterwarnings(w) for w in PAGE_WARNINGS.get(_page_id(p), [])],
+        )
         for p in PAGES
         if _python_blocks(p)
     ],

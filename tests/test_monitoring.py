@@ -654,12 +654,6 @@ def test_sinks_are_written_off_the_training_thread_and_errors_surface(tmp_path: 
             mon.step()
 
 
-def _records(mon: hs.Monitor) -> list[dict[str, Any]]:
-    """``mon.records`` (a method now, a property soon)."""
-    found = mon.records
-    return list(found() if callable(found) else found)
-
-
 class Sparsify(nn.Module):
     """A layer whose output is a sparse COO tensor (half its values are zeros), made
     uncoalesced (each value split in two halves at the same index)."""
@@ -689,11 +683,11 @@ def test_a_sparse_output_is_measured_as_the_dense_tensor_it_stands_for(path: str
         got.sum().backward()
         mon.step()
     assert torch.equal(got, want)
-    (act,) = [r for r in _records(mon) if r["kind"] == "activation"]
+    (act,) = [r for r in mon.records if r["kind"] == "activation"]
     for key, value in _expected(seen[-1]).items():
         assert act[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     assert "dead" not in act  # no channels in a sparse tensor's values
-    assert any(r["kind"] == "gradient" for r in _records(mon))
+    assert any(r["kind"] == "gradient" for r in mon.records)
     stats = importlib.import_module("hookscope.diagnose._stats")  # TensorBoard's histograms
     sparse = Sparsify()(torch.randn(5, 8))
     assert torch.equal(stats.histogram([sparse]), stats.histogram([sparse.to_dense()]))
@@ -708,4 +702,85 @@ def test_a_meta_device_model_runs_and_its_valueless_tensors_are_left_out() -> No
         net(torch.randn(4, 3, device="meta")).sum().backward()
         mon.log(lr=0.1)
         opt.step()
-    assert _records(mon) == [{"step": 0, "layer": "lr", "kind": "scalar", "value": 0.1}]
+    assert mon.records == [{"step": 0, "layer": "lr", "kind": "scalar", "value": 0.1}]
+
+
+# -- trainers' needs: a loss scaler, passes that are not the step's -------------------------------
+
+
+def _grad_rows(records: list[dict[str, Any]]) -> dict[tuple[int, str], dict[str, Any]]:
+    return {(r["step"], r["layer"]): r for r in records if r["kind"] == "gradient"}
+
+
+@pytest.mark.mutates_model  # the optimizers train the models
+@pytest.mark.parametrize("histograms", [False, "all"])
+def test_a_scalers_scale_is_taken_out_of_the_output_gradients(
+    tmp_path: Path, histograms: bool | str
+) -> None:
+    """With ``scaler=`` the gradients reaching the layers (those of the scaled loss) are
+    recorded as the loss's own: equal to a run without scaling (a power-of-two scale is
+    exact in float32), step for step, through a skipped step's scale change too."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for name in ("plain", "scaled"):
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+        sinks = [("tensorboard", tmp_path / name, "all")] if histograms else []
+        kwargs = {"scaler": scaler} if name == "scaled" else {}
+        with hs.Monitor(net, every=1, optimizer=opt, sinks=sinks, **kwargs) as mon:
+            for i in range(3):
+                x = torch.randn(8, 3, generator=torch.Generator().manual_seed(i))
+                loss = net(x).pow(2).mean()
+                (scaler.scale(loss) if name == "scaled" else loss).backward()
+                if name == "scaled":
+                    scaler.step(opt)  # unscales, then steps (the scale grows each step)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad()
+        runs[name] = mon.records
+    plain, scaled = _grad_rows(runs["plain"]), _grad_rows(runs["scaled"])
+    assert plain.keys() == scaled.keys() and {s for s, _ in plain} == {0, 1, 2}
+    for key, row in plain.items():
+        numbers = {k: v for k, v in row.items() if k not in ("layer", "kind")}
+        got = {k: scaled[key][k] for k in numbers}
+        assert got == pytest.approx(numbers, rel=1e-6, nan_ok=True), key
+    if histograms:
+        tags = {}
+        for name in ("plain", "scaled"):
+            events = accumulator.EventAccumulator(
+                str(tmp_path / name), size_guidance={"histograms": 0}
+            )
+            events.Reload()
+            tags[name] = [
+                (h.step, round(h.histogram_value.sum, 5), list(h.histogram_value.bucket))
+                for h in events.Histograms("0/gradient")
+            ]
+        assert tags["scaled"] == tags["plain"] and len(tags["plain"]) == 3
+    with pytest.raises(hs.UsageError, match="scaler must be a torch"):
+        hs.Monitor(_net(), scaler=object())
+
+
+@pytest.mark.mutates_model
+def test_passes_inside_paused_are_not_the_steps() -> None:
+    """An evaluation inside a step's span (``paused()``) adds nothing: the records equal
+    those of the same loop without it."""
+    runs = []
+    for evaluate in (False, True):
+        net = _net()
+        opt = torch.optim.SGD(net.parameters(), lr=0.01)
+        with hs.Monitor(net, every=1, optimizer=opt) as mon:
+            for i in range(2):
+                x = torch.randn(8, 3, generator=torch.Generator().manual_seed(i))
+                net(x).pow(2).mean().backward()
+                if evaluate:
+                    with mon.paused(), torch.no_grad():
+                        net(torch.randn(50, 3) * 100)  # other values, other statistics
+                    with mon.paused():  # a backward (to the input: .grad stays the step's)
+                        probe = torch.randn(4, 3, requires_grad=True)
+                        torch.autograd.grad(net(probe).sum(), probe)
+                opt.step()
+                opt.zero_grad()
+        runs.append(mon.records)
+    assert runs[1] == runs[0]

@@ -51,10 +51,18 @@ AREAS: dict[str, tuple[str, str]] = {
     "explain": ("Attribution maps", "The CAM family, input-space methods and overlays."),
     "extract": ("Extraction", "Dataset-scale feature extraction into Zarr stores."),
     "show": ("Report", "The self-contained HTML report."),
+    "integrations": (
+        "Trainer integrations",
+        "Callbacks for Lightning and Hugging Face's Trainer (each needs its extra; not "
+        "imported by `import hookscope`), and the maps they log.",
+    ),
     "errors": ("Errors", "Every error hookscope raises; each is also a built-in exception."),
 }
 #: Public modules documented whole, on the page of their subpackage.
-MODULES = {"explain": ["hookscope.explain.metrics"]}
+MODULES = {
+    "explain": ["hookscope.explain.metrics"],
+    "integrations": ["hookscope.integrations.lightning", "hookscope.integrations.transformers"],
+}
 #: Names public in a subpackage but not meant for users' reference (machinery for
 #: capability authors, documented in ARCHITECTURE.md and in their docstrings).
 INTERNAL = {"core"}
@@ -141,6 +149,7 @@ def area_page(area: str, names: list[str]) -> str:
         lines += [f"::: hookscope.{area}.{n}\n    options:\n      heading_level: 3\n" for n in more]
         lines += [
             f"::: {m}\n    options:\n      heading_level: 3\n      show_root_full_path: true\n"
+            "      inherited_members: false\n"  # a callback's base is the trainer's, not ours
             for m in MODULES.get(area, [])
         ]
     return "\n".join(lines)

@@ -15,7 +15,10 @@ from typing import Any, Protocol
 from .._extras import require
 from ..errors import UsageError
 
-__all__ = ["CSV_FIELDS", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "make_sink"]
+__all__ = [
+    "CSV_FIELDS", "ROOT", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "histogram_name",
+    "make_sink", "scalars",
+]  # fmt: skip
 
 #: The CSV header: every key a record can have (empty where a record has none).
 CSV_FIELDS = (
@@ -24,8 +27,39 @@ CSV_FIELDS = (
 )  # fmt: skip
 
 
+#: the name of the model itself (layer ``""``) in a metric's name, where a name cannot be empty
+ROOT = "_root"
+_NOT_STATISTICS = ("step", "layer", "kind", "rank")
+
+
+def scalars(record: dict[str, Any], prefix: str = "", root: str = ROOT) -> list[tuple[str, float]]:
+    """A record's numbers as ``(name, value)``: ``{prefix}{layer}/{kind}/{statistic}``, and a
+    value given to ``Monitor.log`` under ``{prefix}{its name}`` (the model itself, layer
+    ``""``, is ``root`` here)."""
+    if record["kind"] == "scalar":
+        return [(f"{prefix}{record['layer']}", record["value"])]
+    head = f"{prefix}{record['layer'] or root}/{record['kind']}"
+    return [
+        (f"{head}/{key}", value)
+        for key, value in record.items()
+        if key not in _NOT_STATISTICS and isinstance(value, (int, float))
+    ]
+
+
+def histogram_name(tag: str, prefix: str = "") -> str:
+    """A histogram's name, ``{prefix}{layer}/{kind}``, from the Monitor's tag (the model
+    itself, layer ``""``, as :data:`ROOT`)."""
+    return f"{prefix}{ROOT}{tag}" if tag.startswith("/") else f"{prefix}{tag}"
+
+
 class Sink(Protocol):
-    """What a Monitor sink is: any object with these three methods (your own too)."""
+    """What a Monitor sink is: any object with these three methods (your own too).
+
+    A sink that draws histograms also has ``histograms`` (``True`` for parameters and their
+    gradients, ``"all"`` for activations and output gradients too) and
+    ``histogram(tag, step, stats, counts, edges)`` (:meth:`TensorBoardSink.histogram`); one
+    that shows images has ``image(tag, step, image)`` (an RGB ``uint8`` array ``(H, W, 3)``:
+    the maps of ``hookscope.integrations``)."""
 
     def write(self, record: dict[str, Any]) -> None:
         """Take one record: a flat dict with ``step``, ``layer``, ``kind`` and statistics."""
@@ -101,12 +135,16 @@ class TensorBoardSink:
     Histogram buckets are TensorBoard's own (±1e-12 growing by 10 % to ±1e20), counted on the
     device; min, max, count, sum and sum of squares are exact, over finite values.
     ``("tensorboard", dir, "all")`` as a Monitor sink is ``TensorBoardSink(dir, histograms="all")``.
+    With a ``prefix`` (``"hookscope/"``), every tag starts with it and the model itself
+    (layer ``""``) is named ``_root``.
     """
 
-    def __init__(self, writer_or_dir: Any, *, histograms: bool | str = True) -> None:
+    def __init__(
+        self, writer_or_dir: Any, *, histograms: bool | str = True, prefix: str = ""
+    ) -> None:
         if histograms not in (True, False, "all"):
             raise UsageError(f'histograms must be True, False or "all", got {histograms!r}')
-        self.histograms = histograms
+        self.histograms, self.prefix = histograms, prefix
         if isinstance(writer_or_dir, (str, os.PathLike)):
             tb = require("torch.utils.tensorboard", "tensorboard", purpose="TensorBoard logging")
             self._writer, self._own = tb.SummaryWriter(log_dir=str(writer_or_dir)), True
@@ -115,13 +153,9 @@ class TensorBoardSink:
 
     def write(self, record: dict[str, Any]) -> None:
         """Add ``record``'s numbers as scalars at its step."""
-        if record["kind"] == "scalar":  # a value of the user's: its own name as the tag
-            self._writer.add_scalar(record["layer"], record["value"], global_step=record["step"])
-            return
-        for key, value in record.items():
-            if key not in ("step", "layer", "kind") and isinstance(value, (int, float)):
-                tag = f"{record['layer']}/{record['kind']}/{key}"
-                self._writer.add_scalar(tag, value, global_step=record["step"])
+        root = ROOT if self.prefix else ""  # unprefixed tags are as they always were
+        for tag, value in scalars(record, self.prefix, root):
+            self._writer.add_scalar(tag, value, global_step=record["step"])
 
     def histogram(
         self, tag: str, step: int, stats: dict[str, float], counts: list[float], edges: Any
@@ -133,11 +167,17 @@ class TensorBoardSink:
             if c:
                 limits.append(float(edges[i]) if i < len(edges) else stats["max"])
                 kept.append(c)
+        if self.prefix:
+            tag = histogram_name(tag, self.prefix)
         self._writer.add_histogram_raw(
             tag, min=stats["min"], max=stats["max"], num=int(stats["num"]), sum=stats["sum"],
             sum_squares=stats["sum_squares"], bucket_limits=limits, bucket_counts=kept,
             global_step=step,
         )  # fmt: skip
+
+    def image(self, tag: str, step: int, image: Any) -> None:
+        """One RGB image ``(H, W, 3)``, ``uint8``, named ``{prefix}{tag}``."""
+        self._writer.add_image(f"{self.prefix}{tag}", image, global_step=step, dataformats="HWC")
 
     def flush(self) -> None:
         """Flush the writer's event file."""

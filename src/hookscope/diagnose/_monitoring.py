@@ -33,10 +33,11 @@ that made its input, and otherwise dim 1 of a 4-D or larger output and the last 
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Literal, TypedDict
 
 import torch
@@ -134,6 +135,13 @@ class Monitor(Session):
             own, with a ``rank`` key (give each rank its own files).
         recompile: watch a ``torch.compile``d model that already ran (its compiled code then
             runs eagerly while the monitor is open); otherwise CompiledModelError.
+        scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: the gradients reaching
+            the layers' outputs are those of the scaled loss, and their statistics are
+            divided by the scale (read on the device, no synchronisation) so that they are
+            the gradients of the loss. Parameter gradients are read at the optimizer step,
+            after the scaler unscaled them. A step the scaler skips (its gradients overflowed)
+            is no optimizer step: its forwards count in the next step, whose ``nonfinite``
+            counts show the overflow.
 
     Example:
         >>> import torch, torch.nn as nn, hookscope as hs
@@ -158,13 +166,17 @@ class Monitor(Session):
         optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         ranks: Ranks = "reduce",
         recompile: bool = False,
+        scaler: Any = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise UsageError(f"every must be an int >= 1, got {every!r}")
         if ranks not in ("reduce", "each"):
             raise UsageError(f'ranks must be "reduce" or "each", got {ranks!r}')
+        if scaler is not None and not callable(getattr(scaler, "scale", None)):
+            raise UsageError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
         super().__init__(model, recompile=recompile)
-        self.every, self.ranks = every, ranks
+        self.every, self.ranks, self.scaler = every, ranks, scaler
+        self._paused = 0
         self.optimizers = _optimizers(optimizer)
         chosen = (
             self.layers.sites(layers)
@@ -222,6 +234,30 @@ class Monitor(Session):
             self._end_gap()
         return list(self._records)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards and backwards inside the block are not part of any step: a validation or
+        evaluation pass inside a training step's span adds nothing to its statistics (the
+        trainer integrations pause the monitor there).
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> net = nn.Sequential(nn.Linear(3, 2))
+            >>> with hs.Monitor(net, every=1) as mon:
+            ...     net(torch.ones(1, 3)).sum().backward()
+            ...     with mon.paused(), torch.no_grad():
+            ...         _ = net(torch.ones(5, 3))  # not counted
+            ...     mon.step()
+            >>> [row] = [r for r in mon.records if r["kind"] == "activation"]
+            >>> abs(row["norm"] - float(net(torch.ones(1, 3)).norm())) < 1e-6
+            True
+        """
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
     def log(self, **scalars: float | Tensor) -> None:
         """Record scalars beside the statistics (the loss, the learning rate), as
         ``kind="scalar"`` records of logged steps; tensors are read in the step's single
@@ -272,6 +308,8 @@ class Monitor(Session):
                 writer.close()
 
     def _new_pass(self) -> None:
+        if self._paused:
+            return
         self._layout.clear()
         self._end_gap()
 
@@ -280,7 +318,7 @@ class Monitor(Session):
         self._output(call.name, call.module, args, output)
 
     def _output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not self.logging:
+        if not self.logging or self._paused:
             return
         t = _first_float(output)
         if t is None or not _stats.has_values(t):  # a meta tensor: left out
@@ -298,10 +336,21 @@ class Monitor(Session):
         if not _stats.has_values(grad):
             return
         moments = Moments.of(grad)
+        unscale = self._unscale(grad) if self.scaler is not None else None
         if moments is not None:
+            if unscale is not None:
+                moments = moments.scaled(unscale)
             self._moments.setdefault((name, "gradient"), []).append(moments)
         if self.histograms == "all":
-            self._hist.setdefault((name, "gradient"), []).append(_stats.histogram([grad]))
+            counted = grad if unscale is None else grad.detach() * unscale
+            self._hist.setdefault((name, "gradient"), []).append(_stats.histogram([counted]))
+
+    def _unscale(self, grad: Tensor) -> Tensor:
+        """1 / the scaler's current scale, on ``grad``'s device (``scaler.scale`` of a one:
+        the scale stays on the device; a disabled scaler returns the one)."""
+        with torch.no_grad():
+            one = torch.ones((), dtype=torch.float32, device=grad.device)
+            return torch.reciprocal(self.scaler.scale(one))
 
     def _channel_dim(self, module: nn.Module, args: tuple[Any, ...], t: Tensor) -> int | None:
         """The dim of ``t`` whose entries are channels (see the module docstring)."""

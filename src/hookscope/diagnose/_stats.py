@@ -165,6 +165,16 @@ class Moments:
         norm = ((self.norm + self.total * self.total) * self.numel).sqrt()
         return dataclasses.replace(self, total=total, norm=norm, centered=False)
 
+    def scaled(self, factor: Tensor) -> Moments:
+        """The moments of the tensor times ``factor``, a positive device scalar (a loss
+        scaler's inverse scale): sums, norms and extremes scale, counts do not (device
+        operators only, no read)."""
+        total = self.total * factor
+        norm = self.norm * factor * factor if self.centered else self.norm * factor
+        return dataclasses.replace(
+            self, total=total, norm=norm, low=self.low * factor, high=self.high * factor
+        )
+
     def parts(self) -> list[tuple[Tensor, int]]:
         """``(values, how they combine)`` in a fixed order; ``nonzero_finite`` (counted per
         channel) may be a vector, and ``alive`` (per channel) comes last when there is one."""
