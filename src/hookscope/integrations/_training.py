@@ -173,3 +173,29 @@ class Training:
                     relay.drain()
                 finally:
                     relay.close_targets()
+
+
+class Results:
+    """What a trainer callback saw, read from its ``_training`` (both callbacks' base)."""
+
+    _training: Training
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """The Monitor's records of the latest run (``hs.Monitor.records``)."""
+        return self._training.records
+
+    @property
+    def monitor(self) -> Monitor | None:
+        """The Monitor of the latest run (None before the first, or with ``monitor=False``)."""
+        return self._training.monitor
+
+    @property
+    def report(self) -> NonFiniteReport | None:
+        """The NaN tracer's report of the latest run (with ``nonfinite=``)."""
+        return self._training.report
+
+    @property
+    def images(self) -> dict[str, Any]:
+        """The latest maps drawn, by name: RGB ``uint8`` arrays ``(H, W, 3)``."""
+        return self._training.images

@@ -34,18 +34,16 @@ from ..core import LayerSelector  # noqa: E402
 from ..diagnose import (  # noqa: E402
     MetricsSink,
     MLflowSink,
-    Monitor,
-    NonFiniteReport,
     TensorBoardSink,
     WandbSink,
 )
 from ._maps import Maps  # noqa: E402
-from ._training import Options, Ranks, Training  # noqa: E402
+from ._training import Options, Ranks, Results, Training  # noqa: E402
 
 __all__ = ["HookscopeCallback", "Maps"]
 
 
-class HookscopeCallback(pl.Callback):
+class HookscopeCallback(Results, pl.Callback):
     """Training-health statistics, NaN tracing and maps in ``Trainer.fit``.
 
     Args:
@@ -90,26 +88,6 @@ class HookscopeCallback(pl.Callback):
             every=every, layers=layers, sinks=tuple(sinks), ranks=ranks, monitor=monitor,
             nonfinite=nonfinite, loggers=loggers, histograms=histograms, maps=maps,
         ))  # fmt: skip
-
-    @property
-    def records(self) -> list[dict[str, Any]]:
-        """The Monitor's records of the latest run (``hs.Monitor.records``)."""
-        return self._training.records
-
-    @property
-    def monitor(self) -> Monitor | None:
-        """The Monitor of the latest run (None before the first, or with ``monitor=False``)."""
-        return self._training.monitor
-
-    @property
-    def report(self) -> NonFiniteReport | None:
-        """The NaN tracer's report of the latest run (with ``nonfinite=``)."""
-        return self._training.report
-
-    @property
-    def images(self) -> dict[str, Any]:
-        """The latest maps drawn, by name: RGB ``uint8`` arrays ``(H, W, 3)``."""
-        return self._training.images
 
     # -- the trainer's events ------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -58,19 +58,17 @@ from ..core import LayerSelector  # noqa: E402
 from ..diagnose import (  # noqa: E402
     ClipReport,
     MLflowSink,
-    Monitor,
-    NonFiniteReport,
     TensorBoardSink,
     WandbSink,
     clip_grad_norm,
 )
 from ._maps import Maps  # noqa: E402
-from ._training import Options, Ranks, Training  # noqa: E402
+from ._training import Options, Ranks, Results, Training  # noqa: E402
 
 __all__ = ["HookscopeCallback", "Maps"]
 
 
-class HookscopeCallback(TrainerCallback):
+class HookscopeCallback(Results, TrainerCallback):
     """Training-health statistics, clipping reports, NaN tracing and maps in
     ``Trainer.train``.
 
@@ -120,26 +118,6 @@ class HookscopeCallback(TrainerCallback):
         self._max_norm: float | None = None  # the Trainer's, while the callback clips
         self._args: TrainingArguments | None = None
         self._epoch = -1
-
-    @property
-    def records(self) -> list[dict[str, Any]]:
-        """The Monitor's records of the latest run (``hs.Monitor.records``)."""
-        return self._training.records
-
-    @property
-    def monitor(self) -> Monitor | None:
-        """The Monitor of the latest run (None before the first, or with ``monitor=False``)."""
-        return self._training.monitor
-
-    @property
-    def report(self) -> NonFiniteReport | None:
-        """The NaN tracer's report of the latest run (with ``nonfinite=``)."""
-        return self._training.report
-
-    @property
-    def images(self) -> dict[str, Any]:
-        """The latest maps drawn, by name: RGB ``uint8`` arrays ``(H, W, 3)``."""
-        return self._training.images
 
     def close(self) -> None:
         """Close the sessions and give the Trainer its clipping back (idempotent): after an
