@@ -9,11 +9,17 @@ library itself carries no test machinery. ``residue.py`` holds the snapshot code
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor, nn
 
 import hookscope as hs
 from residue import Watch
@@ -49,3 +55,57 @@ def untouched(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     values = request.node.get_closest_marker("mutates_model") is None
     problems = watch.problems(values=values)
     assert not problems, "hookscope did not leave things as found:\n" + "\n".join(problems)
+
+
+# -- the demo's trained CNN, trained once per test run -------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What ``hookscope demo --quick`` left: its report, its weights and what it printed."""
+
+    report: Path
+    weights: Path
+    stdout: str
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """``python -m hookscope demo --quick``, run once per test run as a shell runs it.
+
+    Training the demo's CNN is the costliest step of the suite, so this run's training is the
+    only one: every test of a trained shapes model gets the weights it wrote (``shapes_cnn``).
+    """
+    for extra in ("click", "matplotlib", "PIL"):
+        pytest.importorskip(extra)
+    out = tmp_path_factory.mktemp("demo")
+    done = subprocess.run(
+        [sys.executable, "-m", "hookscope", "demo", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return DemoRun(out / "report.html", out / "weights.pt", done.stdout)
+
+
+@pytest.fixture(scope="session")
+def shapes_weights(request: pytest.FixtureRequest) -> dict[str, Tensor]:
+    """The ``state_dict`` of the CNN ``hookscope demo --quick`` trains: the demo's own weights
+    file, or, where the demo's extras are missing, the same training run here (``train`` seeds
+    itself, so both are the same training)."""
+    if all(importlib.util.find_spec(m) for m in ("click", "matplotlib", "PIL")):
+        run: DemoRun = request.getfixturevalue("demo_run")
+        weights: dict[str, Tensor] = torch.load(run.weights, weights_only=True)
+        return weights
+    from hookscope.show import train
+
+    return train(300, size=32, progress_bar=False).state_dict()
+
+
+@pytest.fixture
+def shapes_cnn(shapes_weights: dict[str, Tensor]) -> nn.Module:
+    """The demo's trained CNN (eval mode), a fresh copy for each test."""
+    from hookscope.show import ShapesCNN
+
+    model = ShapesCNN()
+    model.load_state_dict(shapes_weights)
+    return model.eval()
