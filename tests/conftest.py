@@ -27,7 +27,12 @@ from residue import Watch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One torch thread per test process, and per process a test starts (OMP_NUM_THREADS is
+# inherited): the suite's models are tiny, and a second intra-op thread mostly spins waiting
+# for the first. test_zoo.py and test_hf.py at a load of 7-10 on 2 cores: 141-157 s with two
+# threads, 54-63 s and half the CPU time with one. pytest-xdist's workers use the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
