@@ -80,16 +80,26 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
 
     Training the demo's CNN is the costliest step of the suite, so this run's training is the
     only one: every test of a trained shapes model gets the weights it wrote (``shapes_cnn``).
+    pytest-xdist's workers share it: the first to need it runs it, under a lock, in the run's
+    folder that all workers see.
     """
     for extra in ("click", "matplotlib", "PIL"):
         pytest.importorskip(extra)
-    out = tmp_path_factory.mktemp("demo")
-    done = subprocess.run(
-        [sys.executable, "-m", "hookscope", "demo", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return DemoRun(out / "report.html", out / "weights.pt", done.stdout)
+    from filelock import FileLock  # a dependency of torch
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder; a worker's own is popen-gw<N> inside it
+    out, printed = root / "demo", root / "demo.stdout"
+    with FileLock(str(root / "demo.lock")):
+        if not printed.is_file():
+            done = subprocess.run(
+                [sys.executable, "-m", "hookscope", "demo", "--quick", "--out", str(out)],
+                capture_output=True, text=True, timeout=600, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            printed.write_text(done.stdout)
+    return DemoRun(out / "report.html", out / "weights.pt", printed.read_text())
 
 
 @pytest.fixture(scope="session")
