@@ -9,11 +9,17 @@ library itself carries no test machinery. ``residue.py`` holds the snapshot code
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
+from torch import Tensor, nn
 
 import hookscope as hs
 from residue import Watch
@@ -21,7 +27,12 @@ from residue import Watch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One torch thread per test process, and per process a test starts (OMP_NUM_THREADS is
+# inherited): the suite's models are tiny, and a second intra-op thread mostly spins waiting
+# for the first. test_zoo.py and test_hf.py at a load of 7-10 on 2 cores: 141-157 s with two
+# threads, 54-63 s and half the CPU time with one. pytest-xdist's workers use the cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
@@ -49,3 +60,67 @@ def untouched(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     values = request.node.get_closest_marker("mutates_model") is None
     problems = watch.problems(values=values)
     assert not problems, "hookscope did not leave things as found:\n" + "\n".join(problems)
+
+
+# -- the demo's trained CNN, trained once per test run -------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What ``hookscope demo --quick`` left: its report, its weights and what it printed."""
+
+    report: Path
+    weights: Path
+    stdout: str
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
+    """``python -m hookscope demo --quick``, run once per test run as a shell runs it.
+
+    Training the demo's CNN is the costliest step of the suite, so this run's training is the
+    only one: every test of a trained shapes model gets the weights it wrote (``shapes_cnn``).
+    pytest-xdist's workers share it: the first to need it runs it, under a lock, in the run's
+    folder that all workers see.
+    """
+    for extra in ("click", "matplotlib", "PIL"):
+        pytest.importorskip(extra)
+    from filelock import FileLock  # a dependency of torch
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's folder; a worker's own is popen-gw<N> inside it
+    out, printed = root / "demo", root / "demo.stdout"
+    with FileLock(str(root / "demo.lock")):
+        if not printed.is_file():
+            done = subprocess.run(
+                [sys.executable, "-m", "hookscope", "demo", "--quick", "--out", str(out)],
+                capture_output=True, text=True, timeout=600, check=False,
+            )  # fmt: skip
+            assert done.returncode == 0, done.stderr
+            printed.write_text(done.stdout)
+    return DemoRun(out / "report.html", out / "weights.pt", printed.read_text())
+
+
+@pytest.fixture(scope="session")
+def shapes_weights(request: pytest.FixtureRequest) -> dict[str, Tensor]:
+    """The ``state_dict`` of the CNN ``hookscope demo --quick`` trains: the demo's own weights
+    file, or, where the demo's extras are missing, the same training run here (``train`` seeds
+    itself, so both are the same training)."""
+    if all(importlib.util.find_spec(m) for m in ("click", "matplotlib", "PIL")):
+        run: DemoRun = request.getfixturevalue("demo_run")
+        weights: dict[str, Tensor] = torch.load(run.weights, weights_only=True)
+        return weights
+    from hookscope.show import train
+
+    return train(300, size=32, progress_bar=False).state_dict()
+
+
+@pytest.fixture
+def shapes_cnn(shapes_weights: dict[str, Tensor]) -> nn.Module:
+    """The demo's trained CNN (eval mode), a fresh copy for each test."""
+    from hookscope.show import ShapesCNN
+
+    model = ShapesCNN()
+    model.load_state_dict(shapes_weights)
+    return model.eval()

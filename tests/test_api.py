@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import hookscope as hs
 from hookscope import errors
@@ -108,11 +109,28 @@ def test_docstring_examples_run(name: str) -> None:
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.py")), ids=lambda p: p.name)
-def test_examples_run(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_examples_run(
+    path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> None:
     """Every example the README points to runs (they are executed, not just imported), as
-    ``python examples/<name>.py`` with no arguments (not with pytest's)."""
+    ``python examples/<name>.py`` with no arguments (not with pytest's).
+
+    An example that trains the demo's CNN as ``hookscope demo --quick`` does (300 steps on
+    32 px images, seed 0) gets that training's result, trained once for the whole test run
+    (``shapes_cnn``): the same function with the same seeds, so the same model."""
     import runpy
 
+    from hookscope import show
+
+    train = show.train
+
+    def trained_once(steps: int = 300, *, size: int = 64, seed: int = 0, **rest: Any) -> nn.Module:
+        if (steps, size, seed) == (300, 32, 0):
+            model: nn.Module = request.getfixturevalue("shapes_cnn")
+            return model
+        return train(steps, size=size, seed=seed, **rest)
+
+    monkeypatch.setattr(show, "train", trained_once)
     monkeypatch.setattr(sys, "argv", [str(path)])
     runpy.run_path(str(path), run_name="__main__")
 

@@ -1,36 +1,32 @@
-"""``hookscope demo --quick`` end to end as a real subprocess: the model it trains is measured
-here (accuracy on fresh held-out images, pointing game against the shapes' masks), and its
-report is opened in a real headless Chromium."""
+"""``hookscope demo --quick`` end to end as a real subprocess (run once for the whole test run:
+``demo_run`` in conftest.py): the model it trains is measured here (accuracy on fresh held-out
+images, pointing game against the shapes' masks), and its report is opened in a real headless
+Chromium."""
 
 from __future__ import annotations
 
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("click")
 pytest.importorskip("matplotlib")
 pytest.importorskip("PIL")
 
 import browser
+from conftest import DemoRun
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    out = tmp_path_factory.mktemp("demo")
-    done = subprocess.run(
-        [sys.executable, "-m", "hookscope", "demo", "--quick", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return out / "report.html", done.stdout
+@pytest.fixture
+def demo(demo_run: DemoRun) -> tuple[Path, str]:
+    return demo_run.report, demo_run.stdout
 
 
 def _printed(stdout: str, label: str) -> float:
@@ -50,13 +46,19 @@ def test_demo_trains_a_model_whose_maps_land_on_the_shapes(demo: tuple[Path, str
     assert f"<b>{accuracy:.3f}</b>" in text  # the report says what the command printed
 
 
-def test_demo_model_measured_independently() -> None:
-    """The same training as the demo, measured here on images it never saw, with the
-    pointing game computed by hand (distance from each map's maximum to the shape's pixels)."""
+def test_demo_model_measured_independently(demo_run: DemoRun, shapes_cnn: nn.Module) -> None:
+    """The model the demo trained, loaded from the weights it wrote, measured here on images
+    it never saw, with the pointing game computed by hand (distance from each map's maximum to
+    the shape's pixels)."""
     import hookscope as hs
-    from hookscope.show._shapes import shapes, train
+    from hookscope.show._shapes import shapes
 
-    model = train(300, size=32, progress_bar=False)
+    assert f"weights: {demo_run.weights.resolve()}" in demo_run.stdout
+    model = shapes_cnn  # loaded from demo_run.weights
+    held_out, labels, _ = shapes(600, torch.Generator().manual_seed(12345), size=32)
+    with torch.no_grad():  # the weights are the model the demo measured: its held-out images
+        same = (model(held_out).argmax(1) == labels).float().mean().item()
+    assert f"accuracy {same:.3f}" in demo_run.stdout, (same, demo_run.stdout)
     x, y, masks = shapes(300, torch.Generator().manual_seed(2024), size=32)
     with torch.no_grad():
         assert (model(x).argmax(1) == y).float().mean() >= 0.85

@@ -1,9 +1,9 @@
-"""A CNN trained inside the test, in seconds, on synthetic shapes (a bright square, disk or
-triangle at a random position and size on noise; the class is the shape; ``hookscope demo``'s
-data and model): the object's pixels are the right answer, so Grad-CAM must point at them and
-deleting its pixels first must hurt the score most. Three shapes make each shape's own pixels
-the evidence for it (with two, a model may learn "square or not", and the disk's evidence is
-then the absence of corners)."""
+"""A CNN trained on synthetic shapes (a bright square, disk or triangle at a random position
+and size on noise; the class is the shape): ``hookscope demo --quick``'s data and model, trained
+once for the whole test run (``shapes_cnn`` in conftest.py). The object's pixels are the right
+answer, so Grad-CAM must point at them and deleting its pixels first must hurt the score most.
+Three shapes make each shape's own pixels the evidence for it (with two, a model may learn
+"square or not", and the disk's evidence is then the absence of corners)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from torch import nn
 
 import hookscope as hs
 from hookscope.explain import metrics
-from hookscope.show import shapes, train
+from hookscope.show import shapes
 
 
-@pytest.fixture(scope="module")
-def trained() -> nn.Module:
-    return train(300, size=32, progress_bar=False)  # as `hookscope demo --quick` trains it
+@pytest.fixture
+def trained(shapes_cnn: nn.Module) -> nn.Module:
+    return shapes_cnn  # as `hookscope demo --quick` trains it
 
 
 @pytest.mark.slow

@@ -162,12 +162,17 @@ def _with_options(fn: Callable[..., None]) -> Callable[..., None]:
 
 @cli.command()
 @click.option("--quick", is_flag=True, help="A smaller run (32 px images, ~5 s of training).")
-@click.option("--out", default="hookscope-demo", show_default=True, help="Folder for report.html.")
+@click.option(
+    "--out",
+    default="hookscope-demo",
+    show_default=True,
+    help="Folder for report.html and weights.pt.",
+)
 @click.option(
     "--seed", type=int, default=0, show_default=True, help="Seeds the weights and the batches."
 )
 def demo(quick: bool, out: str, seed: int) -> None:
-    """Train a small CNN on synthetic shapes here and write its report."""
+    """Train a small CNN on synthetic shapes here and write its report and weights."""
     from ._demo import demo as run
     from ._demo import describe
 

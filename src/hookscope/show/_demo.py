@@ -1,4 +1,5 @@
-"""``hookscope demo``: train the shapes CNN here, measure it honestly, write the report.
+"""``hookscope demo``: train the shapes CNN here, measure it honestly, write the report and
+the trained weights.
 
 Accuracy is measured on held-out images (chance: 1/3). The pointing game counts a Grad-CAM map
 whose maximum lies within a tolerance of the object, scaled with the image (TorchRay's 15 px at
@@ -32,6 +33,7 @@ class DemoResult:
     """What the demo measured, and where its report is."""
 
     report: Path
+    weights: Path
     accuracy: float
     pointing: float
     center: float
@@ -48,9 +50,11 @@ def demo(
     progress: bool | None = None,
     seed: int = 0,
 ) -> DemoResult:
-    """Train, measure, and write ``out/report.html``. ``quick``: 32 px images and a shorter
-    training (a few seconds), as CI runs it. ``seed``: the weights and the training batches
-    (the held-out images stay the same)."""
+    """Train, measure, and write ``out/report.html`` and ``out/weights.pt``, the trained
+    model's ``state_dict``: ``ShapesCNN().load_state_dict(torch.load(path))`` gives back the
+    model the report describes. ``quick``: 32 px images and a shorter training (a few
+    seconds), as CI runs it. ``seed``: the weights and the training batches (the held-out
+    images stay the same)."""
     if not isinstance(quick, bool):
         raise UsageError(f"quick must be True or False, got {quick!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -74,6 +78,7 @@ def demo(
     random = torch.rand(masks.shape, generator=torch.Generator().manual_seed(7))
     result = DemoResult(
         report=Path(out) / "report.html",
+        weights=Path(out) / "weights.pt",
         accuracy=accuracy,
         pointing=pointing,
         center=_pointing(center, masks, tolerance),
@@ -93,6 +98,9 @@ def demo(
         max_images=9,
         sections=[("training", "Training and faithfulness", _training_html(result, steps, size))],
     )
+    partial = result.weights.with_name(result.weights.name + ".partial")
+    torch.save(model.state_dict(), partial)
+    partial.replace(result.weights)  # never half-written weights under the final name
     return result
 
 
@@ -126,5 +134,6 @@ def describe(r: DemoResult) -> str:
         f"pointing game {r.pointing:.3f} (tolerance {r.tolerance:.1f} px); baselines: center "
         f"{r.center:.3f}, random {r.random:.3f}, untrained model {r.untrained:.3f}\n"
         f"report: {r.report.resolve()}\n"
+        f"weights: {r.weights.resolve()}\n"
         f"open it: a browser on file://{r.report.resolve()}"
     )
