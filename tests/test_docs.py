@@ -222,6 +222,7 @@ def _docstring(name: str) -> str:
 
 def _letters(text: str) -> str:
     """Letters and digits only: markup, roles and the site's spacing left out."""
+    text = re.sub(r":\w+:`~[\w.]*\.", "", text)  # a role's ~path. shows the last name only
     return re.sub(r"\W+", "", re.sub(r":\w+:`", "", text))
 
 
