@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .ops._select import OpSelector
 
 __all__ = [
+    "PRIVATE",
     "RUNNERS",
     "ModuleCall",
     "Now",
@@ -100,6 +101,8 @@ class _Private(threading.local):
 
 
 _PRIVATE = _Private()
+#: this thread's private forwards (``PRIVATE.blocks``: empty almost always), for hot paths
+PRIVATE = _PRIVATE
 
 #: Named in :func:`private_forward`: hookscope's own runners (sessions of entry points that run
 #: the model themselves, ``this_thread=True``) see the forward; sessions of the user's code do

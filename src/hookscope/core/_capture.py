@@ -26,8 +26,8 @@ from ..errors import LayerNotFoundError, UnsupportedModelError
 from . import _torch, _tree
 from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
-from ._calls import ModuleCall, private_sessions
-from ._lifetime import HookSet
+from ._calls import PRIVATE, ModuleCall
+from ._lifetime import HookSet, run_unseen
 from ._records import _OUTPUT, Call, LayerRecord
 from ._session import Run, Session, replica_error
 from ._store import Store, check_options
@@ -208,10 +208,11 @@ class Capture(Session):
             if self._inputs or self._grads:
                 site.binder = Binder(site.module)
                 pre = functools.partial(self._on_input, site)
-                hooks.forward_pre(site.module, pre, with_kwargs=True)
-                hooks.forward(site.module, functools.partial(self._on_output, site))
+                hooks.forward_pre(site.module, pre, with_kwargs=True, hides_modes=True)
+                post = functools.partial(self._on_output, site)
+                hooks.forward(site.module, post, hides_modes=True)
             else:
-                hooks.forward(site.module, self._output_only(site))
+                hooks.forward(site.module, self._output_only(site), hides_modes=True)
 
     def _closed(self) -> None:
         self._store.closed = True
@@ -438,11 +439,13 @@ class Capture(Session):
         threads = self._threads
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
+            if _stack_length():  # a user's function modes must not see the copy (_lifetime)
+                return _run_unseen(on_output, mod, args, output)
             if mod is not module:
                 raise replica_error(mod)
             if _backward_id() != -1:
                 return  # a checkpoint's replay: the call is already recorded
-            if (_private_sessions() or threads is not None) and self._ignores():
+            if (_PRIVATE.blocks or threads is not None) and self._ignores():
                 return  # a private forward, or another thread's (see Session._ignores)
             now = self._now
             pass_index = now.pass_index
@@ -490,9 +493,11 @@ class Capture(Session):
         kwargs: dict[str, Any],
         binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if _stack_length():  # a user's function modes must not see the copies (_lifetime)
+            return _run_unseen(self._on_input, site, module, args, kwargs, binder)
         if module is not site.module:
             raise replica_error(module)
-        if self._ignores():
+        if (_PRIVATE.blocks or self._threads is not None) and self._ignores():
             return None
         binder = binder or site.binder
         assert binder is not None
@@ -513,9 +518,11 @@ class Capture(Session):
         return None
 
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if _stack_length():  # a user's function modes must not see the copies (_lifetime)
+            return _run_unseen(self._on_output, site, module, args, output)
         if module is not site.module:
             raise replica_error(module)
-        if self._ignores():
+        if (_PRIVATE.blocks or self._threads is not None) and self._ignores():
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
@@ -643,7 +650,9 @@ def _lazy_weights(groups: int, call: Call) -> Tensor:
 
 
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest
-_private_sessions = private_sessions
+_PRIVATE = PRIVATE
+_stack_length = _torch.function_stack_length
+_run_unseen = run_unseen
 _functorch_level = _torch.functorch_level
 
 

@@ -198,10 +198,16 @@ class HookSet:
         return len(self._handles)
 
     def forward_pre(
-        self, module: nn.Module, fn: Callable[..., Any], *, with_kwargs: bool = False
+        self,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        with_kwargs: bool = False,
+        hides_modes: bool = False,
     ) -> None:
-        """Register ``fn`` as a forward pre-hook of ``module`` until :meth:`close`."""
-        fn = self._outside_graphs(unseen(fn))
+        """Register ``fn`` as a forward pre-hook of ``module`` until :meth:`close`
+        (``hides_modes``: as for :meth:`forward`)."""
+        fn = self._outside_graphs(fn if hides_modes else unseen(fn))
         self._module(module, module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
     def forward(
@@ -211,10 +217,13 @@ class HookSet:
         *,
         with_kwargs: bool = False,
         always_call: bool = False,
+        hides_modes: bool = False,
     ) -> None:
         """Register ``fn`` as a forward hook of ``module`` until :meth:`close`
-        (``always_call=True``: it runs even when the forward raises)."""
-        fn = self._outside_graphs(unseen(fn))
+        (``always_call=True``: it runs even when the forward raises; ``hides_modes=True``: the
+        hook takes the function modes off itself when there are any, see :func:`unseen`, which
+        saves a wrapper's call on a per-call hot path)."""
+        fn = self._outside_graphs(fn if hides_modes else unseen(fn))
         handle = module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
         self._module(module, handle)
 

@@ -296,7 +296,9 @@ class Session:
     # -- which forwards ---------------------------------------------------------------------------
     def _ignores(self) -> bool:
         """Whether the forward running on this thread is not this session's to see: another
-        thread's (for a ``this_thread`` session), or a private forward it is not named in."""
+        thread's (for a ``this_thread`` session), or a private forward it is not named in.
+        Hot paths test ``PRIVATE.blocks or self._threads is not None`` first: both false, the
+        usual case, means no."""
         threads = self._threads
         if threads is not None and threading.get_ident() not in threads:
             # (a checkpoint's replay may run on an autograd device thread: that one is ours)

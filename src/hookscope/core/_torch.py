@@ -361,13 +361,16 @@ def buffers_of(module: nn.Module) -> dict[str, Any]:
 
 
 #: the fused attention kernels' operators (``torch.ops.aten``), for FLOP formulas
-FUSED_ATTENTION: tuple[Any, ...] = _find(
-    "torch.ops.aten fused attention operators",
-    lambda: (
-        torch.ops.aten._flash_attention_forward,
-        torch.ops.aten._efficient_attention_forward,
-    ),
-) or ()
+FUSED_ATTENTION: tuple[Any, ...] = (
+    _find(
+        "torch.ops.aten fused attention operators",
+        lambda: (
+            torch.ops.aten._flash_attention_forward,
+            torch.ops.aten._efficient_attention_forward,
+        ),
+    )
+    or ()
+)
 
 
 # -- dispatch modes -------------------------------------------------------------------------------
@@ -413,11 +416,18 @@ class _Hidden(threading.local):
 _HIDDEN = _Hidden()
 
 
-def function_stack_length() -> int:
-    """How many torch function modes are on this thread's stack (0 almost always: the
-    check that keeps hookscope's hooks cheap)."""
-    length: int = need("torch._C torch function mode stack")[0]()
-    return length
+def _no_stack_length() -> int:
+    need("torch._C torch function mode stack")  # raises TorchCompatError
+    return 0
+
+
+#: How many torch function modes are on this thread's stack (0 almost always: the check that
+#: keeps hookscope's hooks cheap, so it is torch's own C function, not a Python call).
+function_stack_length: Callable[[], int] = (
+    INTERNALS["torch._C torch function mode stack"][0]
+    if INTERNALS.get("torch._C torch function mode stack") is not None
+    else _no_stack_length
+)
 
 
 def hide_function_modes() -> None:
