@@ -60,10 +60,10 @@ from torch import nn
 
 from ..errors import LayerNotFoundError, UnsupportedModelError
 from . import _torch
-from ._calls import ModuleCall, Now, hidden, in_own_forward, private_forward, private_to
+from ._calls import PRIVATE, ModuleCall, Now, hidden, in_own_forward, private_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled
-from ._lifetime import HookSet, unseen
+from ._lifetime import HookSet, run_unseen, unseen
 from ._naming import Layers, Site, is_called, unwrap
 from .ops._attention import attention_args, probabilities
 from .ops._select import forward_op, op_binder
@@ -382,8 +382,9 @@ class Session:
             for name, module in owners.items():
                 self._tracked.setdefault(name, module)
         for name, module in self._tracked.items():
-            hooks.forward_pre(module, functools.partial(self._call_pre, name), with_kwargs=True)
-            hooks.forward(module, functools.partial(self._call_post, name), always_call=True)
+            pre, post = (functools.partial(f, name) for f in (self._call_pre, self._call_post))
+            hooks.forward_pre(module, pre, with_kwargs=True, hides_modes=True)
+            hooks.forward(module, post, always_call=True, hides_modes=True)
         if self._ops is not None:
             hooks.forward(self._layers.root, self._ops_pass_end)
 
@@ -408,9 +409,11 @@ class Session:
     def _call_pre(
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        if self._ignores():
+        if _stack_length():  # a user's function modes must not see hookscope's work
+            return run_unseen(self._call_pre, name, module, args, kwargs)
+        if (PRIVATE.blocks or self._threads is not None) and self._ignores():
             return None
-        replay = self._in_backward()
+        replay = _backward_id() != -1 and self._in_backward()
         if replay and not self._replays:
             return None
         if name and module is not self._layers.modules.get(name):
@@ -440,9 +443,11 @@ class Session:
             self._replay_log.note([k for k, _ in first_runs], call.name, call.original)
 
     def _call_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if self._ignores():
+        if _stack_length():  # a user's function modes must not see hookscope's work
+            return run_unseen(self._call_post, name, module, args, output)
+        if (PRIVATE.blocks or self._threads is not None) and self._ignores():
             return None
-        if not self._replays and self._in_backward():
+        if not self._replays and _backward_id() != -1 and self._in_backward():
             return None
         stack = self._now.stack
         while stack and stack[-1].module is not module:  # left open by a BaseException
@@ -553,6 +558,7 @@ class Session:
 
 
 _backward_id = _torch.backward_id
+_stack_length = _torch.function_stack_length
 
 
 def _running(module: nn.Module, skip: int) -> bool:
