@@ -4,7 +4,8 @@
   the module tree, each module's training flag, every hook dict, every attribute (by
   identity, or by value for plain values), the full parameter and buffer lists (names,
   identity, requires_grad, parameter hooks, values);
-* every tensor handed to one: its hooks, requires_grad and value;
+* every tensor handed to one: its hooks, requires_grad and value (except a torch.func
+  transform's wrappers, which have no values after it);
 * process-global state: torch's global module hooks, ``nn.Module.__getstate__``,
   ``copyreg.dispatch_table``, the torch function mode stack, dynamo's config and compile
   stance.
@@ -198,6 +199,8 @@ class Watch:
         if isinstance(value, nn.Module) and id(value) not in self.modules:
             self.modules[id(value)] = (value, ModuleState.of(value))
         elif isinstance(value, Tensor) and id(value) not in self.tensors:
+            if torch._C._functorch.is_functorch_wrapped_tensor(value):
+                return  # a torch.func transform's wrapper: it has no values outside it
             self.tensors[id(value)] = (value, TensorState.of(value))
         elif isinstance(value, (list, tuple)):
             for v in value:

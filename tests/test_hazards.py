@@ -6,14 +6,17 @@ table of docs/guarantees.md, and the residue fixture checks the model is left as
 Situations: a compiled model that already ran; reentrant and non-reentrant activation
 checkpointing; an exception raised and caught inside the model; a KeyboardInterrupt in an
 earlier forward; another session open on the model; no_grad and inference_mode; a deepcopy
-of the model made inside its own forward; a second-order backward; nested tensors. Capture
-and edit appear twice: with a layer and with an operation selector (``"layer::op"``).
+of the model made inside its own forward; a second-order backward; nested tensors;
+torch.func transforms around the model or inside its forward, and functional_call;
+torch.export, strict and not, and an export on another thread. Capture and edit appear
+twice: with a layer and with an operation selector (``"layer::op"``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -64,6 +67,11 @@ class Net(nn.Module):
             self.copies.append(copy.deepcopy(self))
         if self.hazard in ("reentrant", "non-reentrant") and torch.is_grad_enabled():
             h = checkpoint(self.block, h, use_reentrant=self.hazard == "reentrant")
+        elif self.hazard == "functional_call":  # parameters given for the call (equal values)
+            given = {name: p * 1.0 for name, p in self.block.named_parameters()}
+            h = torch.func.functional_call(self.block, given, (h,))
+        elif self.hazard == "vmap":  # the block runs per sample, inside a torch.func transform
+            h = torch.func.vmap(self.block)(h.unsqueeze(1)).squeeze(1)
         else:
             h = self.block(h)
         return self.head(h)
@@ -231,12 +239,15 @@ def _same(got: Any, want: Any) -> None:
 
 
 @pytest.mark.parametrize("entry", list(ENTRIES))
-@pytest.mark.parametrize("hazard", ["plain", "reentrant", "non-reentrant", "caught", "deepcopy"])
+@pytest.mark.parametrize(
+    "hazard", ["plain", "reentrant", "non-reentrant", "caught", "deepcopy", "functional_call"]
+)
 def test_model_situations(entry: str, hazard: str, tmp_path: Path) -> None:
-    """Checkpointing, a caught exception and a deepcopy inside the forward change nothing,
-    except that a layer inside a reentrant checkpoint has no gradient to explain: its forward
-    runs under no_grad, and its gradient exists only in a .backward() that would write every
-    parameter's .grad (and run their hooks), so gradient maps refuse and say what to do."""
+    """Checkpointing, a caught exception, a deepcopy and torch.func.functional_call (not a
+    transform: its calls are ordinary calls) inside the forward change nothing, except that a
+    layer inside a reentrant checkpoint has no gradient to explain: its forward runs under
+    no_grad, and its gradient exists only in a .backward() that would write every parameter's
+    .grad (and run their hooks), so gradient maps refuse and say what to do."""
     model = Net(hazard)
     if (entry, hazard) == ("GradCAM", "reentrant"):
         with pytest.raises(
@@ -428,3 +439,328 @@ def test_nested_tensors_of_a_padded_transformer_encoder(tmp_path: Path) -> None:
             model, x, ["layers.0"], out=tmp_path / "f", reduce="token_mean", batch_size=2
         )
     assert store["layers.0"].shape == (2, 8)
+
+
+# -- torch.func ----------------------------------------------------------------------------------
+# Transforms as users write them around a function of x built on the model (each runs it on
+# a whole batch: vmap over a stack of two, jacobians of the per-class sums).
+Fn = Callable[[Tensor], Tensor]
+TRANSFORMS: dict[str, Callable[[Fn, Tensor], Tensor]] = {
+    "vmap": lambda f, x: torch.func.vmap(f)(torch.stack([x, x]))[0],
+    "grad": lambda f, x: torch.func.grad(lambda x: f(x).pow(2).sum())(x),
+    "jacrev": lambda f, x: torch.func.jacrev(lambda x: f(x).sum(0))(x),
+    "jacfwd": lambda f, x: torch.func.jacfwd(lambda x: f(x).sum(0))(x),
+}
+#: what a refusal names (jacrev's forward runs under grad; jacfwd's under jvp inside vmap)
+NAMED = {
+    "vmap": r"torch\.func\.vmap",
+    "grad": r"torch\.func\.grad",
+    "jacrev": r"torch\.func\.grad",
+    "jacfwd": r"torch\.func\.jvp inside torch\.func\.vmap",
+}
+#: the sessions of the matrix, opened around the user's code
+SESSIONS: dict[str, Callable[[nn.Module], Any]] = {
+    "capture": lambda m: hs.capture(m, LAYER),
+    "edit": lambda m: hs.edit(m, {LAYER: hs.scale(0.5)}),
+    "capture op": lambda m: hs.capture(m, OP),
+    "edit op": lambda m: hs.edit(m, {OP: hs.scale(0.5)}),
+    "nonfinite": lambda m: hs.nonfinite(m),
+    "Monitor": lambda m: hs.Monitor(m, LAYER, every=1),
+}
+
+
+@contextlib.contextmanager
+def _hand_edit(model: nn.Module) -> Iterator[None]:
+    """The edit of SESSIONS, as a forward hook of the user's."""
+    handle = model.get_submodule(LAYER).register_forward_hook(lambda m, a, out: out * 0.5)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _hand_output(model: nn.Module, run: Callable[[], Any]) -> Tensor:
+    """The layer's output in ``run()``, kept by a forward hook of the user's."""
+    seen: list[Tensor] = []
+    handle = model.get_submodule(LAYER).register_forward_hook(
+        lambda m, a, out: seen.append(out.detach().clone())
+    )
+    try:
+        run()
+    finally:
+        handle.remove()
+    (out,) = seen
+    return out
+
+
+def _saw(entry: str, session: Any) -> Any:
+    """What a session holds: the capture's calls and latest output, the checker's forwards,
+    the Monitor's activation norms, the edit's count of applied edits."""
+    if entry.startswith("capture"):
+        name = OP if entry == "capture op" else LAYER
+        record = session[name]
+        return record.count, record.output if record.count else None
+    if entry == "nonfinite":
+        return session.forwards, session.ok
+    if entry == "Monitor":
+        session.step()
+        return [r["norm"] for r in session.records if r["kind"] == "activation"]
+    return sum(session.applied.values())
+
+
+def _saw_one_plain_forward(entry: str, session: Any) -> None:
+    """The session holds exactly one plain forward of the model on X (and nothing else)."""
+    got = _saw(entry, session)
+    output = _reference(_layer_output)
+    if entry.startswith("capture"):
+        assert got[0] == 1
+        _same(got[1], output)
+    elif entry == "nonfinite":
+        assert got == (1, True)
+    elif entry == "Monitor":
+        assert got == [pytest.approx(float(output.norm()), rel=1e-5)]
+    else:
+        assert got == 1
+
+
+# jacfwd's first use scripts a helper of torch's (torch.jit.script is deprecated: not ours)
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+def test_inside_a_torch_func_transform(entry: str, transform: str, tmp_path: Path) -> None:
+    """Edits are part of the function a transform computes, as a forward hook of the user's
+    would be: they work, equal to that hook. The other sessions read values, which inside a
+    transform are its wrappers: they refuse, naming the transform and the fix, and record
+    nothing of it. Entry points that run the model themselves, called inside a transform,
+    refuse likewise (vmap: summary mixed per-sample shapes with whole-batch FLOPs)."""
+    model, run = Net(), TRANSFORMS[transform]
+    if entry.startswith("edit"):
+        with _hand_edit(model):
+            want = run(model, X)
+        with SESSIONS[entry](model) as edit:
+            got = run(model, X)
+        torch.testing.assert_close(got, want)
+        assert edit.applied[OP if entry == "edit op" else LAYER] >= 1
+        assert not torch.allclose(got, run(model, X))  # the edit changed what it computes
+        return
+    refusal = rf"ran inside {NAMED[transform]} \(a torch\.func transform\).*Fix: "
+    if ENTRIES[entry].wraps:
+        with SESSIONS[entry](model) as session:
+            with pytest.raises(hs.UnsupportedModelError, match=refusal):
+                run(model, X)
+            with torch.no_grad():
+                model(X)  # outside the transform, the same session works
+        _saw_one_plain_forward(entry, session)
+        return
+    kwargs = {"tmp": tmp_path} if ENTRIES[entry].needs_tmp else {}
+
+    def inside(x: Tensor) -> Tensor:
+        ENTRIES[entry].run(model, x, **kwargs)
+        out: Tensor = model(x)
+        return out
+
+    with pytest.raises(hs.UnsupportedModelError, match=rf"inside {NAMED[transform]} \(a "):
+        run(inside, X)
+    assert not list(tmp_path.iterdir())  # nothing written (extract, report)
+
+
+@contextlib.contextmanager
+def _hand_grad_edit(model: nn.Module) -> Iterator[None]:
+    """A gradient edit (half the layer's output gradient), as a tensor hook of the user's."""
+
+    def hook(m: nn.Module, a: Any, out: Tensor) -> None:
+        out.register_hook(lambda g: g * 0.5)
+
+    handle = model.get_submodule(LAYER).register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("transform", ["grad", "jacrev", "vmap of grad", "jacfwd"])
+def test_gradient_edits_inside_a_transform(transform: str) -> None:
+    """Gradient edits apply to the backward a reverse-mode transform runs (equal to a tensor
+    hook of the user's); forward-mode transforms run no backward, and the refusal says so."""
+    model = Net()
+    runs: dict[str, Callable[[], Tensor]] = {
+        "grad": lambda: TRANSFORMS["grad"](model, X),
+        "jacrev": lambda: TRANSFORMS["jacrev"](model, X),
+        "vmap of grad": lambda: torch.func.vmap(torch.func.grad(lambda x: model(x).pow(2).sum()))(
+            torch.stack([X, X])
+        )[0],
+        "jacfwd": lambda: TRANSFORMS["jacfwd"](model, X),
+    }
+    edit = hs.edit(model, {LAYER: hs.scale(0.5, on="grad")})
+    if transform == "jacfwd":
+        with edit, pytest.raises(hs.EditError, match=r"inside torch\.func\.jvp.*no backward"):
+            runs[transform]()
+        return
+    with _hand_grad_edit(model):
+        want = runs[transform]()
+    with edit:
+        got = runs[transform]()
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(got, runs[transform]())  # the edit changed the gradients
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_transform_inside_the_forward(entry: str, tmp_path: Path) -> None:
+    """A model whose forward runs a layer inside vmap: edits there work (equal to a hook of
+    the user's); every other entry point refuses, naming vmap and the fix."""
+    model = Net("vmap")
+    if entry.startswith("edit"):
+        with _hand_edit(model), torch.no_grad():
+            want = model(X)
+        with SESSIONS[entry](model), torch.no_grad():
+            got = model(X)
+        torch.testing.assert_close(got, want)
+        return
+    with pytest.raises(hs.UnsupportedModelError, match=r"inside torch\.func\.vmap.*Fix: "):
+        _run(entry, model, tmp_path)
+
+
+@pytest.mark.parametrize("entry", list(SESSIONS))
+def test_functional_call_is_an_ordinary_call(entry: str) -> None:
+    """torch.func.functional_call runs the model with the parameters it is given: sessions
+    see that call as any other, computed with those parameters."""
+    model = Net()
+    given = {name: p.detach() * 2.0 for name, p in model.named_parameters()}
+
+    def call() -> Tensor:
+        with torch.no_grad():
+            out: Tensor = torch.func.functional_call(model, given, (X,))
+        return out
+
+    if entry.startswith("edit"):
+        with _hand_edit(model):
+            want = call()
+        with SESSIONS[entry](model):
+            torch.testing.assert_close(call(), want)
+        return
+    output = _hand_output(model, call)
+    assert not torch.allclose(output, _reference(_layer_output))  # the given parameters
+    with SESSIONS[entry](model) as session:
+        call()
+    got = _saw(entry, session)
+    if entry.startswith("capture"):
+        assert got[0] == 1
+        _same(got[1], output)
+    elif entry == "nonfinite":
+        assert got == (1, True)
+    else:
+        assert got == [pytest.approx(float(output.norm()), rel=1e-5)]
+
+
+# -- torch.export --------------------------------------------------------------------------------
+
+
+def _program(ep: Any) -> list[tuple[str, str]]:
+    """An exported program's graph: each node's kind and target."""
+    return [(node.op, str(node.target)) for node in ep.graph.nodes]
+
+
+class _Calls(nn.Module):
+    """A model whose forward calls an entry point that runs ``net`` itself."""
+
+    def __init__(self, entry: str, tmp: Path) -> None:
+        super().__init__()
+        self.entry, self.tmp = entry, tmp
+        # not a submodule: an export does not swap its parameters for fake ones meanwhile
+        self.__dict__["net"] = Net()
+
+    def forward(self, x: Tensor) -> Tensor:
+        run = ENTRIES[self.entry]
+        run.run(self.net, x, **({"tmp": self.tmp} if run.needs_tmp else {}))
+        out: Tensor = self.net(x)
+        return out
+
+
+# a non-strict export rebinds module attributes (conv.kernel_size...) to equal new objects:
+# torch's doing; hooks, training flags and parameter lists are still checked
+@pytest.mark.mutates_model
+@pytest.mark.parametrize("entry", list(ENTRIES))
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_torch_export(entry: str, strict: bool, tmp_path: Path) -> None:
+    """An export's trace is not one of the model's forwards: sessions open meanwhile record,
+    count and edit nothing of it, and the program is the one exported without hookscope
+    (it used to record a FakeTensor, fail on value reads, or die in Dynamo). Entry points
+    that run the model themselves refuse to run inside code that export traces (strict:
+    Dynamo refuses hookscope's Python first, with its own error)."""
+    plain = torch.export.export(Net(), (X,), strict=strict)
+    model = Net()
+    if ENTRIES[entry].wraps:
+        with SESSIONS[entry](model) as session:
+            ep = torch.export.export(model, (X,), strict=strict)
+            assert _saw(entry, session) in ((0, None), (0, True), [], 0)
+            with torch.no_grad():
+                model(X)  # a forward of the model's own: seen as always
+        assert _program(ep) == _program(plain)
+        torch.testing.assert_close(ep.module()(X), plain.module()(X))
+        _saw_one_plain_forward(entry, session)
+        return
+    calls = _Calls(entry, tmp_path)
+    if strict:  # Dynamo stops at the first line of Python it cannot trace
+        with pytest.raises(Exception):  # noqa: B017, PT011 - Dynamo's own error
+            torch.export.export(calls, (X,), strict=True)
+    else:
+        with pytest.raises(hs.UnsupportedModelError, match=r"inside code that torch\.export"):
+            torch.export.export(calls, (X,), strict=False)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.mutates_model  # (see test_torch_export)
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_torch_export_skips_every_kind_of_hook(strict: bool) -> None:
+    """Inputs and gradients (capture's pre-hooks and per-call hooks), operation sites and
+    several sessions at once: none of them sees the trace or leaves anything in the
+    program."""
+    plain = torch.export.export(Net(), (X,), strict=strict)
+    model = Net()
+    sessions = (
+        hs.capture(model, [LAYER, "block", "conv"], inputs=True, grads=True),
+        hs.capture(model, ["head.2", OP]),
+        hs.edit(model, {"conv": hs.ablate(), OP: hs.scale(2.0, on="input")}),
+        hs.Monitor(model, every=1),
+    )
+    with contextlib.ExitStack() as stack:
+        for session in sessions:
+            stack.enter_context(session)
+        ep = torch.export.export(model, (X,), strict=strict)
+    assert _program(ep) == _program(plain)
+    assert all(record.count == 0 for cap in sessions[:2] for record in cap.records.values())
+    assert sum(sessions[2].applied.values()) == 0 and not sessions[3].records
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_an_export_on_another_thread_changes_nothing_here(entry: str, tmp_path: Path) -> None:
+    """torch.compiler.is_exporting() is one flag for the whole process: while another thread
+    exports a model, every entry point here sees its own forwards as usual."""
+    other = Net()
+    inside, go = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def pause(m: nn.Module, a: Any) -> None:
+        if torch.compiler.is_exporting():
+            inside.set()
+            go.wait(120)
+
+    def export() -> None:
+        try:
+            torch.export.export(other, (X,), strict=False)
+        except BaseException as e:
+            failed.append(e)
+
+    handle = other.register_forward_pre_hook(pause)
+    thread = threading.Thread(target=export)
+    thread.start()
+    try:
+        assert inside.wait(120) and torch.compiler.is_exporting()
+        got = _run(entry, Net(), tmp_path)
+    finally:
+        go.set()
+        thread.join()
+        handle.remove()
+    assert not failed
+    _same(got, _reference(ENTRIES[entry].reference))

@@ -78,6 +78,12 @@ def why_no_grad() -> str:
                 "model.gradient_checkpointing_disable())"
             )
         return "the forward ran with gradients disabled (torch.no_grad())"
+    if _torch.functorch_level() is not None and "jvp" in _torch.functorch_transforms():
+        return (
+            "it runs inside torch.func.jvp (jvp, jacfwd: forward-mode differentiation), where "
+            "no backward runs. Fix: take gradients with torch.func.grad, vjp or jacrev, or "
+            "edit the output instead"
+        )
     return (
         "nothing upstream of it requires grad (the inputs have requires_grad=False and no "
         "parameter before this point requires grad)"

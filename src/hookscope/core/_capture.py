@@ -22,14 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import LayerNotFoundError, UnsupportedModelError
+from ..errors import LayerNotFoundError
 from . import _torch, _tree
 from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
 from ._calls import PRIVATE, ModuleCall
 from ._lifetime import HookSet, run_unseen
 from ._records import _OUTPUT, Call, LayerRecord
-from ._session import Run, Session, replica_error
+from ._session import Run, Session, replica_error, transformed_error
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
 from ._watch import PENDING, GradWatch
@@ -158,6 +158,8 @@ class Capture(Session):
     ) -> None:
         check_options(copy, keep, max_bytes, reduce, stop, grads)
         super().__init__(model, recompile=recompile, this_thread=this_thread)
+        if not this_thread:  # (hs.features runs one of its own)
+            self._entry = "hs.capture"
         self._store = Store(
             copy=copy,
             device=torch.device(capture_device) if capture_device is not None else None,
@@ -341,8 +343,6 @@ class Capture(Session):
     # runs in the new pass, or, for layers that do not run again, when the capture is read or
     # the next pass starts: each forward touches only the layers it uses.
     def _new_pass(self) -> None:
-        if _functorch_level() is not None:  # once per forward; see also _enter_pass
-            raise _transformed(type(self._layers.root).__name__)
         now = self._now
         for opens in now.open.values():  # calls an interrupted forward of this thread left
             self._drop_open([entry[0] for entry in opens if entry is not None])
@@ -363,8 +363,8 @@ class Capture(Session):
 
     def _enter_pass(self, site: _Site, pass_index: int) -> None:
         """The layer's first call in this pass (once per layer and forward)."""
-        if not self._now.depth and _functorch_level() is not None:  # a call outside a forward
-            raise _transformed(site.name)  # of the model (the model's is checked above)
+        if _functorch_level() is not None:  # a torch.func transform around it (_session)
+            raise transformed_error(site.name, self._entry)
         with self._lock:
             if pass_index < site.used_in:  # another thread's later forward already ran it
                 site.record._unordered = True
@@ -439,6 +439,8 @@ class Capture(Session):
         threads = self._threads
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
+            if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+                return
             if _stack_length():  # a user's function modes must not see the copy (_lifetime)
                 return _run_unseen(on_output, mod, args, output)
             if mod is not module:
@@ -493,6 +495,8 @@ class Capture(Session):
         kwargs: dict[str, Any],
         binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            return None
         if _stack_length():  # a user's function modes must not see the copies (_lifetime)
             return _run_unseen(self._on_input, site, module, args, kwargs, binder)
         if module is not site.module:
@@ -518,6 +522,8 @@ class Capture(Session):
         return None
 
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            return None
         if _stack_length():  # a user's function modes must not see the copies (_lifetime)
             return _run_unseen(self._on_output, site, module, args, output)
         if module is not site.module:
@@ -653,15 +659,8 @@ _backward_id = backward_id  # module globals: the per-call path looks them up fa
 _PRIVATE = PRIVATE
 _stack_length = _torch.function_stack_length
 _run_unseen = run_unseen
+_exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
 _functorch_level = _torch.functorch_level
-
-
-def _transformed(layer: str) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"{layer!r} ran inside a torch.func transform (vmap, grad, jacrev, ...), where "
-        "tensors are per-sample wrappers that are meaningless outside it. Capture outside "
-        "the transform (e.g. run the batched model directly)."
-    )
 
 
 def _raised_in_a_module(tb: TracebackType | None) -> bool:

@@ -19,11 +19,11 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from ..errors import CompiledModelError
+from ..errors import CompiledModelError, UnsupportedModelError
 from . import _torch
 from ._lifetime import EAGER
 
-__all__ = ["compile_guard", "is_compiled", "run_eagerly"]
+__all__ = ["compile_guard", "is_compiled", "refuse_inside_traces", "run_eagerly", "transforms_now"]
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -54,7 +54,10 @@ def run_eagerly(model: nn.Module) -> Iterator[None]:
 
     For tools that must see every operator (a dispatch mode under a compiled graph would see
     one opaque call, and compiling under it would cache code traced with the tool's hooks).
+    The entry points that run the model themselves run it in this context: it refuses to
+    start inside a torch.func transform or a torch.export trace (:func:`refuse_inside_traces`).
     """
+    refuse_inside_traces()
     if not is_compiled(model):
         yield
         return
@@ -97,3 +100,30 @@ def compile_guard(model: nn.Module, *, recompile: bool, python: bool = False) ->
         yield
     finally:
         EAGER.release()
+
+
+def transforms_now() -> tuple[list[str], str]:
+    """The torch.func transforms the code running now is inside, outermost first, and how a
+    message says where that is (``"torch.func.grad inside torch.func.vmap"``)."""
+    kinds = list(dict.fromkeys(_torch.functorch_transforms())) or ["vmap"]
+    return kinds, " inside ".join(f"torch.func.{k}" for k in reversed(kinds))
+
+
+def refuse_inside_traces() -> None:
+    """Refuse an entry point that runs the model itself (``summary``, ``features``,
+    ``extract``, the attribution methods, ``report``) called inside a torch.func transform or
+    a torch.export trace: its forwards would be the transform's or the trace's, on tensors
+    that mean nothing outside them."""
+    if _torch.functorch_level() is not None:
+        _, where = transforms_now()
+        raise UnsupportedModelError(
+            f"a hookscope function that runs the model itself was called inside {where} (a "
+            "torch.func transform), where tensors are the transform's wrappers: its results "
+            "would hold them. Fix: call it outside the transform, on the whole batch."
+        )
+    if _torch.export_traced():
+        raise UnsupportedModelError(
+            "a hookscope function that runs the model itself was called inside code that "
+            "torch.export is tracing (on fake tensors, with no values). Fix: call it outside "
+            "the exported code (hookscope is never part of an exported program)."
+        )

@@ -108,6 +108,10 @@ class Editor(Session):
         True
     """
 
+    #: edits are part of the function a torch.func transform computes, as a forward hook of
+    #: the user's would be: inside vmap they see one sample's tensors, as the model does
+    _transformable = True
+
     def __init__(
         self,
         model: nn.Module,
@@ -121,6 +125,7 @@ class Editor(Session):
                 f"not {type(edits).__name__}"
             )
         super().__init__(model, recompile=recompile)
+        self._entry = "hs.edit"
         plan: dict[str, list[Edit]] = {}
         where: dict[str, tuple[nn.Module, OpSelector | None]] = {}
         for selector, value in edits.items():

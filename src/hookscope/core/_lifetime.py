@@ -23,6 +23,11 @@ takes it off; a call ended by a ``BaseException``, which skips the post-hook, le
 passing every call through untouched, until the session's next forward or its close takes it
 off); guided backpropagation enters one with ``with`` around its forward.
 
+``torch.export`` traces are not the model's forwards: while an export traces the model on a
+thread (Dynamo's strict tracing, or the fake tensors of a non-strict export), every module hook
+hookscope registers does nothing and returns None, so the program holds none of hookscope's
+records, counts or edits (:func:`_module_hook`).
+
 hookscope's own work is invisible to torch function modes, the user's and its own: every hook
 it registers runs with the function mode stack taken off (when there is one: an empty stack is
 the fast path), and so do the handlers of operation sites, except for the operation they
@@ -207,7 +212,7 @@ class HookSet:
     ) -> None:
         """Register ``fn`` as a forward pre-hook of ``module`` until :meth:`close`
         (``hides_modes``: as for :meth:`forward`)."""
-        fn = self._outside_graphs(fn if hides_modes else unseen(fn))
+        fn = _module_hook(fn, eager=self._eager, hides_modes=hides_modes)
         self._module(module, module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 
     def forward(
@@ -221,9 +226,10 @@ class HookSet:
     ) -> None:
         """Register ``fn`` as a forward hook of ``module`` until :meth:`close`
         (``always_call=True``: it runs even when the forward raises; ``hides_modes=True``: the
-        hook takes the function modes off itself when there are any, see :func:`unseen`, which
-        saves a wrapper's call on a per-call hot path)."""
-        fn = self._outside_graphs(fn if hides_modes else unseen(fn))
+        hook takes the function modes off itself when there are any, see :func:`unseen`, and
+        skips torch.export traces itself, see :func:`_module_hook`, which saves a wrapper's
+        call on a per-call hot path)."""
+        fn = _module_hook(fn, eager=self._eager, hides_modes=hides_modes)
         handle = module.register_forward_hook(fn, with_kwargs=with_kwargs, always_call=always_call)
         self._module(module, handle)
 
@@ -269,12 +275,6 @@ class HookSet:
         if error is not None:
             raise error
 
-    def _outside_graphs(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        if not self._eager:
-            return fn
-        disabled: Callable[..., Any] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
-        return disabled
-
     def _module(self, module: nn.Module, handle: RemovableHandle) -> None:
         self._handles.append(handle)
         self._module_ids.append(handle.id)
@@ -290,6 +290,49 @@ class HookSet:
         if len(self._handles) >= self._prune_at:
             self._handles = [h for h in self._handles if h.hooks_dict_ref() is not None]
             self._prune_at = 2 * len(self._handles) + 256
+
+
+def _module_hook(
+    fn: Callable[..., Any], *, eager: bool, hides_modes: bool = False
+) -> Callable[..., Any]:
+    """``fn`` as a module hook of hookscope's: run :func:`unseen`, outside compiled graphs
+    when ``eager`` (a graph break around it), and not at all while ``torch.export`` traces
+    the model on this thread (it then returns None, as a hook that changes nothing): an
+    export's trace runs on fake tensors with no values, and the program it makes must be the
+    model's own, with none of a session's records, counts or edits in it. The export check
+    comes first, so that Dynamo (``strict=True``) traces the hook to nothing; outside an
+    export it costs one call of ``torch.compiler.is_exporting()``.
+
+    ``hides_modes``: ``fn`` does both itself (a per-call hot path: its first line is
+    ``if is_exporting() and export_traced(): return None``, before any read of the function
+    mode stack, which Dynamo cannot trace), so it is registered as it is."""
+    if hides_modes and not eager:
+        return fn
+    exporting, traced = torch.compiler.is_exporting, _torch.export_traced
+    if eager:
+        inner = fn if hides_modes else unseen(fn)
+        disabled: Callable[..., Any] = torch.compiler.disable(inner)  # type: ignore[no-untyped-call]
+
+        def outside_graphs(*args: Any, **kwargs: Any) -> Any:
+            if exporting() and traced():
+                return None
+            return disabled(*args, **kwargs)
+
+        return outside_graphs
+    length = _torch.function_stack_length
+
+    def hook(*args: Any, **kwargs: Any) -> Any:  # unseen's, inlined: one frame per hook call
+        if exporting() and traced():
+            return None
+        if not length():
+            return fn(*args, **kwargs)
+        _torch.hide_function_modes()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _torch.restore_function_modes()
+
+    return hook
 
 
 def unseen(fn: Callable[..., _T]) -> Callable[..., _T]:

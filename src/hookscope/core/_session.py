@@ -35,7 +35,18 @@ set of policies, decided here:
   checkpoint is recognised, ``call.original`` (``_checkpoint``).
 * **Private forwards.** A forward hookscope runs on the user's model for its own purposes (the
   NaN tracer's replay) is seen only by the sessions it names (:func:`private_forward`).
-* ``torch.func`` transforms: calls inside them are refused by the sessions that record values.
+* ``torch.func`` transforms (``vmap``, ``grad``, ``jacrev``, ``jacfwd``, ...): a call inside
+  one is refused (``UnsupportedModelError`` naming the transform and the fix), checked when a
+  forward starts, at each module's first call in a pass and at each operation call: tensors
+  there are the transform's wrappers, with no values of their own outside it. Sessions whose
+  hooks are part of the function transformed (edits: ``_transformable``) work there. Entry
+  points that run the model themselves refuse to open inside a transform.
+  ``torch.func.functional_call`` is not a transform: its calls are ordinary calls.
+* ``torch.export`` traces are not the model's forwards: while it traces the model on this
+  thread (strict or not), every module hook of hookscope's does nothing
+  (``_lifetime._module_hook``), so no session records, counts or edits anything in the trace
+  and the program is the model's own. Entry points that run the model themselves refuse to
+  open inside a trace.
 * **Function modes.** hookscope's own work (hooks, opening, closing, an operation site's
   handler) runs with the torch function mode stack taken off (``_lifetime.unseen``): a user's
   ``TorchFunctionMode`` sees the model's operations only.
@@ -53,7 +64,7 @@ import sys
 import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -62,7 +73,7 @@ from ..errors import LayerNotFoundError, UnsupportedModelError
 from . import _torch
 from ._calls import PRIVATE, ModuleCall, Now, hidden, in_own_forward, private_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
-from ._compile import compile_guard, is_compiled
+from ._compile import compile_guard, is_compiled, refuse_inside_traces, transforms_now
 from ._lifetime import HookSet, run_unseen, unseen
 from ._naming import Layers, Site, is_called, unwrap
 from .ops._attention import attention_args, probabilities
@@ -75,6 +86,7 @@ __all__ = [
     "private_forward",
     "replica_error",
     "scripted_error",
+    "transformed_error",
 ]
 
 #: ``run(args, kwargs) -> result``: the rest of an intercepted operation's handling
@@ -109,6 +121,12 @@ class Session:
         >>> s.seen
         [('0', 1), ('1', 1), ('', 0)]
     """
+
+    #: whether the session works inside torch.func transforms: its hooks are then part of the
+    #: function transformed, and see its wrapped tensors (edits); others refuse
+    _transformable: ClassVar[bool] = False
+    #: the entry point, as refusals name it
+    _entry = "hookscope"
 
     def __init__(
         self, model: nn.Module, *, recompile: bool = False, this_thread: bool = False
@@ -195,6 +213,7 @@ class Session:
         """Install the hooks (``with`` does this); pair with :meth:`close`."""
         with self._lock:
             if self._threads is not None:
+                refuse_inside_traces()
                 me = threading.get_ident()
                 self._threads.setdefault(me, 0)
             if self._hooks is None:
@@ -319,6 +338,8 @@ class Session:
         now = self._now
         if now.depth and not _running(module, skip=1):
             now.depth = 0  # that forward was ended by a BaseException: a new pass
+        if not now.depth and not self._transformable and _functorch_level() is not None:
+            raise transformed_error(type(module).__name__, self._entry)  # once per forward
         now.depth += 1
         if now.depth == 1:
             self._abandon()
@@ -404,11 +425,15 @@ class Session:
             return None
         if name and module is not self._layers.modules.get(name):
             raise replica_error(module)
+        if not self._transformable and _functorch_level() is not None:
+            raise transformed_error(name, self._entry)
         return self._output(name, module, args, output)
 
     def _call_pre(
         self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
+        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_pre, name, module, args, kwargs)
         if (PRIVATE.blocks or self._threads is not None) and self._ignores():
@@ -420,6 +445,11 @@ class Session:
             raise replica_error(module)
         now = self._now
         index = now.counts.get(name, 0)
+        # a transform inside the forward (or around a call outside one): checked once per
+        # module and pass, the root's start having checked the forward itself
+        transformed = (not index or not now.depth) and not self._transformable
+        if transformed and _functorch_level() is not None:
+            raise transformed_error(name, self._entry)
         call = ModuleCall(name, module, index, now.stack[-1] if now.stack else None, now.pass_index)
         if replay:
             self._replayed(call)
@@ -443,6 +473,8 @@ class Session:
             self._replay_log.note([k for k, _ in first_runs], call.name, call.original)
 
     def _call_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_post, name, module, args, output)
         if (PRIVATE.blocks or self._threads is not None) and self._ignores():
@@ -517,6 +549,8 @@ class Session:
 
     def _op_call(self, owner: ModuleCall, site: Site) -> ModuleCall:
         """The call record of one call of an operation site (its index counts this pass)."""
+        if not self._transformable and _functorch_level() is not None:
+            raise transformed_error(site.name, self._entry)
         counts = self._now.counts
         index = counts.get(site.name, 0)
         counts[site.name] = index + 1
@@ -559,6 +593,34 @@ class Session:
 
 _backward_id = _torch.backward_id
 _stack_length = _torch.function_stack_length
+_exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
+_functorch_level = _torch.functorch_level
+
+#: what to do instead, per torch.func transform (``_torch.functorch_transforms``)
+_TRANSFORM_FIX = {
+    "vmap": "for vmap, call the model on the whole batch (vmap's result equals it for a "
+    "model whose samples do not interact)",
+    "grad": "for grad, vjp and jacrev, run a plain forward and take gradients with "
+    "autograd (loss.backward(), torch.autograd.grad or torch.autograd.functional.jacobian)",
+    "jvp": "for jvp and jacfwd, torch.autograd.functional.jvp and .jacobian compute the "
+    "same with a plain forward",
+    "functionalize": "for functionalize, run the model itself",
+}
+
+
+def transformed_error(layer: str, entry: str) -> UnsupportedModelError:
+    """``layer`` ran inside a torch.func transform, where ``entry`` cannot work."""
+    kinds, where = transforms_now()
+    fixes = "; ".join(_TRANSFORM_FIX.get(k, f"for {k}, run the model itself") for k in kinds)
+    return UnsupportedModelError(
+        f"{layer or 'the model'!r} ran inside {where} (a torch.func transform), where tensors "
+        "are the transform's wrappers (one sample's slice under vmap, dual or gradient-tracking "
+        f"tensors under jvp and grad) that mean nothing outside it: {entry} cannot use them. "
+        "Fix: run the model outside "
+        f"the transform while {entry} is open ({fixes}), or, where the model's own forward "
+        "runs the transform, select layers outside it. (torch.func.functional_call is not a "
+        "transform and works; hs.edit works inside transforms.)"
+    )
 
 
 def _running(module: nn.Module, skip: int) -> bool:

@@ -47,6 +47,7 @@ __all__ = [
     "current_dispatch_mode",
     "dispatch_has_composite",
     "dynamo_cache_entries",
+    "export_traced",
     "foreach_mul",
     "foreach_norm",
     "foreach_sub",
@@ -54,6 +55,7 @@ __all__ = [
     "function_mode_on",
     "function_stack_length",
     "functorch_level",
+    "functorch_transforms",
     "hide_function_modes",
     "inner_code",
     "is_mutable",
@@ -209,6 +211,40 @@ functorch_level: Callable[[], int | None] = _find(
     "torch._C._functorch.maybe_current_level", lambda: torch._C._functorch.maybe_current_level
 )
 """The torch.func transform level of the code running now, None outside transforms."""
+
+_find(
+    "torch._C._functorch.get_interpreter_stack",
+    lambda: torch._C._functorch.get_interpreter_stack,
+)
+
+
+def functorch_transforms() -> list[str]:
+    """The torch.func transforms the code running now is inside, outermost first: ``"vmap"``,
+    ``"grad"`` (``grad``, ``vjp``, ``jacrev``), ``"jvp"`` (``jvp``, ``jacfwd``) or
+    ``"functionalize"``; empty outside transforms."""
+    stack = need("torch._C._functorch.get_interpreter_stack")() or []
+    return [interpreter.key().name.lower() for interpreter in stack]
+
+
+# -- torch.export ---------------------------------------------------------------------------------
+_FAKE_MODE = _find(
+    "torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)",
+    lambda: (torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE),
+)
+
+
+def export_traced() -> bool:
+    """Whether ``torch.export`` is tracing the code running now on this thread: Dynamo
+    traces it (``strict=True``), or it runs under the fake tensor mode of a non-strict
+    export. ``torch.compiler.is_exporting()`` alone says only that an export is running
+    somewhere in the process (it is one flag for every thread). Dynamo traces this function
+    to a constant: the first lines decide under strict export."""
+    if not torch.compiler.is_exporting():
+        return False
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    get, fake = need("torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)")
+    return get(fake) is not None
 
 
 # -- activation checkpointing -------------------------------------------------------------------

@@ -156,6 +156,8 @@ class Monitor(Session):
         [(0, 'activation'), (0, 'gradient'), (0, 'parameter'), (0, 'scalar')]
     """
 
+    _entry = "hs.Monitor"
+
     def __init__(
         self,
         model: nn.Module,

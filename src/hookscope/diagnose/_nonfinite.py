@@ -223,6 +223,8 @@ _ALLOW_OPS = (
 
 
 class _Tracer(Session):
+    _entry = "hs.nonfinite"
+
     def __init__(
         self,
         model: nn.Module,

@@ -38,7 +38,7 @@ from ..core import (
     run_eagerly,
     training_mode,
 )
-from ..errors import CaptureError, UsageError
+from ..errors import CaptureError, UnsupportedModelError, UsageError
 from ._rows import Rows, keep_mask
 from ._sources import Batches, Source
 from ._writer import Block, pinned
@@ -51,6 +51,8 @@ Shapes = dict[str, tuple[tuple[int, ...], torch.dtype]]
 class Tap(Session):
     """The hooks of an extraction: each selected layer's call hands its output's first tensor
     to ``deliver``; with ``stop`` the forward ends once every layer has done so."""
+
+    _entry = "hs.extract"
 
     def __init__(self, model: nn.Module, layers: Any, stop: bool) -> None:
         # the forwards are ours: compiled code runs eagerly, only this thread's are seen
@@ -143,7 +145,7 @@ class Job:
     def probe(self, strict: bool = False) -> Shapes:
         """Row shapes and dtypes from sample 0 alone; ``{}`` for a source without samples, or
         (unless ``strict``) a model that fails on one sample (one made for a fixed batch
-        size): the batches then say what is wrong."""
+        size): the batches then say what is wrong. A refusal of the model is raised."""
         first = self.src.first()
         if first is None:
             return {}
@@ -152,6 +154,8 @@ class Job:
             with self.running():
                 self._forward(first, 1, [], 0)
             return self.shapes
+        except UnsupportedModelError:
+            raise  # a refusal of the model (a torch.func transform...): no batch would do better
         except Exception:
             if strict:
                 raise

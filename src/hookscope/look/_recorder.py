@@ -124,6 +124,8 @@ class OpRecord:
 class Recorder(Session):
     """Rows of every module call; see the module docstring."""
 
+    _entry = "hs.summary"
+
     def __init__(self, model: nn.Module, *, time: bool, ops: bool = False) -> None:
         super().__init__(model, recompile=True, this_thread=True)
         self.modules = self.every_module()
