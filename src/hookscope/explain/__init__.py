@@ -8,6 +8,7 @@ call. Faithfulness metrics live in ``hookscope.explain.metrics``.
 """
 
 from . import metrics
+from ._ablation import Ablation
 from ._base import Context, Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
@@ -19,10 +20,16 @@ from .methods import (
     CAM,
     AblationCAM,
     EigenCAM,
+    FeatureAblation,
     GradCAM,
     GradCAMPlusPlus,
     HiResCAM,
+    InputXGradient,
+    IntegratedGradients,
     LayerCAM,
+    LayerConductance,
+    LayerIntegratedGradients,
+    Occlusion,
     ScoreCAM,
     XGradCAM,
 )
@@ -30,19 +37,26 @@ from .methods import (
 __all__ = [
     "CAM",
     "METHODS",
+    "Ablation",
     "AblationCAM",
     "Context",
     "EigenCAM",
     "Explanation",
+    "FeatureAblation",
     "GradCAM",
     "GradCAMPlusPlus",
     "GuidedBackprop",
     "GuidedGradCAM",
     "HiResCAM",
     "InputMethod",
+    "InputXGradient",
+    "IntegratedGradients",
     "LayerCAM",
+    "LayerConductance",
+    "LayerIntegratedGradients",
     "LayerMethod",
     "MethodInfo",
+    "Occlusion",
     "Perturbation",
     "Saliency",
     "ScoreCAM",

@@ -91,7 +91,7 @@ class InputMethod:
                 s, index = target.score(call_model(self.model, inputs))
             self._check(mode)
             (grad,) = torch.autograd.grad(s.sum(), leaf)
-        raw = self.post(grad.detach())
+        raw = self._attribute(grad.detach(), image)
         return Explanation(raw, raw, index, s.detach(), self.name, "<input>")
 
     def _mode(self) -> Any:
@@ -99,6 +99,9 @@ class InputMethod:
 
     def _check(self, mode: Any) -> None:
         return None
+
+    def _attribute(self, grad: Tensor, image: Tensor) -> Tensor:
+        return self.post(grad)
 
     def post(self, grad: Tensor) -> Tensor:
         """The map from the score's gradient w.r.t. the input: here the gradient itself
@@ -117,6 +120,9 @@ class Saliency(InputMethod):
     """
 
     name = "saliency"
+
+    def _attribute(self, grad: Tensor, image: Tensor) -> Tensor:
+        return self.post(grad)
 
     def post(self, grad: Tensor) -> Tensor:
         """The absolute value of the score's gradient w.r.t. the input."""

@@ -3,10 +3,16 @@
 from .ablationcam import AblationCAM
 from .cam import CAM
 from .eigencam import EigenCAM
+from .feature_ablation import FeatureAblation
 from .gradcam import GradCAM
 from .gradcampp import GradCAMPlusPlus
 from .hirescam import HiResCAM
+from .input_x_gradient import InputXGradient
+from .integrated_gradients import IntegratedGradients
+from .layer_conductance import LayerConductance
+from .layer_integrated_gradients import LayerIntegratedGradients
 from .layercam import LayerCAM
+from .occlusion import Occlusion
 from .scorecam import ScoreCAM
 from .xgradcam import XGradCAM
 
@@ -14,10 +20,16 @@ __all__ = [
     "CAM",
     "AblationCAM",
     "EigenCAM",
+    "FeatureAblation",
     "GradCAM",
     "GradCAMPlusPlus",
     "HiResCAM",
+    "InputXGradient",
+    "IntegratedGradients",
     "LayerCAM",
+    "LayerConductance",
+    "LayerIntegratedGradients",
+    "Occlusion",
     "ScoreCAM",
     "XGradCAM",
 ]
