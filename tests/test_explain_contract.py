@@ -32,6 +32,7 @@ from hookscope.explain import METHODS, MethodInfo
 REQUIRED: dict[str, Callable[[nn.Module], Any]] = {
     "fc": lambda model: "head",
     "method": lambda model: hs.Saliency(model),
+    "sliding_window_shapes": lambda model: (3, 4, 4),
 }
 
 #: the model's calls, counted by the models themselves (not by a hook hookscope could see)
@@ -144,7 +145,9 @@ def test_the_registry_says_what_the_method_is(name: str, monkeypatch: pytest.Mon
     if info.perturbation:  # cost() announced the extra calls it then made
         CALLS.clear()
         calls = method.cost(x)["calls"]
-        assert CALLS == [3]  # cost() itself runs one forward
+        # cost() itself runs one forward at most (the CAMs count the layer's channels;
+        # occlusion and feature ablation know their features from the shapes)
+        assert CALLS in ([3], [])
         CALLS.clear()
         method(x, targets=[1, 2, 3])
         assert len(CALLS) == 1 + calls
@@ -367,7 +370,14 @@ class Detached(Dead):
         return self.head(h.mean((2, 3)))
 
 
-@pytest.mark.parametrize(("name", "extra"), _gradient_layer_methods())
+#: methods that replace the layer's output by a tensor of their own (Captum's layer
+#: integrated gradients does too): they need no gradient path from the input to the layer
+REPLACES_OUTPUT = {"layer_integrated_gradients"}
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"), [c for c in _gradient_layer_methods() if c[0] not in REPLACES_OUTPUT]
+)
 def test_a_layer_cut_from_the_graph_says_why(name: str, extra: dict[str, Any]) -> None:
     frozen = Detached().requires_grad_(False)
     method = build(METHODS[name], frozen, "side", **extra)

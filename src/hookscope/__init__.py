@@ -54,6 +54,7 @@ from .errors import (
 from .explain import (
     CAM,
     AblationCAM,
+    AttentionRollout,
     EigenCAM,
     Explanation,
     FeatureAblation,
@@ -71,6 +72,7 @@ from .explain import (
     Saliency,
     ScoreCAM,
     SmoothGrad,
+    TransformerRelevance,
     XGradCAM,
     overlay,
 )
@@ -81,6 +83,7 @@ from .show import report
 __all__ = [
     "CAM",
     "AblationCAM",
+    "AttentionRollout",
     "Call",
     "Capture",
     "CaptureBudgetError",
@@ -124,6 +127,7 @@ __all__ = [
     "Summary",
     "SummaryRow",
     "TorchCompatError",
+    "TransformerRelevance",
     "UnsupportedModelError",
     "UsageError",
     "XGradCAM",

@@ -16,9 +16,11 @@ from ._overlay import overlay
 from ._perturb import Perturbation
 from ._registry import METHODS, MethodInfo
 from ._targets import scores as target_scores
+from ._transformer import AttentionMethod
 from .methods import (
     CAM,
     AblationCAM,
+    AttentionRollout,
     EigenCAM,
     FeatureAblation,
     GradCAM,
@@ -31,6 +33,7 @@ from .methods import (
     LayerIntegratedGradients,
     Occlusion,
     ScoreCAM,
+    TransformerRelevance,
     XGradCAM,
 )
 
@@ -39,6 +42,8 @@ __all__ = [
     "METHODS",
     "Ablation",
     "AblationCAM",
+    "AttentionMethod",
+    "AttentionRollout",
     "Context",
     "EigenCAM",
     "Explanation",
@@ -61,6 +66,7 @@ __all__ = [
     "Saliency",
     "ScoreCAM",
     "SmoothGrad",
+    "TransformerRelevance",
     "XGradCAM",
     "metrics",
     "normalize",

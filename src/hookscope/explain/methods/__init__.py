@@ -1,6 +1,7 @@
 """One file per method; importing this package fills :data:`hookscope.explain.METHODS`."""
 
 from .ablationcam import AblationCAM
+from .attention_rollout import AttentionRollout
 from .cam import CAM
 from .eigencam import EigenCAM
 from .feature_ablation import FeatureAblation
@@ -14,11 +15,13 @@ from .layer_integrated_gradients import LayerIntegratedGradients
 from .layercam import LayerCAM
 from .occlusion import Occlusion
 from .scorecam import ScoreCAM
+from .transformer_relevance import TransformerRelevance
 from .xgradcam import XGradCAM
 
 __all__ = [
     "CAM",
     "AblationCAM",
+    "AttentionRollout",
     "EigenCAM",
     "FeatureAblation",
     "GradCAM",
@@ -31,5 +34,6 @@ __all__ = [
     "LayerIntegratedGradients",
     "Occlusion",
     "ScoreCAM",
+    "TransformerRelevance",
     "XGradCAM",
 ]
