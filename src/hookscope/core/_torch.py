@@ -310,13 +310,16 @@ def buffers_of(module: nn.Module) -> dict[str, Any]:
 
 
 #: the fused attention kernels' operators (``torch.ops.aten``), for FLOP formulas
-FUSED_ATTENTION: tuple[Any, ...] = _find(
-    "torch.ops.aten fused attention operators",
-    lambda: (
-        torch.ops.aten._flash_attention_forward,
-        torch.ops.aten._efficient_attention_forward,
-    ),
-) or ()
+FUSED_ATTENTION: tuple[Any, ...] = (
+    _find(
+        "torch.ops.aten fused attention operators",
+        lambda: (
+            torch.ops.aten._flash_attention_forward,
+            torch.ops.aten._efficient_attention_forward,
+        ),
+    )
+    or ()
+)
 
 
 # -- dispatch modes -------------------------------------------------------------------------------

@@ -70,7 +70,9 @@ def rule(method: str, n: int) -> tuple[Tensor, Tensor]:
     """``(step sizes (n,), alphas (n,))``, float32 on the CPU, of Captum's rule ``method``."""
     if method == "gausslegendre":
         nodes, weights = gauss_legendre(n)
-        return torch.tensor([0.5 * w for w in weights]), torch.tensor([0.5 * (1 + x) for x in nodes])
+        return torch.tensor([0.5 * w for w in weights]), torch.tensor(
+            [0.5 * (1 + x) for x in nodes]
+        )
     sizes = [1 / n] * n
     if method == "riemann_trapezoid":
         sizes[0] /= 2
@@ -139,13 +141,14 @@ def baseline_for(baselines: Any, t: Tensor) -> Tensor:
     """
     if baselines is None or _number(baselines):
         return torch.full_like(t, baselines or 0)
-    shape = tuple(baselines.shape)
-    if shape not in (tuple(t.shape), (1, *t.shape[1:])):
+    shape, one = tuple(baselines.shape), (1, *t.shape[1:])
+    if shape not in (tuple(t.shape), one):
         raise UsageError(
             f"baselines has shape {shape}; the explained tensor has shape {tuple(t.shape)}: "
-            f"give a number, a tensor of that shape, or of one sample's (1, {', '.join(map(str, t.shape[1:]))})"
+            f"give a number, a tensor of that shape, or of one sample's {one}"
         )
-    return baselines.to(t.device, t.dtype).expand_as(t)
+    moved: Tensor = baselines.to(t.device, t.dtype)
+    return moved.expand_as(t)
 
 
 def steps_of(n_steps: int, n: int, internal_batch_size: int | None) -> Iterator[slice]:

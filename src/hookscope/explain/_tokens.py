@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..core import leaves
@@ -24,24 +25,25 @@ __all__ = ["explained", "is_ids", "token_grid"]
 
 def is_ids(t: Tensor) -> bool:
     """Token ids ``(N, T)``, not an image: an integer tensor."""
-    return not t.is_floating_point()
+    return _integers(t)
 
 
 def explained(x: Any) -> Tensor:
-    """The tensor a method explains: the image (or signal, or embeddings) as ``image_of``
-    finds it, else the first integer tensor ``(N, T)`` of the inputs: token ids."""
-    floats = any(t.is_floating_point() for _, t in leaves(x))
-    if floats:
-        return image_of(x)
-    ids = next((t for _, t in leaves(x) if t.dim() == 2 and not t.is_complex()), None)
-    if ids is None:
-        raise UsageError(
-            "the inputs hold neither a floating-point tensor (an image (N, C, H, W), a signal "
-            "or embeddings) nor token ids (N, T) to explain"
-        )
+    """The tensor a method explains: the first floating-point tensor of 3 or more dimensions
+    (an image, a signal, embeddings; checked as ``image_of`` checks it), else the first
+    integer tensor ``(N, T)``: token ids (a float padding mask beside them is an input)."""
+    found = list(leaves(x))
+    image = next((t for _, t in found if t.is_floating_point() and t.dim() >= 3), None)
+    ids = next((t for _, t in found if _integers(t) and t.dim() == 2), None)
+    if image is not None or ids is None:
+        return image_of(image if image is not None else x)
     if ids.shape[0] == 0:
         raise UsageError(f"the batch is empty (shape {tuple(ids.shape)}): give at least one text")
     return ids
+
+
+def _integers(t: Tensor) -> bool:
+    return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
 
 
 def token_grid(

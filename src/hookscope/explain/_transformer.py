@@ -76,9 +76,10 @@ class AttentionMethod:
         """
         t = explained(x)
         target = resolve(targets, t.shape[0]).to(t.device)
+        sites = self._sites(x)
+        cap = Capture(self.model, sites, grads=self.needs_grad, recompile=True, this_thread=True)
         with run_eagerly(self.model), evaluating(self._session), self._session:
-            sites = self._sites(x)
-            weights, grads, s, index, pos = self._forward(x, t, target, sites)
+            weights, grads, s, index, pos = self._forward(x, t, target, cap, sites)
             row = self.combine(weights, grads)[:, pos]
         return self._placed(row, t, index, s)
 
@@ -89,7 +90,9 @@ class AttentionMethod:
 
     def _sites(self, x: Any) -> list[str]:
         if self._found is None:
-            found = [n for n in names(self.model, ops=True, inputs=x) if _is_weights(n)]
+            with run_eagerly(self.model), evaluating(self._session):
+                listed = names(self.model, ops=True, inputs=x)
+            found = [n for n in listed if _is_weights(n)]
             if not found:
                 raise UsageError(
                     f"no F.scaled_dot_product_attention call ran in {type(self.model).__name__}"
@@ -100,11 +103,10 @@ class AttentionMethod:
         return self._found
 
     def _forward(
-        self, x: Any, t: Tensor, target: Resolved, sites: list[str]
+        self, x: Any, t: Tensor, target: Resolved, cap: Capture, sites: list[str]
     ) -> tuple[list[Tensor], list[Tensor] | None, Tensor, Tensor | None, int]:
         """One forward (and backward) with the weights captured."""
         grad = self.needs_grad
-        cap = Capture(self.model, sites, grads=grad, recompile=True, this_thread=True)
         with cap, torch.set_grad_enabled(grad):
             inputs, leaf, swap = _differentiable(self.model, x, t) if grad else (x, [], None)
             with swap or contextlib.nullcontext():
@@ -125,9 +127,7 @@ class AttentionMethod:
             return target.score(logits_of(out)[:, pos]), pos
         return target.score(out), pos
 
-    def _placed(
-        self, row: Tensor, t: Tensor, index: Tensor | None, s: Tensor
-    ) -> Explanation:
+    def _placed(self, row: Tensor, t: Tensor, index: Tensor | None, s: Tensor) -> Explanation:
         """The token row as a map: on the patch grid for images, over the tokens for text."""
         row = row.detach()
         if t.dim() != 4:
@@ -167,8 +167,10 @@ def _differentiable(model: nn.Module, x: Any, t: Tensor) -> tuple[Any, list[Tens
         inputs, leaf = with_grad(x, t)
         return inputs, [leaf], None
     get = getattr(model, "get_input_embeddings", None)
-    embeddings = get() if callable(get) else next(
-        (m for m in model.modules() if isinstance(m, nn.Embedding)), None
+    embeddings = (
+        get()
+        if callable(get)
+        else next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     )
     if not isinstance(embeddings, nn.Module):
         raise UsageError(
@@ -178,9 +180,9 @@ def _differentiable(model: nn.Module, x: Any, t: Tensor) -> tuple[Any, list[Tens
     leaves: list[Tensor] = []
     swap = Ablate(model, embeddings, "TransformerRelevance")
 
-    def leaf(out: Tensor) -> Tensor:
+    def start(out: Tensor) -> Tensor:
         leaves.append(out.detach().requires_grad_(True))
         return leaves[-1]
 
-    swap.state.change = leaf
+    swap.state.change = start
     return x, leaves, swap

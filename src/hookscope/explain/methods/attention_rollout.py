@@ -65,7 +65,7 @@ class AttentionRollout(AttentionMethod):
         from the first layer up."""
         rollout: Tensor | None = None
         for a in weights:
-            fused = {"mean": a.mean, "max": a.amax, "min": a.amin}[self.head_fusion](1)
+            fused = a.mean(1) if self.head_fusion == "mean" else _extreme(a, self.head_fusion)
             eye = torch.eye(fused.shape[-1], dtype=fused.dtype, device=fused.device)
             mixed = (1 - self.residual) * fused + self.residual * eye
             sums = mixed.sum(-1, keepdim=True)
@@ -73,6 +73,10 @@ class AttentionRollout(AttentionMethod):
             rollout = mixed if rollout is None else mixed @ rollout
         assert rollout is not None  # at least one attention layer
         return rollout
+
+
+def _extreme(a: Tensor, which: str) -> Tensor:
+    return a.amax(1) if which == "max" else a.amin(1)
 
 
 register(

@@ -58,7 +58,7 @@ class FeatureAblation(Ablation):
         mask = self.feature_mask.to(t.device)
         shape = tuple(t.shape)
         fits = mask.dim() == t.dim() and mask.shape[0] in (1, shape[0])
-        if not fits or any(m not in (1, d) for m, d in zip(mask.shape[1:], shape[1:])):
+        if not fits or any(m not in (1, d) for m, d in zip(mask.shape[1:], shape[1:], strict=True)):
             raise UsageError(
                 f"feature_mask has shape {tuple(mask.shape)}; the explained tensor has shape "
                 f"{shape}: give one of that shape, or broadcastable to it with a first "

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...core import call_model
 from .._base import image_of
 from .._layerpath import LayerPath, Scored
 from .._path import delta_of, fixed, for_steps, repeated, rule, scores_at, steps_of
@@ -70,7 +69,7 @@ class LayerConductance(LayerPath):
         with torch.enable_grad():
             act, edge, s, _ = self._at(inputs, for_steps(target, k))
             grad = self._gradient(s, edge)
-        return act.unflatten(0, (k, -1)), grad.unflatten(0, (k, -1))
+        return act.reshape(k, -1, *act.shape[1:]), grad.reshape(k, -1, *grad.shape[1:])
 
 
 register(

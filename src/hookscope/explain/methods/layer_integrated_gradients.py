@@ -76,7 +76,9 @@ class LayerIntegratedGradients(LayerPath):
                 s, _ = for_steps(target, k).score(call_model(self.model, inputs))
         finally:
             swap.state.change = None
-        grad = torch.autograd.grad(s.sum(), scaled, allow_unused=True)[0] if s.requires_grad else None
+        grad = (
+            torch.autograd.grad(s.sum(), scaled, allow_unused=True)[0] if s.requires_grad else None
+        )
         if grad is None:
             raise UsageError(
                 f"layer {self.layer!r} does not influence the target scores: its output never "

@@ -70,7 +70,7 @@ class Occlusion(Ablation):
                 f"sliding_window_shapes {window} and strides {self.strides!r} need one value per "
                 f"dimension of a sample, {shape}"
             )
-        for d, w, s in zip(shape, window, steps):
+        for d, w, s in zip(shape, window, steps, strict=True):
             if w > d or (s > w and d > w):
                 raise UsageError(
                     f"window {window} with strides {steps} does not fit a sample of shape "
@@ -92,17 +92,19 @@ class _Windows:
     def __init__(self, shape: tuple[int, ...], window: tuple[int, ...],
                  strides: tuple[int, ...], device: torch.device) -> None:  # fmt: skip
         self.shape, self.window, self.strides, self.device = shape, window, strides, device
-        self.counts = [math.ceil((d - w) / s) + 1 for d, w, s in zip(shape, window, strides)]
+        self.counts = [
+            math.ceil((d - w) / s) + 1 for d, w, s in zip(shape, window, strides, strict=True)
+        ]
         self.count = math.prod(self.counts)
 
     def masks(self, features: list[int], rows: Tensor) -> Tensor:
         out = torch.zeros((len(features), *self.shape), dtype=torch.bool, device=self.device)
         for i, f in enumerate(features):
-            where = []
-            for count, w, s in zip(self.counts, self.window, self.strides):
+            where: list[slice] = []
+            for count, w, s in zip(self.counts, self.window, self.strides, strict=True):
                 f, k = divmod(f, count)
                 where.append(slice(k * s, k * s + w))
-            out[(i, *where)] = True
+            out[i][tuple(where)] = True
         return out
 
 

@@ -44,7 +44,7 @@ class TransformerRelevance(AttentionMethod):
         assert grads is not None  # needs_grad
         n, _, t, _ = weights[0].shape
         r = torch.eye(t, dtype=weights[0].dtype, device=weights[0].device).expand(n, t, t)
-        for a, g in zip(weights, grads):
+        for a, g in zip(weights, grads, strict=True):
             cam = (g * a).clamp_min(0).mean(1)
             r = r + cam @ r
         return r
