@@ -22,7 +22,7 @@ from ._base import Context, Explanation, LayerMethod, evaluating
 from ._layout import Grid
 from ._path import Path
 from ._targets import Resolved, Target, resolve
-from ._tokens import explained, is_ids, token_grid
+from ._tokens import explained, is_tokens, token_grid
 
 __all__ = ["LayerPath", "Scored"]
 
@@ -75,9 +75,10 @@ class LayerPath(LayerMethod):
         base = self.path.baseline(image)
         with run_eagerly(self.model), evaluating(self._tap):
             attr, s, index, delta = self._attribute(x, image, base, target)
-        grid = self._layout(tuple(attr.shape), image)
+        tokens = is_tokens(x, image)
+        grid = self._layout(tuple(attr.shape), image, tokens)
         raw = grid.place(attr).sum(1)
-        if is_ids(image):
+        if tokens:
             exp = Explanation(raw[:, 0], raw[:, 0], index, s, self.name, self.layer)
         else:
             ctx = Context(raw, None, index, s, x, image, target, grid)
@@ -88,8 +89,8 @@ class LayerPath(LayerMethod):
         """The method's forwards: attributions of the layer's output and the scores."""
         raise NotImplementedError
 
-    def _layout(self, shape: tuple[int, ...], image: Tensor) -> Grid:
-        if is_ids(image):
+    def _layout(self, shape: tuple[int, ...], image: Tensor, tokens: bool) -> Grid:
+        if tokens:
             return token_grid(shape, self.layer, image.shape[1], self.reshape)
         return self._grid(shape, image)
 

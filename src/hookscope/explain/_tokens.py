@@ -4,12 +4,13 @@ An image or signal is the inputs' first floating-point tensor (``_base.image_of`
 model's inputs hold none: its token ids ``(N, T)`` are then what layer integrated gradients,
 occlusion and feature ablation explain (baselines are token ids too, e.g. the padding id),
 and a layer's output ``(N, T, ...)`` becomes a map over the T tokens, ``(N, T)``, with one
-value per token (the sum over its features).
+value per token (the sum over its features). Embeddings given as ``inputs_embeds=`` (Hugging
+Face's name) are over tokens too: the path methods scale them, and layer maps are per token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -20,12 +21,13 @@ from ..errors import UsageError
 from ._base import image_of
 from ._layout import Grid, _custom
 
-__all__ = ["explained", "is_ids", "token_grid"]
+__all__ = ["explained", "is_tokens", "token_grid"]
 
 
-def is_ids(t: Tensor) -> bool:
-    """Token ids ``(N, T)``, not an image: an integer tensor."""
-    return _integers(t)
+def is_tokens(x: Any, t: Tensor) -> bool:
+    """The explained tensor ``t`` of inputs ``x`` is over tokens: token ids (an integer
+    tensor), or embeddings given as Hugging Face's ``inputs_embeds=`` (``(N, T, D)``)."""
+    return _integers(t) or (isinstance(x, Mapping) and x.get("inputs_embeds") is t)
 
 
 def explained(x: Any) -> Tensor:
