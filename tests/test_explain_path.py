@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
+from hookscope.explain import metrics
 
 attr = pytest.importorskip("captum.attr")
 
@@ -297,3 +298,43 @@ def test_layer_integrated_gradients_with_an_in_place_relu_after_the_layer() -> N
     got = hs.LayerIntegratedGradients(inplace, "3", n_steps=6)(x, targets=[0, 1])
     assert plain.attributions is not None and got.attributions is not None
     torch.testing.assert_close(got.attributions, plain.attributions)
+
+
+class Words(nn.Module):
+    """Token ids alone -> a bag of embeddings -> 3 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Embedding(50, 8), nn.Linear(8, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.embed(ids)).mean(1))
+
+
+def test_faithfulness_metrics_take_per_channel_and_token_maps() -> None:
+    """Per-channel maps rank pixels by their sum over channels; token maps delete tokens
+    (they become the baseline id), checked against curves computed here by hand."""
+    model, x = cnn(), images(2)
+    exp = hs.IntegratedGradients(model, n_steps=8)(x, targets=[1, 3])
+    summed = metrics.deletion(model, x, exp.maps.sum(1), [1, 3], steps=4)
+    for given in (exp, exp.maps):
+        got = metrics.deletion(model, x, given, [1, 3], steps=4)
+        torch.testing.assert_close(got.curve, summed.curve)
+    assert metrics.pointing_game(exp, torch.ones(2, 16, 16, dtype=torch.bool)).all()
+    words = Words().eval()
+    ids = torch.randint(1, 50, (2, 5), generator=torch.Generator().manual_seed(4))
+    occluded = hs.Occlusion(words, (1,), baselines=0)(ids, targets=[0, 2])
+    curve = metrics.deletion(words, ids, occluded, [0, 2], steps=5, baseline=0, prob=False)
+    order = occluded.maps.argsort(1, descending=True)
+    for k in range(6):
+        deleted = ids.clone()
+        for i in range(2):
+            deleted[i, order[i, :k]] = 0
+        with torch.no_grad():
+            want = words(deleted)[[0, 1], [0, 2]]
+        torch.testing.assert_close(curve.curve[:, k], want)
+    with pytest.raises(hs.UsageError, match=r"maps must be \(N, T\) for token ids \(N, T\)"):
+        metrics.insertion(words, ids, occluded.maps[:, :3], [0, 2])
+    with pytest.raises(hs.UsageError, match=r"average_drop multiplies images"):
+        metrics.average_drop(words, ids, occluded, [0, 2])
