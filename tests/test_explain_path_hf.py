@@ -140,8 +140,10 @@ def test_bert_token_ids_through_the_embeddings_equal_captums(bert: nn.Module) ->
     ids, mask, reference = _text()
     theirs = Logits(copy.deepcopy(bert), "input_ids")
     inputs = {"input_ids": ids, "attention_mask": mask}
-    lig = hs.LayerIntegratedGradients(bert, "bert.embeddings", baselines=reference, n_steps=16,
-                                      internal_batch_size=6, return_convergence_delta=True)  # fmt: skip
+    options: dict[str, Any] = {"n_steps": 16, "internal_batch_size": 6}
+    lig = hs.LayerIntegratedGradients(
+        bert, "bert.embeddings", baselines=reference, return_convergence_delta=True, **options
+    )
     ours = lig(inputs, targets=[0, 2])
     want, delta = attr.LayerIntegratedGradients(theirs, theirs.model.bert.embeddings).attribute(
         ids, baselines=reference, target=[0, 2], additional_forward_args=(mask,), n_steps=16,
