@@ -28,7 +28,7 @@ class LayerConductance(LayerPath):
         >>> import torch, torch.nn as nn, hookscope as hs
         >>> net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
         ...                     nn.Flatten(), nn.Linear(4, 2))
-        >>> hs.LayerConductance(net, "1", n_steps=8)(torch.randn(2, 3, 6, 6), 0).raw.shape
+        >>> hs.LayerConductance(net, "0", n_steps=8)(torch.randn(2, 3, 6, 6), 0).raw.shape
         torch.Size([2, 4, 4])
     """
 
