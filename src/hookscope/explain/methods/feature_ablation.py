@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import UsageError
-from .._ablation import Ablation
+from .._ablation import Ablation, on
 from .._registry import MethodInfo, register
 
 
@@ -75,7 +75,7 @@ class _Each:
 
     def masks(self, features: list[int], rows: Tensor) -> Tensor:
         hot = torch.zeros((len(features), self.count), dtype=torch.bool, device=self.device)
-        index = torch.tensor(features, device=self.device)[:, None]
+        index = on(torch.tensor(features), self.device)[:, None]
         return hot.scatter_(1, index, True).view(len(features), *self.shape)
 
 
@@ -89,7 +89,7 @@ class _Groups:
 
     def masks(self, features: list[int], rows: Tensor) -> Tensor:
         mask = self.mask[rows] if self.mask.shape[0] > 1 else self.mask
-        ids = torch.tensor([self.ids[f] for f in features], device=mask.device)
+        ids = on(torch.tensor([self.ids[f] for f in features]), mask.device)
         hit = mask == ids.view(-1, *[1] * (mask.dim() - 1))
         return hit.expand(len(features), *self.shape[1:])
 

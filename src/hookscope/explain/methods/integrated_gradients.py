@@ -83,14 +83,14 @@ class IntegratedGradients(InputMethod):
         diff = image - base
         n, ones = image.shape[0], [1] * image.dim()
         for part in steps_of(self.path.n_steps, n, self.path.internal_batch_size):
-            a = alphas[part].to(image.device, image.dtype)
+            a = alphas[part].to(image.device, image.dtype, non_blocking=True)
             k = len(a)
             scaled = (base + a.view(k, *ones) * diff).flatten(0, 1).requires_grad_(True)
             with torch.enable_grad():
                 out = call_model(self.model, repeated(x, image, k, scaled))
                 s, _ = for_steps(target, k).score(out)
                 (grad,) = torch.autograd.grad(s.sum(), scaled)
-            w = sizes[part].to(grad.device, grad.dtype)
+            w = sizes[part].to(grad.device, grad.dtype, non_blocking=True)
             total += (grad.reshape(k, -1) * w.view(k, 1)).reshape(k, *image.shape).sum(0)
         return total
 

@@ -52,7 +52,7 @@ class LayerConductance(LayerPath):
         total: Tensor | None = None
         last: tuple[Tensor, Tensor] | None = None  # output and gradient at the previous point
         for part in steps_of(self.path.n_steps + 1, n, self.path.internal_batch_size):
-            a = alphas[part].to(image.device, image.dtype)
+            a = alphas[part].to(image.device, image.dtype, non_blocking=True)
             k = len(a)
             scaled = (base + a.view(k, *ones) * diff).flatten(0, 1).requires_grad_(True)
             acts, grads = self._point(repeated(x, image, k, scaled), target, k)

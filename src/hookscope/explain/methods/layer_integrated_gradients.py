@@ -58,11 +58,11 @@ class LayerIntegratedGradients(LayerPath):
         total, diff = torch.zeros_like(acts), acts - start
         n, ones = acts.shape[0], [1] * acts.dim()
         for part in steps_of(self.path.n_steps, n, self.path.internal_batch_size):
-            a = alphas[part].to(acts.device, acts.dtype)
+            a = alphas[part].to(acts.device, acts.dtype, non_blocking=True)
             k = len(a)
             scaled = (start + a.view(k, *ones) * diff).flatten(0, 1).requires_grad_(True)
             grad = self._through(repeated(x, image, k, _rows(image, k)), scaled, target, k)
-            w = sizes[part].to(grad.device, grad.dtype)
+            w = sizes[part].to(grad.device, grad.dtype, non_blocking=True)
             total += (grad.reshape(k, -1) * w.view(k, 1)).reshape(k, *acts.shape).sum(0)
         return total
 
