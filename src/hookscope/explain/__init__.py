@@ -1,10 +1,14 @@
-"""Explain: the CAM family of attribution maps, batched, for CNNs, vision transformers and
-1-D signals.
+"""Explain: attribution maps, batched, for CNNs, vision transformers, text and 1-D signals:
+the CAM family, input-space gradients, Captum's path and perturbation methods (integrated
+gradients, layer conductance, occlusion, feature ablation) and transformer attention maps
+(rollout, gradient-weighted relevance) from fused attention.
 
 Every method is listed in :data:`METHODS` (a :class:`MethodInfo` each). A new CAM method is
 one file in ``methods/``: a :class:`LayerMethod` subclass whose ``combine(ctx)`` turns a
 :class:`Context` (activations, gradients, targets) into maps, and a ``register(MethodInfo(...))``
-call. Faithfulness metrics live in ``hookscope.explain.metrics``.
+call; an attention map is an :class:`AttentionMethod` whose ``combine`` turns the layers'
+attention weights (and gradients) into a token-by-token matrix. Faithfulness metrics live in
+``hookscope.explain.metrics``.
 """
 
 from . import metrics
