@@ -39,7 +39,7 @@ from ._methods import (
     perturbation_methods,
 )
 from ._models import load_model, parse_kwargs
-from ._report import report, requiring_grad
+from ._report import report, report_methods, requiring_grad
 
 __all__ = ["cli"]
 
@@ -532,6 +532,10 @@ def _interrupted(out: str) -> str:
 @click.option("--out", default="report.html", show_default=True, help="The HTML file to write.")
 @click.option("--cam-layer", help="Grad-CAM layer (default: the last spatial one).")
 @click.option(
+    "--cam-method", default="gradcam", show_default=True, type=click.Choice(report_methods()),
+    help="The attribution method of the report's map section (layer methods at --cam-layer).",
+)  # fmt: skip
+@click.option(
     "--features", "feature_layers", multiple=True,
     help="A layer whose feature maps are shown (repeatable; default: up to four convolutions).",
 )  # fmt: skip
@@ -543,7 +547,7 @@ def report_(o: dict[str, Any]) -> None:
     """Write a self-contained HTML report (summary, statistics, feature maps, CAM, findings)."""
     model, x = _load(o)
     path = report(
-        model, x.batch, o["out"], cam_layer=o["cam_layer"],
+        model, x.batch, o["out"], cam_layer=o["cam_layer"], cam_method=o["cam_method"],
         feature_layers=list(o["feature_layers"]) or None, targets=_targets(o),
     )  # fmt: skip
     click.echo(f"report: {path.resolve()}")

@@ -27,7 +27,7 @@ from ..core import (
 from ..errors import UsageError
 from ..explain import METHODS, Explanation, MethodInfo, overlay
 from ._load import Loaded
-from ._report import image_batch, probabilities
+from ._report import image_batch, probabilities, to_plane
 
 __all__ = [
     "MethodOptions",
@@ -215,12 +215,6 @@ def default_fc(model: nn.Module, x: Any, layer: str) -> str:
             f"layers: {found}): name it with --fc, or explain the layer before the classifier"
         )
     return fits[-1]
-
-
-def to_plane(maps: Tensor) -> Tensor:
-    """``(N, H, W)`` maps as they are; input-space ``(N, C, H, W)`` ones as the largest
-    absolute value over the channels (how saliency maps are usually drawn)."""
-    return maps.abs().amax(1) if maps.dim() == 4 else maps
 
 
 def draw(
