@@ -282,6 +282,15 @@ def test_memory_steps_and_options_are_checked_with_the_fix() -> None:
         )
     with pytest.raises(hs.UsageError, match=r"feature_mask must be an integer tensor"):
         hs.FeatureAblation(model, feature_mask=torch.zeros(1, 1, 16, 16))
+    for method in (hs.IntegratedGradients(model), hs.LayerIntegratedGradients(model, "3")):
+        with torch.inference_mode(), pytest.raises(hs.UsageError, match=r"takes gradients, which"):
+            method(images(), targets=0)
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    for method in (hs.IntegratedGradients(Words()), hs.LayerConductance(Words(), "embed")):
+        with pytest.raises(
+            hs.UsageError, match=r"token ids cannot be scaled: explain them through"
+        ):
+            method(ids, targets=0)
     with pytest.raises(hs.UsageError, match=r"layer 'head' returns shape \(1, 3\) for 5 input"):
         hs.LayerIntegratedGradients(Text(), "head")(
             (torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 5)), targets=0

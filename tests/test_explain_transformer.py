@@ -216,3 +216,5 @@ def test_models_without_sdpa_and_bad_options_are_refused() -> None:
         hs.TransformerRelevance(eager, token=0.5)  # type: ignore[arg-type]
     with pytest.raises(hs.LayerNotFoundError):
         hs.TransformerRelevance(eager, "vit.nowhere")
+    with torch.inference_mode(), pytest.raises(hs.UsageError, match=r"takes gradients, which"):
+        hs.TransformerRelevance(eager)(x, targets=0)

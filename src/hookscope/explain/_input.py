@@ -84,6 +84,11 @@ class InputMethod:
         first floating-point tensor is the image) for ``targets`` (see ``_targets``)."""
         image = image_of(x)
         target = resolve(targets, image.shape[0]).to(image.device)
+        if torch.is_inference_mode_enabled():
+            raise UsageError(
+                f"{type(self).__name__} takes gradients, which do not exist under "
+                "torch.inference_mode(): call it outside (it enables gradients itself)"
+            )
         inputs, leaf = with_grad(x, image)
         session = self._session
         with run_eagerly(self.model), evaluating(session), session, torch.enable_grad():

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from ..core import LayerSelector, call_model, run_eagerly
 from ._base import Context, Explanation, LayerMethod, evaluating
 from ._layout import Grid
-from ._path import Path
+from ._path import Path, need_grad
 from ._targets import Resolved, Target, resolve
 from ._tokens import explained, is_tokens, token_grid
 
@@ -72,6 +72,7 @@ class LayerPath(LayerMethod):
         """
         image = explained(x)
         target = resolve(targets, image.shape[0]).to(image.device)
+        need_grad(type(self).__name__)
         base = self.path.baseline(image)
         with run_eagerly(self.model), evaluating(self._tap):
             attr, s, index, delta = self._attribute(x, image, base, target)

@@ -28,8 +28,19 @@ from torch import Tensor, nn
 from ..core import call_model, map_tensors
 from ..errors import UsageError
 from ._targets import Resolved
+from ._tokens import explained, is_tokens
 
-__all__ = ["Path", "Rule", "gauss_legendre", "repeated", "rule", "scores_at", "steps_of"]
+__all__ = [
+    "Path",
+    "Rule",
+    "gauss_legendre",
+    "need_grad",
+    "repeated",
+    "rule",
+    "scalable",
+    "scores_at",
+    "steps_of",
+]
 
 Rule = Literal[
     "riemann_left", "riemann_right", "riemann_middle", "riemann_trapezoid", "gausslegendre"
@@ -126,6 +137,36 @@ class Path:
     def baseline(self, t: Tensor) -> Tensor:
         """The baseline for the explained tensor ``t``, shaped as ``t``."""
         return baseline_for(self.baselines, t)
+
+
+def need_grad(method: str) -> None:
+    """Refuse a gradient method under ``torch.inference_mode()``, where no gradient exists.
+
+    Raises:
+        UsageError: inference mode is on.
+    """
+    if torch.is_inference_mode_enabled():
+        raise UsageError(
+            f"{method} takes gradients, which do not exist under torch.inference_mode(): call "
+            "it outside (it enables gradients itself, so torch.no_grad() is fine)"
+        )
+
+
+def scalable(x: Any, method: str) -> Tensor:
+    """The floating-point input a path scales.
+
+    Raises:
+        UsageError: the inputs are token ids, which cannot be scaled.
+    """
+    t = explained(x)
+    if is_tokens(x, t) and not t.is_floating_point():
+        raise UsageError(
+            f"{method} scales its input along a path, and token ids cannot be scaled: explain "
+            "them through the embeddings with hs.LayerIntegratedGradients(model, "
+            "<embeddings layer>, baselines=<reference ids>), or pass the embeddings as "
+            "inputs_embeds="
+        )
+    return t
 
 
 def _number(b: Any) -> bool:

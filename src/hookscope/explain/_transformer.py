@@ -31,6 +31,7 @@ from ..core import Capture, LayerSelector, call_model, names, run_eagerly
 from ..errors import UsageError
 from ._base import Explanation, evaluating, with_grad
 from ._layout import _token_grid
+from ._path import need_grad
 from ._session import Ablate, Plain
 from ._targets import Resolved, Target, logits_of, resolve
 from ._tokens import explained
@@ -76,6 +77,8 @@ class AttentionMethod:
         """
         t = explained(x)
         target = resolve(targets, t.shape[0]).to(t.device)
+        if self.needs_grad:
+            need_grad(type(self).__name__)
         sites = self._sites(x)
         cap = Capture(self.model, sites, grads=self.needs_grad, recompile=True, this_thread=True)
         with run_eagerly(self.model), evaluating(self._session), self._session:

@@ -10,9 +10,20 @@ import torch
 from torch import Tensor, nn
 
 from ...core import call_model, run_eagerly
-from .._base import Explanation, evaluating, image_of
+from .._base import Explanation, evaluating
 from .._input import InputMethod
-from .._path import Path, delta_of, fixed, for_steps, repeated, rule, scores_at, steps_of
+from .._path import (
+    Path,
+    delta_of,
+    fixed,
+    for_steps,
+    need_grad,
+    repeated,
+    rule,
+    scalable,
+    scores_at,
+    steps_of,
+)
 from .._registry import MethodInfo, register
 from .._targets import Resolved, Target, resolve
 
@@ -63,8 +74,9 @@ class IntegratedGradients(InputMethod):
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         """Explain a batch ``x`` (a tensor, or a tuple / mapping of the model's inputs; the
         first floating-point tensor is explained) for ``targets`` (see ``_targets``)."""
-        image = image_of(x)
+        image = scalable(x, type(self).__name__)
         target = resolve(targets, image.shape[0]).to(image.device)
+        need_grad(type(self).__name__)
         base = self.path.baseline(image)
         with run_eagerly(self.model), evaluating(self._session), self._session:
             s, index = scores_at(self.model, x, target)

@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .._base import image_of
 from .._layerpath import LayerPath, Scored
-from .._path import delta_of, fixed, for_steps, repeated, rule, scores_at, steps_of
+from .._path import delta_of, fixed, for_steps, repeated, rule, scalable, scores_at, steps_of
 from .._registry import MethodInfo, register
 from .._targets import Resolved
 
@@ -36,7 +35,7 @@ class LayerConductance(LayerPath):
 
     def _attribute(self, x: Any, image: Tensor, base: Tensor, target: Resolved) -> Scored:
         """The layer's output and gradient at each point, in forwards of a few steps."""
-        image_of(x)  # the path scales a floating-point input: token ids are refused here
+        scalable(x, type(self).__name__)  # the path scales the input: not token ids
         s, index = scores_at(self.model, x, target)
         chosen = fixed(target, index)
         attr = self._flow(x, image, base, chosen)
