@@ -50,8 +50,8 @@ class AttentionMethod:
         layers: its attention modules (any selector; each must call SDPA itself, e.g.
             ``"vit.encoder.layer.*.attention.attention"``); None finds them.
         token: the token whose row is the map; None: the first (CLS), or the last where the
-            model's logits are per token ``(N, T, vocab)``, whose last position's logits the
-            targets then pick.
+            model's logits are per token ``(N, T, vocab)``. With per-token logits, the
+            targets pick the logits of that same token (the next token's, by default).
     """
 
     name: ClassVar[str] = ""
@@ -119,7 +119,10 @@ class AttentionMethod:
                 torch.autograd.grad(s.sum(), leaf)
         calls = [_one(cap, n) for n in sites]
         weights = [c.output for c in calls]
-        grads = [c.grad for c in calls] if grad else None
+        # a layer whose output never reaches the score has no gradient: zero, as autograd's
+        grads = (
+            [_or_zeros(c.grad, w) for c, w in zip(calls, weights, strict=True)] if grad else None
+        )
         return weights, grads, s.detach(), index, pos
 
     def _score(self, out: Any, target: Resolved) -> tuple[tuple[Tensor, Tensor | None], int]:
@@ -146,6 +149,10 @@ class AttentionMethod:
         raw = row[:, prefix:].reshape(-1, h, w)
         maps = F.interpolate(raw[:, None], size=size, mode="bilinear", align_corners=False)
         return Explanation(raw, maps[:, 0], index, s, self.name, "<attention>", row)
+
+
+def _or_zeros(grad: Tensor | None, like: Tensor) -> Tensor:
+    return torch.zeros_like(like) if grad is None else grad
 
 
 def _is_weights(name: str) -> bool:
