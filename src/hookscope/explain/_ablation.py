@@ -87,7 +87,7 @@ class Ablation:
         first floating-point tensor, else its token ids ``(N, T)``) for ``targets``."""
         t = explained(x)
         target = resolve(targets, t.shape[0]).to(t.device)
-        base = baseline_for(self.baselines, t)
+        base = _fill(self.baselines, t)
         features = self._features(t)
         with run_eagerly(self.model), evaluating(self._session), self._session:
             s, index = scores_at(self.model, x, target)
@@ -98,7 +98,13 @@ class Ablation:
         raise NotImplementedError
 
     def _sweep(
-        self, x: Any, t: Tensor, base: Tensor, s: Tensor, target: Resolved, features: Features
+        self,
+        x: Any,
+        t: Tensor,
+        base: float | Tensor,
+        s: Tensor,
+        target: Resolved,
+        features: Features,
     ) -> Tensor:
         """Every (feature, sample) pair ablated, ``batch_size`` images per forward."""
         n, total = t.shape[0], features.count * t.shape[0]
@@ -109,7 +115,9 @@ class Ablation:
                 pairs = range(start, min(start + self.batch_size, total))
                 rows = on(torch.tensor([p % n for p in pairs]), t.device)
                 mask = features.masks([p // n for p in pairs], rows)
-                images = torch.where(mask, base[rows], t[rows])
+                images = torch.where(
+                    mask, base[rows] if isinstance(base, Tensor) else base, t[rows]
+                )
                 drop = s[rows] - self._scores(x, t, rows, images, target)
                 _add_rows(attr, start, n, drop.view(-1, *[1] * (t.dim() - 1)) * mask)
                 if self.weighted:  # each feature once: it covers the same values in every sample
@@ -134,9 +142,20 @@ class Ablation:
 def _add_rows(attr: Tensor, start: int, n: int, values: Tensor) -> None:
     """``attr[(start + i) % n] += values[i]``: each sample's rows, every n-th, summed first
     (slices, not ``index_add_``, which is orders of magnitude slower on a busy CPU, its
-    threads contending on small tensors)."""
+    threads contending on small tensors); whole features at once when the chunk holds them."""
+    if start % n == 0 and len(values) % n == 0:
+        attr += values.view(-1, n, *values.shape[1:]).sum(0)
+        return
     for i in range(min(n, len(values))):
         attr[(start + i) % n] += values[i::n].sum(0)
+
+
+def _fill(baselines: Any, t: Tensor) -> float | Tensor:
+    """The baseline as a number (``torch.where`` takes it as it is) or a tensor of ``t``'s
+    shape."""
+    if baselines is None or _number(baselines):
+        return baselines or 0
+    return baseline_for(baselines, t)
 
 
 def on(t: Tensor, device: torch.device) -> Tensor:

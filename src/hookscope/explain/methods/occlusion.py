@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import UsageError
-from .._ablation import Ablation
+from .._ablation import Ablation, on
 from .._registry import MethodInfo, register
 
 
@@ -98,14 +98,20 @@ class _Windows:
         self.count = math.prod(self.counts)
 
     def masks(self, features: list[int], rows: Tensor) -> Tensor:
-        out = torch.zeros((len(features), *self.shape), dtype=torch.bool, device=self.device)
-        for i, f in enumerate(features):
-            where: list[slice] = []
-            for count, w, s in zip(self.counts, self.window, self.strides, strict=True):
-                f, k = divmod(f, count)
-                where.append(slice(k * s, k * s + w))
-            out[i][tuple(where)] = True
-        return out
+        distinct = {f: i for i, f in enumerate(dict.fromkeys(features))}  # a window per feature
+        out = torch.zeros((len(distinct), *self.shape), dtype=torch.bool, device=self.device)
+        for f, i in distinct.items():
+            out[i][self._window(f)] = True
+        if len(distinct) == len(features):
+            return out
+        return out[on(torch.tensor([distinct[f] for f in features]), self.device)]
+
+    def _window(self, feature: int) -> tuple[slice, ...]:
+        where = []
+        for count, w, s in zip(self.counts, self.window, self.strides, strict=True):
+            feature, k = divmod(feature, count)
+            where.append(slice(k * s, k * s + w))
+        return tuple(where)
 
 
 register(
