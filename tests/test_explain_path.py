@@ -288,7 +288,7 @@ def test_memory_steps_and_options_are_checked_with_the_fix() -> None:
     ids = torch.zeros(2, 5, dtype=torch.long)
     for method in (hs.IntegratedGradients(Words()), hs.LayerConductance(Words(), "embed")):
         with pytest.raises(
-            hs.UsageError, match=r"token ids cannot be scaled: explain them through"
+            hs.UsageError, match=r"token ids cannot be scaled and have no gradient"
         ):
             method(ids, targets=0)
     with pytest.raises(hs.UsageError, match=r"layer 'head' returns shape \(1, 3\) for 5 input"):
@@ -347,3 +347,38 @@ def test_faithfulness_metrics_take_per_channel_and_token_maps() -> None:
         metrics.insertion(words, ids, occluded.maps[:, :3], [0, 2])
     with pytest.raises(hs.UsageError, match=r"average_drop multiplies images"):
         metrics.average_drop(words, ids, occluded, [0, 2])
+
+
+class Tabular(nn.Module):
+    """Captum's Titanic tutorial's shape: 12 features -> 12 -> 8 -> 2, sigmoids and softmax."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear1, self.sigmoid1 = nn.Linear(12, 12), nn.Sigmoid()
+        self.linear2, self.sigmoid2 = nn.Linear(12, 8), nn.Sigmoid()
+        self.linear3 = nn.Linear(8, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.sigmoid2(self.linear2(self.sigmoid1(self.linear1(x))))
+        return torch.softmax(self.linear3(h), dim=1)
+
+
+def test_tabular_features_have_attributions_as_maps_equal_to_captums() -> None:
+    """Features (N, F) have no positions: every method's maps are its attributions. The
+    forwards hold the images Captum's hold (its attributions are ~1e-3 of softmax outputs
+    ~0.5, so another batch's float rounding would show at 1e-5 of them)."""
+    model, x = Tabular().eval(), torch.rand(4, 12, generator=torch.Generator().manual_seed(5))
+    theirs = captum(model)
+    ours = hs.IntegratedGradients(model, n_steps=20, internal_batch_size=80)(x, targets=1)
+    close(ours.raw, attr.IntegratedGradients(theirs).attribute(x, target=1, n_steps=20))
+    ours = hs.LayerConductance(model, "sigmoid1", n_steps=20)(x, targets=1)
+    want = attr.LayerConductance(theirs, theirs.sigmoid1).attribute(x, target=1, n_steps=20)
+    assert ours.raw.shape == ours.maps.shape == (4, 12)
+    close(ours.raw, want)
+    ours = hs.FeatureAblation(model, baselines=0.5, batch_size=4)(x, targets=1)
+    close(ours.raw, attr.FeatureAblation(theirs).attribute(x, target=1, baselines=0.5))
+    ours = hs.Occlusion(model, (3,), strides=3, batch_size=4)(x, targets=0)
+    close(ours.raw, attr.Occlusion(theirs).attribute(x, (3,), strides=3, target=0))
+    ours = hs.InputXGradient(model)(x, targets=0)
+    close(ours.raw, attr.InputXGradient(theirs).attribute(x.clone().requires_grad_(), target=0))

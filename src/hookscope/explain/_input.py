@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from ..core import FunctionInterceptor, call_model, run_eagerly
 from ..errors import UsageError
-from ._base import Explanation, evaluating, image_of, with_grad
+from ._base import Explanation, evaluating, with_grad
+from ._path import need_grad, scalable
 from ._registry import MethodInfo, register
 from ._session import Plain
 from ._targets import Target, resolve
@@ -82,13 +83,9 @@ class InputMethod:
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         """Explain a batch ``x`` (a tensor, or a tuple / mapping of the model's inputs; the
         first floating-point tensor is the image) for ``targets`` (see ``_targets``)."""
-        image = image_of(x)
+        image = scalable(x, type(self).__name__)
         target = resolve(targets, image.shape[0]).to(image.device)
-        if torch.is_inference_mode_enabled():
-            raise UsageError(
-                f"{type(self).__name__} takes gradients, which do not exist under "
-                "torch.inference_mode(): call it outside (it enables gradients itself)"
-            )
+        need_grad(type(self).__name__)
         inputs, leaf = with_grad(x, image)
         session = self._session
         with run_eagerly(self.model), evaluating(session), session, torch.enable_grad():

@@ -22,7 +22,7 @@ from ._base import Context, Explanation, LayerMethod, evaluating
 from ._layout import Grid
 from ._path import Path, need_grad
 from ._targets import Resolved, Target, resolve
-from ._tokens import explained, is_tokens, token_grid
+from ._tokens import explained, is_table, is_tokens, token_grid
 
 __all__ = ["LayerPath", "Scored"]
 
@@ -76,6 +76,8 @@ class LayerPath(LayerMethod):
         base = self.path.baseline(image)
         with run_eagerly(self.model), evaluating(self._tap):
             attr, s, index, delta = self._attribute(x, image, base, target)
+        if is_table(image):  # no positions to place a map on: the attributions themselves
+            return Explanation(attr, attr, index, s, self.name, self.layer, attr, delta)
         tokens = is_tokens(x, image)
         grid = self._layout(tuple(attr.shape), image, tokens)
         raw = grid.place(attr).sum(1)

@@ -153,7 +153,7 @@ def need_grad(method: str) -> None:
 
 
 def scalable(x: Any, method: str) -> Tensor:
-    """The floating-point input a path scales.
+    """The floating-point input a path scales (or a gradient method differentiates).
 
     Raises:
         UsageError: the inputs are token ids, which cannot be scaled.
@@ -161,10 +161,10 @@ def scalable(x: Any, method: str) -> Tensor:
     t = explained(x)
     if is_tokens(x, t) and not t.is_floating_point():
         raise UsageError(
-            f"{method} scales its input along a path, and token ids cannot be scaled: explain "
-            "them through the embeddings with hs.LayerIntegratedGradients(model, "
-            "<embeddings layer>, baselines=<reference ids>), or pass the embeddings as "
-            "inputs_embeds="
+            f"{method} scales or differentiates its input, and token ids cannot be scaled "
+            "and have no gradient: explain them through the embeddings with "
+            "hs.LayerIntegratedGradients(model, <embeddings layer>, baselines=<reference "
+            "ids>), or pass the embeddings as inputs_embeds="
         )
     return t
 

@@ -6,6 +6,7 @@ occlusion and feature ablation explain (baselines are token ids too, e.g. the pa
 and a layer's output ``(N, T, ...)`` becomes a map over the T tokens, ``(N, T)``, with one
 value per token (the sum over its features). Embeddings given as ``inputs_embeds=`` (Hugging
 Face's name) are over tokens too: the path methods scale them, and layer maps are per token.
+Tabular features ``(N, F)`` have no positions: their methods' maps are the attributions.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..errors import UsageError
 from ._base import image_of
 from ._layout import Grid, _custom
 
-__all__ = ["explained", "is_tokens", "token_grid"]
+__all__ = ["explained", "is_table", "is_tokens", "token_grid"]
 
 
 def is_tokens(x: Any, t: Tensor) -> bool:
@@ -33,15 +34,25 @@ def is_tokens(x: Any, t: Tensor) -> bool:
 def explained(x: Any) -> Tensor:
     """The tensor a method explains: the first floating-point tensor of 3 or more dimensions
     (an image, a signal, embeddings; checked as ``image_of`` checks it), else the first
-    integer tensor ``(N, T)``: token ids (a float padding mask beside them is an input)."""
+    integer tensor ``(N, T)`` (token ids: a float padding mask beside them is an input), else
+    the first floating-point ``(N, F)`` (tabular features)."""
     found = list(leaves(x))
     image = next((t for _, t in found if t.is_floating_point() and t.dim() >= 3), None)
     ids = next((t for _, t in found if _integers(t) and t.dim() == 2), None)
-    if image is not None or ids is None:
+    table = next((t for _, t in found if t.is_floating_point() and t.dim() == 2), None)
+    flat = ids if ids is not None else table
+    if image is not None or flat is None:
         return image_of(image if image is not None else x)
-    if ids.shape[0] == 0:
-        raise UsageError(f"the batch is empty (shape {tuple(ids.shape)}): give at least one text")
-    return ids
+    if flat.shape[0] == 0:
+        raise UsageError(
+            f"the batch is empty (shape {tuple(flat.shape)}): give at least one sample"
+        )
+    return flat
+
+
+def is_table(t: Tensor) -> bool:
+    """Features ``(N, F)`` without positions: attributions are the maps themselves."""
+    return t.dim() == 2 and t.is_floating_point()
 
 
 def _integers(t: Tensor) -> bool:
