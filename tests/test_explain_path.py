@@ -287,9 +287,7 @@ def test_memory_steps_and_options_are_checked_with_the_fix() -> None:
             method(images(), targets=0)
     ids = torch.zeros(2, 5, dtype=torch.long)
     for method in (hs.IntegratedGradients(Words()), hs.LayerConductance(Words(), "embed")):
-        with pytest.raises(
-            hs.UsageError, match=r"token ids cannot be scaled and have no gradient"
-        ):
+        with pytest.raises(hs.UsageError, match=r"token ids cannot be scaled and have no gradient"):
             method(ids, targets=0)
     with pytest.raises(hs.UsageError, match=r"layer 'head' returns shape \(1, 3\) for 5 input"):
         hs.LayerIntegratedGradients(Text(), "head")(
