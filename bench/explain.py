@@ -1,6 +1,5 @@
-"""Explain: Grad-CAM and Grad-CAM++ on HF ResNet-50 beside the autograd-to-layer floor,
-pytorch-grad-cam and Captum; Score-CAM (every channel and top-k) beside pytorch-grad-cam's on
-the demo's shapes CNN (ResNet-50's 2,048 channels would take 16k forwards). README.md."""
+"""Explain: Grad-CAM(++) on HF ResNet-50 beside the autograd floor, pytorch-grad-cam and Captum;
+on the shapes CNN, Score-CAM beside pytorch-grad-cam's, IG and occlusion beside Captum's (README)"""
 
 from __future__ import annotations
 
@@ -31,14 +30,21 @@ LABELS = {
     "hs_scorecam": "hs.ScoreCAM, every channel",
     "hs_scorecam_topk": "hs.ScoreCAM(top_k=3): 3 of 32 channels",
     "pgc_scorecam": "pytorch-grad-cam ScoreCAM (every channel)",
+    "hs_ig": "hs.IntegratedGradients: 50 steps, Gauss-Legendre, 10 steps a forward",
+    "captum_ig": "Captum IntegratedGradients, the same (internal_batch_size=80)",
+    "hs_occlusion": "hs.Occlusion: 8x8 windows, stride 4, 64 images a forward",
+    "captum_occlusion": "Captum Occlusion, the same (perturbations_per_eval=8)",
 }
 FLOORS = {"hs_gradcam": "floor", "pgc_gradcam": "hs_gradcam", "captum_gradcam": "hs_gradcam",
           "hs_gradcampp": "floor", "pgc_gradcampp": "hs_gradcampp",
-          "hs_scorecam_topk": "hs_scorecam", "pgc_scorecam": "hs_scorecam"}  # fmt: skip
+          "hs_scorecam_topk": "hs_scorecam", "pgc_scorecam": "hs_scorecam",
+          "captum_ig": "hs_ig", "captum_occlusion": "hs_occlusion"}  # fmt: skip
 TARGETS = [
     Target("explain/resnet50", "hs_gradcam", "floor", 1.05, "Grad-CAM ÷ forward + autograd floor"),
     Target("explain/resnet50", "hs_gradcam", "captum_gradcam", 1.0, "Grad-CAM ÷ Captum's"),
     Target("explain/shapes", "hs_scorecam", "pgc_scorecam", 1.0, "Score-CAM ÷ pytorch-grad-cam's"),
+    Target("explain/shapes", "hs_ig", "captum_ig", 1.0, "integrated gradients ÷ Captum's"),
+    Target("explain/shapes", "hs_occlusion", "captum_occlusion", 1.0, "occlusion ÷ Captum's"),
 ]
 
 
@@ -118,6 +124,8 @@ def _spearman(a: Tensor, b: Tensor) -> float:
 
 
 def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
+    from captum.attr import IntegratedGradients, Occlusion
+
     import hookscope as hs
     from hookscope.show import shapes, train
 
@@ -128,21 +136,26 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
     budget = hs.ScoreCAM(model, "7", batch_size=64, top_k=3)
     theirs = pgc.ScoreCAM(model, [model[7]])
     theirs.batch_size = 64  # as ours
+    ig, cig = hs.IntegratedGradients(model, internal_batch_size=80), IntegratedGradients(model)
+    occ, cocc = hs.Occlusion(model, (1, 8, 8), strides=4, batch_size=64), Occlusion(model)
+    labels, ppe = y.tolist(), {"perturbations_per_eval": 8}  # Captum's: 8 windows x 8 images
     fns = {
         "score_plain": lambda: model(x).detach(),
         "hs_scorecam": lambda: full(x, targets=y),
         "hs_scorecam_topk": lambda: budget(x, targets=y),
         "pgc_scorecam": pgc_run(theirs, model, x, y),
+        "hs_ig": lambda: ig(x, targets=labels).raw,
+        "captum_ig": lambda: cig.attribute(x, target=labels, internal_batch_size=80),
+        "hs_occlusion": lambda: occ(x, targets=labels).raw,
+        "captum_occlusion": lambda: cocc.attribute(x, (1, 8, 8), 4, target=labels, **ppe),
     }
     values = {"extra image forwards, every channel": full.cost(x)["forwards"],
               "extra image forwards, top_k=3": budget.cost(x)["forwards"],
               "rank correlation of the top-k map with the full one (Spearman, mean over images)":
               _spearman(full(x, targets=y).raw, budget(x, targets=y).raw)}  # fmt: skip
-    about = (
-        f"the demo's shapes CNN (trained in the worker), {len(x)}x1x32x32, layer `7` (32 channels)"
-    )
-    return fns, {"case": "explain/shapes", "title": "Score-CAM, shapes CNN", "about": about,
-                 "values": values, "unit": "score_plain"}  # fmt: skip
+    about = f"the demo's shapes CNN (trained here), {len(x)}x1x32x32, layer `7` (32 channels)"
+    return fns, {"case": "explain/shapes", "title": "Score-CAM, IG, occlusion: shapes CNN",
+                 "about": about, "values": values, "unit": "score_plain"}  # fmt: skip
 
 
 def work(spec: Result) -> Result:
@@ -156,4 +169,4 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    return h.timing_jobs("explain", cfg, {"resnet50": 150, "shapes": 60}, rounds=15)
+    return h.timing_jobs("explain", cfg, {"resnet50": 150, "shapes": 150}, rounds=15)

@@ -111,3 +111,35 @@ def dropout_log_model() -> nn.Module:
     in training; finite in eval mode."""
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.Softplus(), nn.Dropout(0.5), _Log(), nn.Linear(8, 3))
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).view(*x.shape[:2], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v)
+        return x + out.transpose(1, 2).flatten(2)
+
+
+class _ViT(nn.Module):
+    """4x4 patches and a CLS token, two SDPA attention layers, 3 classes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.layers = nn.Sequential(_Attention(), _Attention())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls.expand(len(x), -1, -1), tokens], 1)
+        return self.head(self.layers(h)[:, 0])
+
+
+def small_vit() -> nn.Module:
+    torch.manual_seed(0)
+    return _ViT()

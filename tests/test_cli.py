@@ -165,6 +165,9 @@ def test_report_command(tmp_path: Path) -> None:
     assert result.exit_code == 0 and text.count("every channel of the first input") == 1
     assert text.count("(logit ") == 2 and "Grad-CAM at <code>1</code>" in text
     assert len(re.findall(r"<figcaption>#\d: class 1 ", text)) == 2  # the target asked for
+    result = run(*args, "--cam-method", "integrated_gradients")
+    text = out.read_text()
+    assert result.exit_code == 0 and "integrated_gradients over the input" in text
 
 
 def test_extract_command(tmp_path: Path) -> None:

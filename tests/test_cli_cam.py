@@ -20,7 +20,7 @@ pytest.importorskip("matplotlib")
 Image = pytest.importorskip("PIL.Image")
 import cli_models  # noqa: E402
 from hookscope.show._cli import cli  # noqa: E402
-from hookscope.show._methods import choices, default_fc  # noqa: E402
+from hookscope.show._methods import choices, default_fc, path_methods  # noqa: E402
 
 MODELS = Path(__file__).parent / "cli_models.py"
 CNN = f"{MODELS}:small_cnn"
@@ -37,13 +37,17 @@ def test_every_registered_method_is_offered() -> None:
 
 @pytest.mark.parametrize("method", choices())
 def test_every_method_runs_from_the_command_line(method: str, tmp_path: Path) -> None:
+    """On a small CNN, and on a small vision transformer for the attention maps."""
     extra = ("--samples", "2") if method == "smoothgrad" else ()
-    result = run("cam", CNN, *X, "--method", method, *extra, "--out", str(tmp_path), "--json")
+    extra += ("--steps", "4") if method in path_methods() else ()
+    attention = hs.explain.METHODS[method].kind == "attention"
+    model = f"{MODELS}:small_vit" if attention else CNN
+    result = run("cam", model, *X, "--method", method, *extra, "--out", str(tmp_path), "--json")
     assert result.exit_code == 0, result.output
     rows = json.loads(result.stdout)
     x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logits = cli_models.small_cnn()(x)
+        logits = (cli_models.small_vit() if attention else cli_models.small_cnn())(x)
     assert [r["target"] for r in rows] == logits.argmax(1).tolist()
     top = logits.max(1).values.tolist()
     assert [r["score"] for r in rows] == pytest.approx(top, rel=1e-4)
@@ -100,6 +104,27 @@ def test_perturbation_methods_are_budgeted(tmp_path: Path) -> None:
     assert [n for n in cli_models.CALLS if n != 4] == [7, 7, 7, 3]
     refused = run("cam", CNN, *X, "--top-k", "2")
     assert refused.exit_code == 2 and "gradcam runs no extra forwards" in refused.output
+
+
+def test_occlusion_window_stride_and_path_steps(tmp_path: Path) -> None:
+    """--window 4 --stride 4 on 16x16: 16 windows over 3 channels for each of 2 images; the
+    maps equal the library's with the same arguments."""
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    args = ("cam", CNN, *X, "--out", str(tmp_path), "--json")
+    result = run(*args, "--method", "occlusion", "--window", "4", "--stride", "4")
+    assert result.exit_code == 0, result.output
+    assert "occlusion: 32 extra image forwards in 1 calls of up to 32 images" in result.stderr
+    exp = hs.Occlusion(cli_models.small_cnn(), (3, 4, 4), strides=(1, 4, 4))(x)
+    picture = hs.overlay(x[0], exp.maps[0].abs().amax(0), alpha=0.45)
+    with Image.open(tmp_path / "occlusion_0.png") as png:
+        assert torch.equal(torch.frombuffer(bytearray(png.tobytes()), dtype=torch.uint8),
+                           picture.flatten())  # fmt: skip
+    refused = run(*args, "--method", "gradcam", "--window", "4")
+    assert refused.exit_code == 2 and "--window and --stride are occlusion's" in refused.output
+    refused = run(*args, "--method", "saliency", "--steps", "4")
+    assert refused.exit_code == 2 and "--steps is for the path methods" in refused.output
+    refused = run(*args, "--method", "occlusion", "--top-k", "2")
+    assert refused.exit_code == 2 and "occlusion has none" in refused.output
 
 
 def test_smoothgrad_over_a_base_method_and_input_methods_take_no_layer(tmp_path: Path) -> None:

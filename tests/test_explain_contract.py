@@ -32,6 +32,7 @@ from hookscope.explain import METHODS, MethodInfo
 REQUIRED: dict[str, Callable[[nn.Module], Any]] = {
     "fc": lambda model: "head",
     "method": lambda model: hs.Saliency(model),
+    "sliding_window_shapes": lambda model: (3, 4, 4),
 }
 
 #: the model's calls, counted by the models themselves (not by a hook hookscope could see)
@@ -112,7 +113,9 @@ def per_channel(info: MethodInfo, method: Any) -> bool:
     return inner.per_channel
 
 
-NAMES = sorted(METHODS)
+#: every method a CNN can be explained with; the attention methods have their own model below
+NAMES = sorted(n for n, i in METHODS.items() if i.kind != "attention")
+ATTENTION = sorted(n for n, i in METHODS.items() if i.kind == "attention")
 
 
 @pytest.fixture(autouse=True)
@@ -144,7 +147,9 @@ def test_the_registry_says_what_the_method_is(name: str, monkeypatch: pytest.Mon
     if info.perturbation:  # cost() announced the extra calls it then made
         CALLS.clear()
         calls = method.cost(x)["calls"]
-        assert CALLS == [3]  # cost() itself runs one forward
+        # cost() itself runs one forward at most (the CAMs count the layer's channels;
+        # occlusion and feature ablation know their features from the shapes)
+        assert CALLS in ([3], [])
         CALLS.clear()
         method(x, targets=[1, 2, 3])
         assert len(CALLS) == 1 + calls
@@ -367,7 +372,14 @@ class Detached(Dead):
         return self.head(h.mean((2, 3)))
 
 
-@pytest.mark.parametrize(("name", "extra"), _gradient_layer_methods())
+#: methods that replace the layer's output by a tensor of their own (Captum's layer
+#: integrated gradients does too): they need no gradient path from the input to the layer
+REPLACES_OUTPUT = {"layer_integrated_gradients"}
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"), [c for c in _gradient_layer_methods() if c[0] not in REPLACES_OUTPUT]
+)
 def test_a_layer_cut_from_the_graph_says_why(name: str, extra: dict[str, Any]) -> None:
     frozen = Detached().requires_grad_(False)
     method = build(METHODS[name], frozen, "side", **extra)
@@ -416,10 +428,18 @@ CAPTUM = {
     "saliency": "Saliency",
     "guided_backprop": "GuidedBackprop",
     "guided_gradcam": "GuidedGradCam",
+    "integrated_gradients": "IntegratedGradients",
+    "layer_integrated_gradients": "LayerIntegratedGradients",
+    "layer_conductance": "LayerConductance",
+    "input_x_gradient": "InputXGradient",
+    "occlusion": "Occlusion",
+    "feature_ablation": "FeatureAblation",
 }
 #: checked against references written in tests/test_explain.py instead: no peer has CAM
-#: (torchcam is not installed) or SmoothGrad with noise we can reproduce
-NO_PEER = {"cam", "smoothgrad"}
+#: (torchcam is not installed) or SmoothGrad with noise we can reproduce; nor attention
+#: rollout or transformer relevance (hand-written on eager attention in
+#: tests/test_explain_transformer.py)
+NO_PEER = {"cam", "smoothgrad", "attention_rollout", "transformer_relevance"}
 
 
 def test_every_method_has_a_peer_or_a_written_reference() -> None:
@@ -463,6 +483,145 @@ def test_maps_match_captum(name: str) -> None:
         theirs = cls(theirs_model, theirs_model.act).attribute(
             x, target=targets, interpolate_mode="bilinear"
         )
+    elif name.startswith("layer_"):  # the defaults are Captum's: 50 steps, Gauss-Legendre
+        theirs = cls(theirs_model, theirs_model.act).attribute(x, target=targets)
+    elif name == "occlusion":
+        theirs = cls(theirs_model).attribute(
+            x, REQUIRED["sliding_window_shapes"](model), target=targets
+        )
     else:
         theirs = cls(theirs_model).attribute(x.clone().requires_grad_(True), target=targets)
-    torch.testing.assert_close(ours.raw, theirs.detach(), rtol=1e-4, atol=1e-6)
+    got = ours.attributions if ours.attributions is not None else ours.raw
+    torch.testing.assert_close(got, theirs.detach(), rtol=1e-4, atol=1e-6)
+
+
+# -- attention methods: the same contract on a small vision transformer --------------------
+
+
+class SelfAttention(nn.Module):
+    """Multi-head self-attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, d = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(out.transpose(1, 2).reshape(n, t, d))
+
+
+class Layer(nn.Module):
+    """Pre-norm: attention and a one-layer MLP, each with its residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.attn, self.mlp = nn.LayerNorm(8), SelfAttention(), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm(x))
+        return x + torch.relu(self.mlp(x))
+
+
+class ViT(nn.Module):
+    """4x4 patches of a 3x12x12 image (a 3x3 grid) and a CLS token, two blocks, 4 classes."""
+
+    def __init__(self, counted: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.counted = counted
+        self.patch = nn.Conv2d(3, 8, 4, stride=4)
+        self.cls = nn.Parameter(torch.randn(1, 1, 8))
+        self.pos = nn.Parameter(torch.randn(1, 10, 8))
+        self.blocks = nn.Sequential(Layer(), Layer())
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.counted:
+            CALLS.append(len(x))
+        tokens = self.patch(x).flatten(2).transpose(1, 2)
+        h = torch.relu(torch.cat([self.cls.expand(len(x), -1, -1), tokens], 1) + self.pos)
+        if self.counted:
+            SAVED.append(weakref.ref(h))
+        return self.head(self.blocks(h)[:, 0] * 3)
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_methods_shapes_targets_scores_and_backward(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    info = METHODS[name]
+    assert info.requires == () and not info.perturbation
+    model, x = ViT(), _x()
+    grads: list[int] = []
+    real = torch.autograd.grad
+    monkeypatch.setattr(torch.autograd, "grad", lambda *a, **k: grads.append(1) or real(*a, **k))
+    method = info.cls(model)
+    exp = method(x, targets=[1, 2, 3])
+    assert bool(grads) == info.gradients
+    assert exp.raw.shape == (3, 3, 3) and exp.maps.shape == (3, 12, 12)  # the patch grid
+    assert exp.attributions.shape == (3, 10)  # the CLS token's row, every token
+    assert exp.targets.tolist() == [1, 2, 3] and exp.method == name
+    torch.testing.assert_close(exp.scores, model(x).detach()[[0, 1, 2], [1, 2, 3]])
+    assert method(x).targets.tolist() == model(x).argmax(1).tolist()
+    assert torch.isfinite(exp.raw).all() and exp.raw.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_methods_batch_targets_grads_and_what_outlives_the_call(name: str) -> None:
+    model, x, targets = ViT(), _x(), [2, 0, 3]
+    model.head.weight.grad = torch.full_like(model.head.weight, 7.0)
+    model.blocks[0].requires_grad_(False)
+    method = METHODS[name].cls(model)
+    batch = method(x, targets=targets)
+    for i, t in enumerate(targets):
+        one = method(x[i : i + 1], targets=t)
+        torch.testing.assert_close(batch.raw[i], one.raw[0], rtol=1e-4, atol=1e-6)
+    for bad, message in BAD_TARGETS:
+        CALLS.clear()
+        with pytest.raises(hs.UsageError, match=message):
+            method(x, targets=bad)
+        assert CALLS == [], bad
+    with pytest.raises(hs.UsageError, match=r"the batch is empty"):
+        method(x[:0])
+    assert torch.equal(model.head.weight.grad, torch.full_like(model.head.weight, 7.0))
+    assert all(p.grad is None for n, p in model.named_parameters() if n != "head.weight")
+    gc.collect()
+    assert SAVED and all(ref() is None for ref in SAVED)
+    assert batch.raw.grad_fn is None and not batch.scores.requires_grad
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_methods_read_nothing_back_and_give_a_compiled_models_maps(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x, targets = _x(), [1, 2, 3]
+    method = METHODS[name].cls(ViT())
+    method(x, targets=targets)  # the attention layers are found once, by a first forward
+    reads: list[str] = []
+    for attr in READS:
+        real = getattr(torch.Tensor, attr)
+
+        def counted(*a: Any, _real: Any = real, _attr: str = attr, **k: Any) -> Any:
+            reads.append(_attr)
+            return _real(*a, **k)
+
+        monkeypatch.setattr(torch.Tensor, attr, counted)
+    for t in ([1, 2, 3], 2, None, lambda out: out[:, 0] - out[:, 1]):
+        method(x, targets=t)
+        assert reads == [], (t, reads)
+    monkeypatch.undo()
+    torch._dynamo.reset()
+    expected = METHODS[name].cls(ViT(counted=False).eval())(x, targets=targets)
+    compiled: nn.Module = torch.compile(ViT(counted=False).eval(), backend="eager")  # type: ignore[assignment]
+    compiled(x.clone().requires_grad_(True))
+    got = METHODS[name].cls(compiled)(x, targets=targets)
+    torch.testing.assert_close(got.raw, expected.raw, rtol=1e-4, atol=1e-6)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_attention_methods_refuse_a_model_without_attention(name: str) -> None:
+    with pytest.raises(hs.UsageError, match=r"no F.scaled_dot_product_attention call ran in Net"):
+        METHODS[name].cls(Net())(_x(), targets=1)

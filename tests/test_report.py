@@ -329,3 +329,29 @@ def test_the_cam_section_explains_its_colours_and_scores(tmp_path: Path) -> None
     p = logits.softmax(1).max(1).values
     for i in range(3):
         assert f"(logit {float(logits[i].max()):.3g}, softmax {float(p[i]):.3f})" in cam
+
+
+def test_the_map_section_draws_any_method_that_needs_no_argument(tmp_path: Path) -> None:
+    """``cam_method``: integrated gradients over the input of a CNN (per-channel maps drawn as
+    their largest absolute value), attention rollout of a small SDPA vision transformer; the
+    overlays are those of the library's own call."""
+    import cli_models
+
+    x = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    for model, method in (
+        (_cnn(), "integrated_gradients"),
+        (cli_models.small_vit(), "attention_rollout"),
+    ):
+        text = hs.report(model, x, tmp_path / f"{method}.html", cam_method=method).read_text()
+        page = _Page(text)
+        assert f"<h2>Attribution: {method}</h2>" in text or f"Attribution: {method}" in text
+        assert page.count("cam", "img") == 1 + 2  # the colour scale and one overlay per image
+        exp = hs.explain.METHODS[method].cls(model)(x)
+        plane = exp.maps.abs().amax(1) if exp.maps.dim() == 4 else exp.maps
+        picture = hs.overlay(x[0], plane[0], alpha=0.45)
+        sources = [a["src"] for t, a in page.sections["cam"] if t == "img"]
+        shown = Image.open(io.BytesIO(base64.b64decode(sources[1].split(",", 1)[1])))
+        assert torch.equal(torch.frombuffer(bytearray(shown.convert("RGB").tobytes()),
+                                            dtype=torch.uint8), picture.flatten())  # fmt: skip
+    with pytest.raises(hs.UsageError, match=r"cam_method must be one of .*, got 'occlusion'"):
+        hs.report(_cnn(), x, tmp_path / "r.html", cam_method="occlusion")

@@ -251,6 +251,28 @@ def test_concurrent_grad_cams_on_one_model_equal_the_serial_ones() -> None:
     assert flags(model) == before
 
 
+@pytest.mark.parametrize(
+    "name", ["layer_integrated_gradients", "occlusion", "integrated_gradients"]
+)
+def test_concurrent_path_and_perturbation_methods_equal_the_serial_ones(name: str) -> None:
+    """Layer integrated gradients replace the layer's output per thread; occlusion and
+    integrated gradients run many forwards each: from several threads at once, each call
+    gets its own maps."""
+    model = train_model()
+    method = {
+        "layer_integrated_gradients": lambda: hs.LayerIntegratedGradients(model, "0", n_steps=4),
+        "occlusion": lambda: hs.Occlusion(model, (3, 4, 4), strides=2, batch_size=8),
+        "integrated_gradients": lambda: hs.IntegratedGradients(model, n_steps=4),
+    }[name]()
+    xs = [torch.randn(2, 3, 8, 8) for _ in range(THREADS * ROUNDS)]
+    want = [method(x, targets=[0, 1]).maps for x in xs]
+    before = flags(model)
+    got = in_threads(lambda t, r: (t * ROUNDS + r, method(xs[t * ROUNDS + r], [0, 1]).maps))
+    for i, maps in got:
+        torch.testing.assert_close(maps, want[i], rtol=1e-5, atol=1e-6)
+    assert flags(model) == before
+
+
 def test_concurrent_summaries_of_one_model_equal_the_serial_one() -> None:
     model = train_model()
     x = torch.randn(2, 3, 8, 8)

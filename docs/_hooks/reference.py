@@ -48,7 +48,11 @@ AREAS: dict[str, tuple[str, str]] = {
     ),
     "look": ("Summaries and feature maps", "Per-call summaries with FLOPs; feature-map grids."),
     "diagnose": ("Diagnose", "The NaN/Inf tracer, the training monitor and clipping reports."),
-    "explain": ("Attribution maps", "The CAM family, input-space methods and overlays."),
+    "explain": (
+        "Attribution maps",
+        "The CAM family, input-space, path and perturbation methods, transformer attention "
+        "maps and overlays.",
+    ),
     "extract": ("Extraction", "Dataset-scale feature extraction into Zarr stores."),
     "show": ("Report", "The self-contained HTML report."),
     "integrations": (

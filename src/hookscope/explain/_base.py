@@ -36,8 +36,15 @@ class Explanation:
     """Maps for a batch: ``raw`` at the layer's resolution ``(N, h, w)``, as the method defines
     it (ReLU where the paper applies one; signed otherwise), and ``maps`` upsampled to the
     input's size ``(N, H, W)`` (for a 1-D signal ``(N, L)`` and ``(N, L_in)``; input-space
-    methods give ``(N, C, H, W)`` for both); ``targets`` are the class indices used (None for
-    callable targets) and ``scores`` each sample's target score."""
+    methods give ``(N, C, H, W)`` for both; token maps of text ``(N, T)``); ``targets`` are
+    the class indices used (None for callable targets) and ``scores`` each sample's target
+    score.
+
+    The path and perturbation methods also fill ``attributions``: one value per feature of
+    the tensor they explain, in its own layout, as Captum returns them (the input's shape for
+    input methods, the layer's output shape for layer methods, ``(N, T)`` over every token for
+    attention maps); and, when asked, ``delta``: integrated gradients' convergence delta per
+    sample, ``sum(attributions) - (S(x) - S(baseline))``, as Captum computes it."""
 
     raw: Tensor
     maps: Tensor
@@ -45,6 +52,8 @@ class Explanation:
     scores: Tensor
     method: str
     layer: str
+    attributions: Tensor | None = None
+    delta: Tensor | None = None
 
     def normalized(self, *, per: Literal["image", "batch"] = "image") -> Tensor:
         """``maps`` scaled to 0..1 per image or with one scale for the batch (see

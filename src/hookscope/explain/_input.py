@@ -23,7 +23,8 @@ from torch import Tensor, nn
 
 from ..core import FunctionInterceptor, call_model, run_eagerly
 from ..errors import UsageError
-from ._base import Explanation, evaluating, image_of, with_grad
+from ._base import Explanation, evaluating, with_grad
+from ._path import need_grad, scalable
 from ._registry import MethodInfo, register
 from ._session import Plain
 from ._targets import Target, resolve
@@ -82,8 +83,9 @@ class InputMethod:
     def __call__(self, x: Any, targets: Target = None) -> Explanation:
         """Explain a batch ``x`` (a tensor, or a tuple / mapping of the model's inputs; the
         first floating-point tensor is the image) for ``targets`` (see ``_targets``)."""
-        image = image_of(x)
+        image = scalable(x, type(self).__name__)
         target = resolve(targets, image.shape[0]).to(image.device)
+        need_grad(type(self).__name__)
         inputs, leaf = with_grad(x, image)
         session = self._session
         with run_eagerly(self.model), evaluating(session), session, torch.enable_grad():
@@ -91,7 +93,7 @@ class InputMethod:
                 s, index = target.score(call_model(self.model, inputs))
             self._check(mode)
             (grad,) = torch.autograd.grad(s.sum(), leaf)
-        raw = self.post(grad.detach())
+        raw = self._attribute(grad.detach(), image)
         return Explanation(raw, raw, index, s.detach(), self.name, "<input>")
 
     def _mode(self) -> Any:
@@ -99,6 +101,9 @@ class InputMethod:
 
     def _check(self, mode: Any) -> None:
         return None
+
+    def _attribute(self, grad: Tensor, image: Tensor) -> Tensor:
+        return self.post(grad)
 
     def post(self, grad: Tensor) -> Tensor:
         """The map from the score's gradient w.r.t. the input: here the gradient itself
@@ -117,6 +122,9 @@ class Saliency(InputMethod):
     """
 
     name = "saliency"
+
+    def _attribute(self, grad: Tensor, image: Tensor) -> Tensor:
+        return self.post(grad)
 
     def post(self, grad: Tensor) -> Tensor:
         """The absolute value of the score's gradient w.r.t. the input."""

@@ -19,9 +19,12 @@ class MethodInfo:
     Attributes:
         name: its registry key and ``Explanation.method`` (e.g. ``"gradcam"``).
         cls: the class: ``cls(model, layers, **requires)`` for ``kind="layer"``,
-            ``cls(model, **requires)`` for ``"input"``, ``cls(**requires)`` for ``"wrapper"``.
+            ``cls(model, **requires)`` for ``"input"`` and ``"attention"``, ``cls(**requires)``
+            for ``"wrapper"``.
         kind: ``"layer"`` (maps at a layer's resolution, upsampled), ``"input"`` (maps of the
-            input's shape), or ``"wrapper"`` (built from other methods).
+            input's shape), ``"wrapper"`` (built from other methods), or ``"attention"`` (maps
+            over the tokens of a transformer, from its attention weights: models without
+            attention are refused).
         gradients: it runs a backward pass.
         perturbation: it runs extra forwards (``cost()``, ``batch_size=``, ``top_k=``).
         requires: constructor keywords that have no default (CAM's ``fc``).
@@ -33,7 +36,7 @@ class MethodInfo:
 
     name: str
     cls: type
-    kind: Literal["layer", "input", "wrapper"]
+    kind: Literal["layer", "input", "wrapper", "attention"]
     gradients: bool
     perturbation: bool = False
     requires: tuple[str, ...] = ()

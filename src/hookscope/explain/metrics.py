@@ -17,9 +17,10 @@ from torch import Tensor, nn
 
 from ..core import call_model, training_mode
 from ..errors import UsageError
+from ._base import Explanation, normalize
 from ._targets import Target, logits_of, resolve
 
-__all__ = ["Curve", "average_drop", "deletion", "insertion", "pointing_game"]
+__all__ = ["Curve", "average_drop", "deletion", "insertion", "plane", "pointing_game"]
 
 
 @dataclass(frozen=True)
@@ -50,11 +51,29 @@ def _score(
     return values.gather(1, index[:, None])[:, 0].float()
 
 
+def plane(maps: Tensor | Explanation) -> Tensor:
+    """The maps to rank positions by: an :class:`~hookscope.Explanation`'s ``maps``; a map per
+    input channel ``(N, C, H, W)`` (saliency, integrated gradients, occlusion) summed over the
+    channels, a pixel's attribution being the sum of its channels'; others as given."""
+    if isinstance(maps, Explanation):
+        maps = maps.maps
+    if not isinstance(maps, Tensor):
+        raise UsageError(f"maps must be a tensor or an Explanation, got {type(maps).__name__}")
+    return maps.sum(1) if maps.dim() == 4 else maps
+
+
 def _check(x: Tensor, maps: Tensor) -> None:
-    if x.dim() != 4 or maps.shape != (x.shape[0], *x.shape[-2:]):
+    tokens = x.dim() == 2 and not x.is_floating_point()
+    if tokens and maps.shape != x.shape:
         raise UsageError(
-            f"maps must be (N, H, W) for images (N, C, H, W): got maps {tuple(maps.shape)} "
-            f"for images {tuple(x.shape)} (use an Explanation's .maps)"
+            f"maps must be (N, T) for token ids (N, T): got maps {tuple(maps.shape)} for ids "
+            f"{tuple(x.shape)} (use an Explanation's .maps)"
+        )
+    if not tokens and (x.dim() != 4 or maps.shape != (x.shape[0], *x.shape[-2:])):
+        raise UsageError(
+            f"maps must be (N, H, W) or (N, C, H, W) for images (N, C, H, W), (N, T) for token "
+            f"ids (N, T): got maps {tuple(maps.shape)} for inputs {tuple(x.shape)} (use an "
+            "Explanation's .maps)"
         )
     _finite(maps)
 
@@ -75,7 +94,7 @@ def _finite(maps: Tensor) -> None:
 def _curve(
     model: nn.Module,
     x: Tensor,
-    maps: Tensor,
+    maps: Tensor | Explanation,
     targets: Target,
     *,
     insert: bool,
@@ -84,20 +103,23 @@ def _curve(
     batch_size: int,
     prob: bool,
 ) -> Curve:
-    """Pixels switched from ``x`` to ``baseline`` (deletion) or back (insertion), most
-    important first, in ``steps`` equal parts."""
+    """Pixels (or tokens) switched from ``x`` to ``baseline`` (deletion) or back
+    (insertion), most important first, in ``steps`` equal parts."""
+    maps = plane(maps)
     _check(x, maps)
     base = torch.as_tensor(baseline, dtype=x.dtype, device=x.device).expand_as(x)
     start, end = (base, x) if insert else (x, base)
     if not isinstance(steps, int) or steps < 1:
         raise UsageError(f"steps must be an int >= 1, got {steps!r}")
-    n, (h, w) = x.shape[0], x.shape[-2:]
+    n, where = x.shape[0], maps.shape[1:]
+    size = math.prod(where)
     order = maps.detach().reshape(n, -1).argsort(1, descending=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(h * w).expand(n, -1))
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(size).expand(n, -1))
     fractions = torch.linspace(0, 1, steps + 1)
     images, rows = [], []
     for f in fractions:
-        switched = (rank < round(float(f) * h * w)).reshape(n, 1, h, w)
+        channels = [1] * (x.dim() - 1 - len(where))  # images: one switch for every channel
+        switched = (rank < round(float(f) * size)).reshape(n, *channels, *where)
         images.append(torch.where(switched, end, start))
         rows.append(torch.arange(n))
     batch, index = torch.cat(images), torch.cat(rows)
@@ -115,7 +137,7 @@ def _curve(
 def deletion(
     model: nn.Module,
     x: Tensor,
-    maps: Tensor,
+    maps: Tensor | Explanation,
     targets: Target,
     *,
     steps: int = 20,
@@ -124,7 +146,11 @@ def deletion(
     prob: bool = True,
 ) -> Curve:
     """Delete pixels (set them to ``baseline``) in order of importance; a faithful map makes
-    the score fall fast (low AUC)."""
+    the score fall fast (low AUC).
+
+    ``x`` is images ``(N, C, H, W)`` with maps ``(N, H, W)`` or ``(N, C, H, W)`` (summed over
+    the channels), or token ids ``(N, T)`` with token maps ``(N, T)`` (deleted tokens become
+    the id ``baseline``); ``maps`` may be an :class:`~hookscope.Explanation`."""
     return _curve(
         model,
         x,
@@ -141,7 +167,7 @@ def deletion(
 def insertion(
     model: nn.Module,
     x: Tensor,
-    maps: Tensor,
+    maps: Tensor | Explanation,
     targets: Target,
     *,
     steps: int = 20,
@@ -150,7 +176,7 @@ def insertion(
     prob: bool = True,
 ) -> Curve:
     """Insert pixels into ``baseline`` in order of importance; a faithful map makes the score
-    rise fast (high AUC)."""
+    rise fast (high AUC). Inputs and maps as for :func:`deletion`."""
     return _curve(
         model,
         x,
@@ -165,14 +191,15 @@ def insertion(
 
 
 def average_drop(
-    model: nn.Module, x: Tensor, maps: Tensor, targets: Target, *, prob: bool = True
+    model: nn.Module, x: Tensor, maps: Tensor | Explanation, targets: Target, *, prob: bool = True
 ) -> dict[str, Any]:
     """Chattopadhyay et al. (2018): keep only what the map highlights (``x * map`` with the map
     scaled to 0..1 per image). ``average_drop`` = mean of ``max(0, y - o) / y`` in percent,
     ``increase`` = percentage of images whose score rose. 2 N forwards."""
-    from ._base import normalize
-
+    maps = plane(maps)
     _check(x, maps)
+    if x.dim() != 4:
+        raise UsageError("average_drop multiplies images (N, C, H, W) by their maps: not tokens")
     n = x.shape[0]
     rows = torch.arange(n)
     y = _score(model, x, targets, rows, n, prob)
@@ -185,13 +212,14 @@ def average_drop(
     }
 
 
-def pointing_game(maps: Tensor, masks: Tensor, *, tolerance: float = 0.0) -> Tensor:
+def pointing_game(maps: Tensor | Explanation, masks: Tensor, *, tolerance: float = 0.0) -> Tensor:
     """Zhang et al. (2016): whether each map's maximum falls on its object: inside its
     ``mask`` (``(N, H, W)`` bool) or, with ``tolerance`` > 0, closer than ``tolerance`` pixels to
     it (TorchRay's rule, 15 px at 224 px; scale it with the image). Ties count as hits if any
     maximum is on the object. ``.float().mean()`` is the accuracy; compare it with a center or
     random point's, which a large object or tolerance makes high.
     """
+    maps = plane(maps)
     if maps.shape != masks.shape or maps.dim() != 3:
         raise UsageError(
             f"maps and masks must both be (N, H, W): got {tuple(maps.shape)} and "

@@ -146,7 +146,6 @@ class Recorder(Session):
     def _install(self, hooks: Any) -> None:
         self._track(hooks, self.modules)
 
-
     # -- calls ------------------------------------------------------------------------------------
     def _started(self, call: ModuleCall, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         parent = self._open[-1] if self._open else None

@@ -33,12 +33,13 @@ from ._methods import (
     MethodOptions,
     base_choices,
     build,
+    channel_methods,
     choices,
     draw,
     perturbation_methods,
 )
 from ._models import load_model, parse_kwargs
-from ._report import report, requiring_grad
+from ._report import report, report_methods, requiring_grad
 
 __all__ = ["cli"]
 
@@ -233,13 +234,16 @@ _PERTURBING = ", ".join(perturbation_methods())
     default="gradcam",
     show_default=True,
     type=click.Choice(choices()),
-    help="Layer methods (the CAM family, guided_gradcam), input methods (saliency, "
-    "guided_backprop) or smoothgrad (over --base).",
+    help="Layer methods (the CAM family, guided_gradcam, layer_integrated_gradients, "
+    "layer_conductance), input methods (saliency, guided_backprop, integrated_gradients, "
+    "input_x_gradient, occlusion, feature_ablation), a transformer's attention maps "
+    "(attention_rollout, transformer_relevance) or smoothgrad (over --base).",
 )
 @click.option(
     "--layer",
     help="The layer to explain (see `hookscope names`; default: the last layer with "
-    "(N, C, H, W) maps). Input methods take none.",
+    "(N, C, H, W) maps). Input methods take none; attention maps take the attention "
+    "modules (default: every module that calls scaled_dot_product_attention).",
 )
 @click.option(
     "--fc",
@@ -264,14 +268,29 @@ _PERTURBING = ", ".join(perturbation_methods())
 @click.option(
     "--top-k",
     type=click.IntRange(min=1),
-    help=f"{_PERTURBING}: explore only the K channels that matter most per image (Grad-CAM "
-    "ranking; default: every channel). The extra forwards are counted before they run.",
+    help=f"{', '.join(channel_methods())}: explore only the K channels that matter most per "
+    "image (Grad-CAM ranking; default: every channel). The extra forwards are counted before "
+    "they run.",
 )
 @click.option(
     "--batch-size",
     type=click.IntRange(min=1),
     help=f"{_PERTURBING}: images per extra forward (default 32).",
 )
+@click.option(
+    "--steps", type=click.IntRange(min=1),
+    help="integrated_gradients, layer_integrated_gradients, layer_conductance: points of the "
+    "path integral (default 50, Gauss-Legendre).",
+)  # fmt: skip
+@click.option(
+    "--window", type=click.IntRange(min=1),
+    help="occlusion: the square window's side in pixels, over every channel (default: an "
+    "eighth of the image's shorter side).",
+)  # fmt: skip
+@click.option(
+    "--stride", type=click.IntRange(min=1),
+    help="occlusion: pixels between window positions (default: half the window).",
+)  # fmt: skip
 @click.option(
     "--target", "targets", type=int, multiple=True, help="Class per image (default: top)."
 )
@@ -285,6 +304,7 @@ def cam(o: dict[str, Any]) -> None:
     options = MethodOptions(
         layer=o["layer"], fc=o["fc"], base=o["base"], top_k=o["top_k"],
         batch_size=o["batch_size"], samples=o["samples"], noise=o["noise"], seed=o["seed"],
+        window=o["window"], stride=o["stride"], steps=o["steps"],
     )  # fmt: skip
     method = build(o["method"], model, x.batch, options)
     if hasattr(method, "cost"):
@@ -517,6 +537,10 @@ def _interrupted(out: str) -> str:
 @click.option("--out", default="report.html", show_default=True, help="The HTML file to write.")
 @click.option("--cam-layer", help="Grad-CAM layer (default: the last spatial one).")
 @click.option(
+    "--cam-method", default="gradcam", show_default=True, type=click.Choice(report_methods()),
+    help="The attribution method of the report's map section (layer methods at --cam-layer).",
+)  # fmt: skip
+@click.option(
     "--features", "feature_layers", multiple=True,
     help="A layer whose feature maps are shown (repeatable; default: up to four convolutions).",
 )  # fmt: skip
@@ -528,7 +552,7 @@ def report_(o: dict[str, Any]) -> None:
     """Write a self-contained HTML report (summary, statistics, feature maps, CAM, findings)."""
     model, x = _load(o)
     path = report(
-        model, x.batch, o["out"], cam_layer=o["cam_layer"],
+        model, x.batch, o["out"], cam_layer=o["cam_layer"], cam_method=o["cam_method"],
         feature_layers=list(o["feature_layers"]) or None, targets=_targets(o),
     )  # fmt: skip
     click.echo(f"report: {path.resolve()}")

@@ -4,6 +4,7 @@ from the command's options, and its maps drawn back on each image at the image's
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +27,26 @@ from ..core import (
 from ..errors import UsageError
 from ..explain import METHODS, Explanation, MethodInfo, overlay
 from ._load import Loaded
-from ._report import image_batch, probabilities
+from ._report import image_batch, probabilities, to_plane
 
-__all__ = ["MethodOptions", "build", "choices", "default_fc", "perturbation_methods", "to_plane"]
+__all__ = [
+    "MethodOptions",
+    "build",
+    "channel_methods",
+    "choices",
+    "default_fc",
+    "path_methods",
+    "perturbation_methods",
+    "to_plane",
+]
 
 #: the constructor arguments (MethodInfo.requires) the command line fills, per kind
-_FILLED = {"layer": {"fc"}, "input": set(), "wrapper": {"method"}}
+_FILLED = {
+    "layer": {"fc"},
+    "input": {"sliding_window_shapes"},
+    "wrapper": {"method"},
+    "attention": set(),
+}
 
 
 def choices() -> list[str]:
@@ -48,6 +63,21 @@ def perturbation_methods() -> list[str]:
     return sorted(n for n in choices() if METHODS[n].perturbation)
 
 
+def channel_methods() -> list[str]:
+    """Perturbation methods that explore a layer's channels (``--top-k``)."""
+    return [n for n in perturbation_methods() if METHODS[n].kind == "layer"]
+
+
+def path_methods() -> list[str]:
+    """Methods that integrate along a path: their constructor takes ``n_steps`` (``--steps``)."""
+    return sorted(n for n in choices() if _takes(METHODS[n].cls, "n_steps"))
+
+
+def _takes(cls: type, keyword: str) -> bool:
+    inits = [c.__init__ for c in cls.__mro__ if "__init__" in vars(c)]  # type: ignore[misc]
+    return any(keyword in inspect.signature(init).parameters for init in inits)
+
+
 @dataclass(frozen=True)
 class MethodOptions:
     """The ``cam`` options that shape a method (None: not given)."""
@@ -60,6 +90,9 @@ class MethodOptions:
     samples: int = 25
     noise: float = 0.15
     seed: int = 0
+    window: int | None = None
+    stride: int | None = None
+    steps: int | None = None
 
 
 def build(name: str, model: nn.Module, x: Any, o: MethodOptions) -> Callable[..., Explanation]:
@@ -71,18 +104,40 @@ def build(name: str, model: nn.Module, x: Any, o: MethodOptions) -> Callable[...
             raise UsageError(f"--base {o.base!r} is not one of {', '.join(base_choices())}")
         base = build(o.base, model, x, MethodOptions(**{**o.__dict__, "top_k": None}))
         return info.cls(base, samples=o.samples, noise=o.noise, seed=o.seed)  # type: ignore[no-any-return]
+    extra = _budget(info, o)
+    if info.kind == "attention":
+        return info.cls(model, o.layer)  # type: ignore[no-any-return]
     if info.kind == "input":
-        return info.cls(model)  # type: ignore[no-any-return]
+        if "sliding_window_shapes" in info.requires:
+            extra.update(_window(x, o))
+        return info.cls(model, **extra)  # type: ignore[no-any-return]
     layer = o.layer if o.layer is not None else last_spatial_layer(model, x)
-    extra: dict[str, Any] = {}
     if "fc" in info.requires:
         extra["fc"] = o.fc if o.fc is not None else default_fc(model, x, layer)
-    if info.perturbation:
-        if o.top_k is not None:
-            extra["top_k"] = o.top_k
-        if o.batch_size is not None:
-            extra["batch_size"] = o.batch_size
     return info.cls(model, layer, **extra)  # type: ignore[no-any-return]
+
+
+def _budget(info: MethodInfo, o: MethodOptions) -> dict[str, Any]:
+    """The options that bound a method's work: extra forwards, channels, path steps."""
+    extra: dict[str, Any] = {}
+    if info.perturbation and o.top_k is not None:
+        extra["top_k"] = o.top_k
+    if info.perturbation and o.batch_size is not None:
+        extra["batch_size"] = o.batch_size
+    if o.steps is not None:
+        extra["n_steps"] = o.steps
+    return extra
+
+
+def _window(x: Any, o: MethodOptions) -> dict[str, Any]:
+    """Occlusion's window: ``--window`` pixels square over every channel (default: an eighth
+    of the image's shorter side), moved by ``--stride`` (default: half the window)."""
+    image = image_batch(x)
+    if image is None:
+        raise UsageError("occlusion from the command line needs an image input (N, C, H, W)")
+    side = o.window if o.window is not None else max(1, min(image.shape[-2:]) // 8)
+    stride = o.stride if o.stride is not None else max(1, side // 2)
+    return {"sliding_window_shapes": (image.shape[1], side, side), "strides": (1, stride, stride)}
 
 
 def _check_options(info: MethodInfo, o: MethodOptions) -> None:
@@ -93,6 +148,15 @@ def _check_options(info: MethodInfo, o: MethodOptions) -> None:
             f"--top-k and --batch-size budget the perturbation methods "
             f"({', '.join(perturbation_methods())}); {info.name} runs no extra forwards"
         )
+    if o.top_k is not None and info.kind != "layer":
+        raise UsageError(f"--top-k explores a layer's channels; {info.name} has none")
+    if o.steps is not None and info.name not in path_methods():
+        raise UsageError(
+            f"--steps is for the path methods ({', '.join(path_methods())}), not {info.name}"
+        )
+    windowed = "sliding_window_shapes" in info.requires
+    if (o.window is not None or o.stride is not None) and not windowed:
+        raise UsageError(f"--window and --stride are occlusion's; {info.name} takes none")
     if o.fc is not None and "fc" not in info.requires:
         raise UsageError(f"--fc is the classifier layer of --method cam; {info.name} takes none")
     if info.kind == "input" and o.layer is not None:
@@ -151,12 +215,6 @@ def default_fc(model: nn.Module, x: Any, layer: str) -> str:
             f"layers: {found}): name it with --fc, or explain the layer before the classifier"
         )
     return fits[-1]
-
-
-def to_plane(maps: Tensor) -> Tensor:
-    """``(N, H, W)`` maps as they are; input-space ``(N, C, H, W)`` ones as the largest
-    absolute value over the channels (how saliency maps are usually drawn)."""
-    return maps.abs().amax(1) if maps.dim() == 4 else maps
 
 
 def draw(

@@ -30,7 +30,7 @@ from ..core import LayerSelector, call_model, leaves, map_tensors, own_forward, 
 from ..core import names as names_of
 from ..diagnose import Monitor, nonfinite
 from ..errors import NonFiniteError, UsageError
-from ..explain import GradCAM, overlay, target_scores
+from ..explain import METHODS, Explanation, MethodInfo, overlay, target_scores
 from ..look import Summary, feature_grids, format_shape, summary
 from . import _html
 from ._findings import DEAD, Finding, by_kind, findings, findings_html
@@ -52,6 +52,7 @@ def report(
     title: str | None = None,
     feature_layers: LayerSelector | None = None,
     cam_layer: str | None = None,
+    cam_method: str = "gradcam",
     targets: Any = None,
     classes: Sequence[str] | None = None,
     max_images: int = 8,
@@ -70,6 +71,11 @@ def report(
         cam_layer: the Grad-CAM layer (default: the last layer with a spatial 4-D output; for a
             vision transformer, whose last such layer is its patch embedding, name its last
             block: token outputs are put on their grid).
+        cam_method: the attribution method of that section, any method of
+            :data:`hookscope.explain.METHODS` that needs no other argument: ``"gradcam"``
+            (default), another layer method at ``cam_layer``, an input method
+            (``"integrated_gradients"``: maps per channel are drawn as their largest absolute
+            value), or a transformer's ``"attention_rollout"`` / ``"transformer_relevance"``.
         targets: classes for Grad-CAM and for the gradient statistics (as for
             :class:`~hookscope.GradCAM`; default the top class per sample). A model without
             class logits gets its statistics from each sample's output norm, and no Grad-CAM
@@ -94,6 +100,10 @@ def report(
         raise UsageError(f"out must be an .html file, got {str(out)!r}")
     if not isinstance(max_images, int) or max_images < 0:
         raise UsageError(f"max_images must be an int >= 0, got {max_images!r}")
+    if cam_method not in report_methods():
+        raise UsageError(
+            f"cam_method must be one of {', '.join(report_methods())}, got {cam_method!r}"
+        )
     pillow(_PURPOSE)  # fail before any work when an extra is missing
     require("matplotlib", "plots", purpose="plots in the HTML report")
     names = classes if classes is not None else _id2label(model)
@@ -103,7 +113,7 @@ def report(
         records, nonfinite_found = _statistics(model, inputs, targets)
         features = _features(model, inputs, feature_layers)
         layer = cam_layer if cam_layer is not None else _last_spatial(shape)
-        cams = _cams(model, inputs, layer, targets, names, max_images)
+        cams = _cams(model, inputs, METHODS[cam_method], layer, targets, names, max_images)
     types = names_of(model)
     found = findings(shape, records, nonfinite_found, _batch_size(inputs), types)
     parts: list[Section] = [("overview", "Overview", _overview(model, shape, found))]
@@ -112,7 +122,7 @@ def report(
     n = _batch_size(inputs)
     parts.append(("statistics", "Activations and gradients", _statistics_html(records, types, n)))
     parts.append(("features", "Feature maps", features))
-    parts.append(("cam", "Grad-CAM", cams))
+    parts.append(("cam", _title(cam_method), cams))
     parts.append(("findings", "Findings", findings_html(found)))
     text = _html.page(
         title or type(model).__name__,
@@ -352,32 +362,58 @@ def _last_spatial(shape: Summary) -> str | None:
     return None
 
 
+def report_methods() -> list[str]:
+    """The attribution methods the report can draw: those that need no other argument."""
+    return sorted(n for n, i in METHODS.items() if not i.requires and i.kind != "wrapper")
+
+
+def _title(method: str) -> str:
+    return "Grad-CAM" if method == "gradcam" else f"Attribution: {method}"
+
+
+def to_plane(maps: Tensor) -> Tensor:
+    """``(N, H, W)`` maps as they are; input-space ``(N, C, H, W)`` ones as the largest
+    absolute value over the channels (how saliency maps are usually drawn)."""
+    return maps.abs().amax(1) if maps.dim() == 4 else maps
+
+
+def _explain(
+    model: nn.Module, inputs: Any, info: MethodInfo, layer: str | None, targets: Any
+) -> Explanation:
+    method = info.cls(model, layer) if info.kind == "layer" else info.cls(model)
+    exp: Explanation = method(inputs, targets=targets)
+    return exp
+
+
 def _cams(
     model: nn.Module,
     inputs: Any,
+    info: MethodInfo,
     layer: str | None,
     targets: Any,
     names: Sequence[str] | None,
     max_images: int,
 ) -> str:
     images = image_batch(inputs)
-    if images is None or layer is None:
-        return "<p>No image input or no spatial layer: no Grad-CAM.</p>"
+    title = _title(info.name).removeprefix("Attribution: ")
+    if images is None or (layer is None and info.kind == "layer"):
+        return f"<p>No image input or no spatial layer: no {title}.</p>"
     try:
-        exp = GradCAM(model, layer)(inputs, targets=targets)
+        exp = _explain(model, inputs, info, layer, targets)
     except UsageError as e:  # e.g. no class logits to explain and no targets given
-        return f"<p>No Grad-CAM: {html.escape(str(e))}.</p>"
+        return f"<p>No {title}: {html.escape(str(e))}.</p>"
+    planes = to_plane(exp.maps.detach())
     with torch.no_grad(), training_mode(model, False):
         probs = probabilities(call_model(model, inputs))
     out = []
     for i in range(min(len(images), max_images)):
-        picture = overlay(images[i].detach().cpu(), exp.maps[i].cpu(), alpha=0.45)
+        picture = overlay(images[i].detach().cpu(), planes[i].cpu(), alpha=0.45)
         k = None if exp.targets is None else int(exp.targets[i])  # None: a target callable
         label = "target" if k is None else names[k] if names and k < len(names) else f"class {k}"
         p = "" if probs is None or k is None else f", softmax {float(probs[i, k]):.3f}"
         width = max(160, min(256, picture.shape[1] * 4))
         out.append(_html.figure(
-            _html.image(_png(picture), f"Grad-CAM {i}: {label}", width=width),
+            _html.image(_png(picture), f"{title} {i}: {label}", width=width),
             f"#{i}: {label} (logit {float(exp.scores[i]):.3g}{p})",
         ))  # fmt: skip
     scale = _html.figure(
@@ -385,8 +421,15 @@ def _cams(
         "Colour scale of the overlays: each map is scaled to 0..1 on its own, so colours "
         "compare places within one image, not images with each other.",
     )
+    where = (
+        f"at <code>{html.escape(layer)}</code> ({html.escape(type_of(model, layer))})"
+        if info.kind == "layer" and layer is not None
+        else "over the input"
+        if info.kind == "input"
+        else "over the attention's tokens"
+    )
     return (
-        f"<p>Grad-CAM at <code>{html.escape(layer)}</code> ({html.escape(type_of(model, layer))}), "
+        f"<p>{html.escape(title)} {where}, "
         "for the predicted class unless targets were given. The logit is the model's raw "
         "output for that class (before softmax); softmax is its probability among the "
         "classes.</p>" + scale + "\n".join(out)
