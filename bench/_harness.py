@@ -30,9 +30,23 @@ Result = dict[str, Any]  # what a worker returns: JSON-ready
 Blocks = Mapping[str, Callable[[], contextlib.AbstractContextManager[Any]]]
 THREADS_ENV = "HOOKSCOPE_BENCH_THREADS"
 #: Versions in every section's header: the library, its peers and what they run on.
-_PACKAGES = ("torch", "transformers", "hookscope", "numpy", "torchlens", "nnsight", "torchinfo",
-             "fvcore", "thop", "grad-cam", "captum", "zarr", "tensorboard", "ray",
-             "torchvision")  # fmt: skip
+_PACKAGES = (
+    "torch",
+    "transformers",
+    "hookscope",
+    "numpy",
+    "torchlens",
+    "nnsight",
+    "torchinfo",
+    "fvcore",
+    "thop",
+    "grad-cam",
+    "captum",
+    "zarr",
+    "tensorboard",
+    "ray",
+    "torchvision",
+)
 
 
 @dataclass(frozen=True)
@@ -68,8 +82,13 @@ def timing_jobs(
     for case, budget in budgets.items():
         if not cfg.quick:
             plan = {**plan, "warmup": 1, "rounds": rounds, "budget_s": budget}
-        spec = {"kind": "timing", "model": case, "quick": cfg.quick, "plan": plan,
-                "baseline": cfg.baseline}  # fmt: skip
+        spec = {
+            "kind": "timing",
+            "model": case,
+            "quick": cfg.quick,
+            "plan": plan,
+            "baseline": cfg.baseline,
+        }
         out.append(Job(module, f"timing_{case}", spec))
     return out
 
@@ -209,9 +228,12 @@ def _sample(v: Variant, plan: Plan, sync: Callable[[], Any]) -> dict[str, float]
 
 
 def timing(
-    variants: list[Variant], plan: Plan, blocks: Blocks | None = None,
-    sync: Callable[[], Any] = lambda: None, unit: str = "plain",
-) -> Result:  # fmt: skip
+    variants: list[Variant],
+    plan: Plan,
+    blocks: Blocks | None = None,
+    sync: Callable[[], Any] = lambda: None,
+    unit: str = "plain",
+) -> Result:
     """Every variant once per round, freshly shuffled, as a result _report.py renders for any
     module: the variants, their samples, the noise, and the error of any variant that raised
     (dropped from later rounds; the other variants go on).
@@ -239,8 +261,13 @@ def timing(
     steal = sum(s["steal"] for s in samples if not s["warmup"])
     noise = {"loadavg": [min(loads), max(loads)], "rounds_s": time.perf_counter() - start}
     info = {v.key: {"label": v.label, "floor": v.floor} for v in variants}
-    return {"unit": unit, "variants": info, "samples": samples, "errors": errors,
-            "noise": {**noise, "steal_ticks": steal}}  # fmt: skip
+    return {
+        "unit": unit,
+        "variants": info,
+        "samples": samples,
+        "errors": errors,
+        "noise": {**noise, "steal_ticks": steal},
+    }
 
 
 @dataclass(frozen=True)
@@ -263,8 +290,9 @@ def ratio(a: dict[int, float], b: dict[int, float]) -> Ratio | None:
 
 
 def per_round(samples: list[Result], key: str, field: str = "seconds") -> dict[int, float]:
-    return {s["round"]: s[field] for s in samples
-            if s["key"] == key and not s["warmup"] and field in s}  # fmt: skip
+    return {
+        s["round"]: s[field] for s in samples if s["key"] == key and not s["warmup"] and field in s
+    }
 
 
 def paired(samples: list[Result], key: str, base: str, field: str = "seconds") -> Ratio | None:
@@ -290,8 +318,10 @@ def measure_rss(fn: Callable[[], Any]) -> dict[str, float]:
     result = fn()
     during = rss_kib()
     del result
-    return {"peak_mib": (during["VmHWM"] - base) / 1024,
-            "retained_mib": (during["VmRSS"] - base) / 1024}  # fmt: skip
+    return {
+        "peak_mib": (during["VmHWM"] - base) / 1024,
+        "retained_mib": (during["VmRSS"] - base) / 1024,
+    }
 
 
 def peak_rss_mib() -> float:
@@ -321,8 +351,14 @@ def machine_info() -> Result:
     cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.is_available() and f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
-    return {"cpu": cpu.group(1) if cpu else platform.processor(), "cpus": os.cpu_count(),
-            "memory_gib": round(gib, 1), "platform": platform.platform(), "gpu": gpu or None,
-            "python": sys.version.split()[0], "torch_threads": torch.get_num_threads(),
-            "versions": {p: version(p) for p in _PACKAGES},
-            "hookscope_sha1": source_hash(Path(hookscope.__file__).parent)}  # fmt: skip
+    return {
+        "cpu": cpu.group(1) if cpu else platform.processor(),
+        "cpus": os.cpu_count(),
+        "memory_gib": round(gib, 1),
+        "platform": platform.platform(),
+        "gpu": gpu or None,
+        "python": sys.version.split()[0],
+        "torch_threads": torch.get_num_threads(),
+        "versions": {p: version(p) for p in _PACKAGES},
+        "hookscope_sha1": source_hash(Path(hookscope.__file__).parent),
+    }

@@ -12,9 +12,13 @@ from _harness import Ratio, Result, median, paired
 
 DASH = "\u2013"
 #: Measurements a sample may carry: (column, scale), in the variant table's order.
-FIELDS = {"seconds": ("median ms", 1e3), "site_us": ("µs per site", 1.0),
-          "minflt": ("faults/call", 1.0), "peak_mib": ("peak MiB", 1.0),
-          "retained_mib": ("retained MiB", 1.0)}  # fmt: skip
+FIELDS = {
+    "seconds": ("median ms", 1e3),
+    "site_us": ("µs per site", 1.0),
+    "minflt": ("faults/call", 1.0),
+    "peak_mib": ("peak MiB", 1.0),
+    "retained_mib": ("retained MiB", 1.0),
+}
 
 
 @dataclass(frozen=True)
@@ -158,8 +162,11 @@ def section(
     rows = [row for t in targets if (row := evaluate(t, cases)) is not None]
     machine = next((r["machine"] for r in cases.values() if "machine" in r), {})
     lines = [f"## {title}", "", *run_lines(meta, machine)]
-    lines += [f"**Worker failed** `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n"
-              for r in results if r.get("kind") == "error"]  # fmt: skip
+    lines += [
+        f"**Worker failed** `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n"
+        for r in results
+        if r.get("kind") == "error"
+    ]
     lines += targets_table(rows) if rows else []
     return rows, lines + [line for r in cases.values() for line in case_section(r)]
 

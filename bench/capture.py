@@ -49,16 +49,28 @@ TIMED = (
 PEAK = "memory: every leaf, reduce= — peak RSS ÷ plain forward's peak"
 SITE = "per-site cost over plain, tiny MLP: {} ÷ a raw hook that {}"
 TARGETS = [
-    *(Target(f"capture/{m}/{s}", a, b, limit, what)
-      for m, s in itertools.product(MODELS, SETTINGS) for what, a, b, limit in TIMED),
-    *(Target(f"capture/{m}/memory", "hs_leaves_reduce", "plain", 1.1, PEAK, "peak_mib")
-      for m in MODELS),
+    *(
+        Target(f"capture/{m}/{s}", a, b, limit, what)
+        for m, s in itertools.product(MODELS, SETTINGS)
+        for what, a, b, limit in TIMED
+    ),
+    *(
+        Target(f"capture/{m}/memory", "hs_leaves_reduce", "plain", 1.1, PEAK, "peak_mib")
+        for m in MODELS
+    ),
     # DESIGN.md: clone mode <= 1.1x a raw hook that clones; reference mode <= 2x a no-op hook
-    Target("capture/latency", "hs_clone", "raw_clone", 1.1, SITE.format("capture", "clones"),
-           "site_us"),
-    Target("capture/latency", "hs_ref", "raw_noop", 2.0, SITE.format("reference", "does nothing"),
-           "site_us"),
-]  # fmt: skip
+    Target(
+        "capture/latency", "hs_clone", "raw_clone", 1.1, SITE.format("capture", "clones"), "site_us"
+    ),
+    Target(
+        "capture/latency",
+        "hs_ref",
+        "raw_noop",
+        2.0,
+        SITE.format("reference", "does nothing"),
+        "site_us",
+    ),
+]
 
 
 def leaf_names(model: nn.Module) -> list[str]:
@@ -90,8 +102,11 @@ class Case:
 
 #: ``ResNetConfig`` arguments of --quick's small ResNet-50: its four stages and their names,
 #: one bottleneck each, fewer channels (here and in gpu.py)
-NARROW_RESNET: dict[str, Any] = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256],
-                                 "depths": [1, 1, 1, 1]}  # fmt: skip
+NARROW_RESNET: dict[str, Any] = {
+    "embedding_size": 16,
+    "hidden_sizes": [32, 64, 128, 256],
+    "depths": [1, 1, 1, 1],
+}
 
 
 def build_case(name: str, quick: bool) -> Case:
@@ -108,8 +123,16 @@ def build_case(name: str, quick: bool) -> Case:
         x = torch.randn(batch, 3, side, side, generator=seeded)
         what = f"ResNetForImageClassification(ResNetConfig({'narrow' * quick})), input "
         stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-        return Case(name, model.eval(), (x,), {}, stages, stages[1], "spatial_mean",
-                    f"{what}{batch}x3x{side}x{side}")  # fmt: skip
+        return Case(
+            name,
+            model.eval(),
+            (x,),
+            {},
+            stages,
+            stages[1],
+            "spatial_mean",
+            f"{what}{batch}x3x{side}x{side}",
+        )
     config = GPT2Config(n_embd=64, n_head=2, n_layer=10, vocab_size=1000) if quick else GPT2Config()
     batch, tokens = (1, 16) if quick else (4, 128)
     ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=seeded)
@@ -196,11 +219,12 @@ def _own_variants(c: Case, lib: ModuleType | None) -> list[Variant]:
         out.append(Variant(key, f"hand hooks on {where}, store {what}", fn))
     for prefix, module in (("hs", hs), ("bl", lib)) if lib else (("hs", hs),):
         for kind, names, opts, floor in (
-            ("sel", sel, {}, "hand_sel_clone"), ("leaves_clone", c.leaves, {}, "hand_leaves_clone"),
+            ("sel", sel, {}, "hand_sel_clone"),
+            ("leaves_clone", c.leaves, {}, "hand_leaves_clone"),
             ("leaves_ref", c.leaves, {"copy": "reference"}, "hand_leaves_clone"),
             ("leaves_reduce", c.leaves, {"reduce": c.reduce}, "hand_leaves_reduce"),
             ("stop", [c.stop_layer], {"stop": True}, "hand_stop"),
-        ):  # fmt: skip
+        ):
             shown = f"[{len(sel)} selected]" if kind == "sel" else f"[{every}]"
             shown = f"['{c.stop_layer}']" if kind == "stop" else shown
             shown += "".join(f", {k}={v!r}" for k, v in opts.items())
@@ -268,8 +292,16 @@ def _peer_variants(c: Case, keys: tuple[str, ...]) -> list[Variant]:
     if "torchlens_sel" in keys:
         label = "torchlens.trace(copy, x"
         fn = torchlens(c, lambda tl: functools.reduce(operator.or_, map(tl.module, c.selection)))
-        out.append(Variant("torchlens_sel", f"{label}, save=tl.module(a) | ...), {sel}", fn,
-                           "hs_sel", "torchlens", heavy=True))  # fmt: skip
+        out.append(
+            Variant(
+                "torchlens_sel",
+                f"{label}, save=tl.module(a) | ...), {sel}",
+                fn,
+                "hs_sel",
+                "torchlens",
+                heavy=True,
+            )
+        )
         fn, label = torchlens(c, None), f"{label}): every op's output (its default)"
         out.append(Variant("torchlens_all", label, fn, "hs_leaves_clone", "torchlens", heavy=True))
     return out
@@ -285,9 +317,13 @@ def _peer_checks(case: Case, variants: dict[str, Variant]) -> list[Result]:
         with torchlens_wrapped():
             trace = variants["torchlens_sel"].fn()
             got["torchlens_sel"] = {n: trace.modules[n].out for n in case.selection}
-    return [{"what": f"`{k}` equals `hs_sel`",
-             "ok": all(h.trees_equal(v[n], cap[n].output) for n in case.selection)}
-            for k, v in got.items()]  # fmt: skip
+    return [
+        {
+            "what": f"`{k}` equals `hs_sel`",
+            "ok": all(h.trees_equal(v[n], cap[n].output) for n in case.selection),
+        }
+        for k, v in got.items()
+    ]
 
 
 def import_baseline(path: str | None) -> tuple[ModuleType | None, str | None]:
@@ -309,10 +345,14 @@ def _timing(spec: Result) -> Result:
     variants = [v for v in _own_variants(case, baseline) if v.key in keys]
     variants += _peer_variants(case, keys)
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": torchlens_wrapped})
-    return {**result, "case": f"capture/{spec['model']}/{spec['setting']}",
-            "title": f"{MODELS[spec['model']]}, {SETTINGS[spec['setting']]}",
-            "about": about(case), "skipped": {f"bl_{k}": error for k in HS_KINDS if error},
-            "checks": _peer_checks(case, {v.key: v for v in variants})}  # fmt: skip
+    return {
+        **result,
+        "case": f"capture/{spec['model']}/{spec['setting']}",
+        "title": f"{MODELS[spec['model']]}, {SETTINGS[spec['setting']]}",
+        "about": about(case),
+        "skipped": {f"bl_{k}": error for k in HS_KINDS if error},
+        "checks": _peer_checks(case, {v.key: v for v in variants}),
+    }
 
 
 def _memory(spec: Result) -> Result:
@@ -321,11 +361,17 @@ def _memory(spec: Result) -> Result:
     v = next(v for v in _own_variants(case, None) if v.key == spec["variant"])
     for warm in (case.plain, case.plain, v.fn):  # lazy initialisation stays out of the figures
         warm()
-    samples = [{"key": v.key, "round": i, "warmup": False, **h.measure_rss(v.fn)}
-               for i in range(spec["repeats"])]  # fmt: skip
-    return {"case": f"capture/{spec['model']}/memory", "samples": samples, "about": about(case),
-            "title": f"{MODELS[spec['model']]}, memory: one fresh process per variant",
-            "variants": {v.key: {"label": v.label, "floor": None}}}  # fmt: skip
+    samples = [
+        {"key": v.key, "round": i, "warmup": False, **h.measure_rss(v.fn)}
+        for i in range(spec["repeats"])
+    ]
+    return {
+        "case": f"capture/{spec['model']}/memory",
+        "samples": samples,
+        "about": about(case),
+        "title": f"{MODELS[spec['model']]}, memory: one fresh process per variant",
+        "variants": {v.key: {"label": v.label, "floor": None}},
+    }
 
 
 LATENCY = {
@@ -335,8 +381,12 @@ LATENCY = {
     "hs_clone": "hs.capture(model, sites)",
     "hs_ref": "hs.capture(model, sites, copy='reference')",
 }
-LATENCY.update({f"{k}_percall": v + ", set up and torn down around every forward"
-                for k, v in list(LATENCY.items())[1:]})  # fmt: skip
+LATENCY.update(
+    {
+        f"{k}_percall": v + ", set up and torn down around every forward"
+        for k, v in list(LATENCY.items())[1:]
+    }
+)
 #: The raw hook each hookscope latency variant is compared with (per-site cost above plain).
 LATENCY_FLOORS = {"hs_clone": "raw_clone", "hs_ref": "raw_noop"}
 LATENCY_FLOORS.update({f"{k}_percall": f"{b}_percall" for k, b in LATENCY_FLOORS.items()})
@@ -368,8 +418,10 @@ def _latency(spec: Result) -> Result:
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(25) for m in (nn.Linear(32, 32), nn.ReLU()))).eval()
     x, sites, n = torch.randn(1, 32), leaf_names(model), spec["calls"]
-    variants = [Variant(k, label, functools.partial(_block, model, x, sites, k, n),
-                        LATENCY_FLOORS.get(k)) for k, label in LATENCY.items()]  # fmt: skip
+    variants = [
+        Variant(k, label, functools.partial(_block, model, x, sites, k, n), LATENCY_FLOORS.get(k))
+        for k, label in LATENCY.items()
+    ]
     with torch.no_grad():
         result = h.timing(variants, Plan(spec["warmup"], spec["rounds"]))
     plain = h.per_round(result["samples"], "plain")
@@ -393,16 +445,33 @@ def jobs(cfg: Config) -> list[Job]:
         # only in the first 5 rounds of a full run, so the fast variants get more rounds.
         peers = "none" if setting != "tuned" else "nnsight" if quick else "all"
         budget = 0 if quick else BUDGETS[f"{model}/{setting}"] * (1.5 if cfg.baseline else 1)
-        plan = {"warmup": int(not quick), "rounds": 1 if quick else 20, "min_rounds": 5,
-                "budget_s": budget, "heavy_rounds": 0 if quick else 5}  # fmt: skip
-        spec = {"kind": "timing", "model": model, "setting": setting, "quick": quick,
-                "peers": peers, "baseline": cfg.baseline, "plan": plan}  # fmt: skip
+        plan = {
+            "warmup": int(not quick),
+            "rounds": 1 if quick else 20,
+            "min_rounds": 5,
+            "budget_s": budget,
+            "heavy_rounds": 0 if quick else 5,
+        }
+        spec = {
+            "kind": "timing",
+            "model": model,
+            "setting": setting,
+            "quick": quick,
+            "peers": peers,
+            "baseline": cfg.baseline,
+            "plan": plan,
+        }
         out.append(Job("capture", f"timing_{model}_{setting}", spec, setting))
     rounds, warmup, calls = (1, 0, 5) if quick else (30, 3, 100)
     spec = {"kind": "latency", "rounds": rounds, "warmup": warmup, "calls": calls}
     out.append(Job("capture", "latency", spec))
     for model, key in itertools.product(MODELS, ("plain", "hs_leaves_reduce") if quick else MEMORY):
-        spec = {"kind": "memory", "model": model, "variant": key, "quick": quick,
-                "repeats": 1 if quick else 2}  # fmt: skip
+        spec = {
+            "kind": "memory",
+            "model": model,
+            "variant": key,
+            "quick": quick,
+            "repeats": 1 if quick else 2,
+        }
         out.append(Job("capture", f"memory_{model}_{key}", spec, "memory", alone=False))
     return out

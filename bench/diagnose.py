@@ -32,8 +32,10 @@ LABELS = {
     "hand_log": "plain step + add_histogram of every parameter and gradient",
 }
 #: Per 10 steps: (1 logging + 9 other) / 10, per round, from these variants' samples.
-PER10 = {"monitor_per10": ("monitor_log", "monitor_quiet", "hs.Monitor, per 10 steps"),
-         "hand_per10": ("hand_log", "plain", "hand-written histograms, per 10 steps")}  # fmt: skip
+PER10 = {
+    "monitor_per10": ("monitor_log", "monitor_quiet", "hs.Monitor, per 10 steps"),
+    "hand_per10": ("hand_log", "plain", "hand-written histograms, per 10 steps"),
+}
 NONFINITE_OPS, MONITOR_OPS = "hs.nonfinite: added ÷ budget", "Monitor: per watched layer ÷ 10"
 TARGETS = [
     Target(f"diagnose/{m}{ops}", a, b, limit, what)
@@ -98,9 +100,14 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
                 writer.add_histogram(f"{name}/grad", p.grad, 0)
         writer.flush()
 
-    fns = {"plain": step, "nonfinite": inside(lambda: hs.nonfinite(model)),
-           "anomaly": inside(torch.autograd.detect_anomaly), "monitor_log": monitor(True),
-           "monitor_quiet": monitor(False), "hand_log": lambda: step(histograms)}  # fmt: skip
+    fns = {
+        "plain": step,
+        "nonfinite": inside(lambda: hs.nonfinite(model)),
+        "anomaly": inside(torch.autograd.detect_anomaly),
+        "monitor_log": monitor(True),
+        "monitor_quiet": monitor(False),
+        "hand_log": lambda: step(histograms),
+    }
     return [Variant(k, LABELS[k], fn) for k, fn in fns.items()]
 
 
@@ -132,13 +139,15 @@ def _count(case: capture.Case, hs: Any) -> Result:
     per_layer = (c["log"] - c["half"]) / (len(chosen) - len(chosen) // 2)
     extra = {k: c[k] - c["plain"] for k in ("nonfinite", "log", "quiet", "anomaly")}
     return {
-        "plain step": c["plain"], "hs.nonfinite adds": extra["nonfinite"],
+        "plain step": c["plain"],
+        "hs.nonfinite adds": extra["nonfinite"],
         NONFINITE_OPS: extra["nonfinite"] / (10 + c["calls"] / 10),
         "Monitor logging step adds": f"{extra['log']:+,} = {per_layer:.1f} a layer x "
         f"{len(chosen)} + {extra['log'] - per_layer * len(chosen):.0f}",
-        MONITOR_OPS: per_layer / 10, "Monitor other step adds": extra["quiet"],
+        MONITOR_OPS: per_layer / 10,
+        "Monitor other step adds": extra["quiet"],
         "detect_anomaly adds": extra["anomaly"],
-    }  # fmt: skip
+    }
 
 
 def _counts(spec: Result) -> Result:
@@ -154,9 +163,13 @@ def _counts(spec: Result) -> Result:
         f"{case.description}: operators dispatched by one training step, counted with a "
         "TorchDispatchMode on the CPU (the Monitor's statistics as a GPU computes them)"
     )
-    return {"case": f"diagnose/{spec['model']}/ops", "about": about, "values": values,
-            "title": f"{TITLES[spec['model']]}, operators",
-            "skipped": {"the baseline": error} if error else {}}  # fmt: skip
+    return {
+        "case": f"diagnose/{spec['model']}/ops",
+        "about": about,
+        "values": values,
+        "title": f"{TITLES[spec['model']]}, operators",
+        "skipped": {"the baseline": error} if error else {},
+    }
 
 
 def work(spec: Result) -> Result:
@@ -170,14 +183,26 @@ def work(spec: Result) -> Result:
     samples = result["samples"]
     for key, (log, quiet, label) in PER10.items():
         a, b = h.per_round(samples, log), h.per_round(samples, quiet)
-        samples += [{"key": key, "round": r, "warmup": False, "seconds": (a[r] + 9 * b[r]) / 10}
-                    for r in sorted(set(a) & set(b))]  # fmt: skip
+        samples += [
+            {"key": key, "round": r, "warmup": False, "seconds": (a[r] + 9 * b[r]) / 10}
+            for r in sorted(set(a) & set(b))
+        ]
         result["variants"][key] = {"label": f"{label}: (1 logging + 9 other) ÷ 10", "floor": None}
-    return {**result, "case": f"diagnose/{spec['model']}", "title": TITLES[spec["model"]],
-            "about": f"{case.description}, training mode"}  # fmt: skip
+    return {
+        **result,
+        "case": f"diagnose/{spec['model']}",
+        "title": TITLES[spec["model"]],
+        "about": f"{case.description}, training mode",
+    }
 
 
 def jobs(cfg: Config) -> list[Job]:
-    counts = [Job("diagnose", f"ops_{m}", {"kind": "ops", "model": m, "quick": cfg.quick,
-                                           "baseline": cfg.baseline}) for m in TITLES]  # fmt: skip
+    counts = [
+        Job(
+            "diagnose",
+            f"ops_{m}",
+            {"kind": "ops", "model": m, "quick": cfg.quick, "baseline": cfg.baseline},
+        )
+        for m in TITLES
+    ]
     return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(TITLES, 120.0))

@@ -35,10 +35,17 @@ LABELS = {
     "hs_occlusion": "hs.Occlusion: 8x8 windows, stride 4, 64 images a forward",
     "captum_occlusion": "Captum Occlusion, the same (perturbations_per_eval=8)",
 }
-FLOORS = {"hs_gradcam": "floor", "pgc_gradcam": "hs_gradcam", "captum_gradcam": "hs_gradcam",
-          "hs_gradcampp": "floor", "pgc_gradcampp": "hs_gradcampp",
-          "hs_scorecam_topk": "hs_scorecam", "pgc_scorecam": "hs_scorecam",
-          "captum_ig": "hs_ig", "captum_occlusion": "hs_occlusion"}  # fmt: skip
+FLOORS = {
+    "hs_gradcam": "floor",
+    "pgc_gradcam": "hs_gradcam",
+    "captum_gradcam": "hs_gradcam",
+    "hs_gradcampp": "floor",
+    "pgc_gradcampp": "hs_gradcampp",
+    "hs_scorecam_topk": "hs_scorecam",
+    "pgc_scorecam": "hs_scorecam",
+    "captum_ig": "hs_ig",
+    "captum_occlusion": "hs_occlusion",
+}
 TARGETS = [
     Target("explain/resnet50", "hs_gradcam", "floor", 1.05, "Grad-CAM ÷ forward + autograd floor"),
     Target("explain/resnet50", "hs_gradcam", "captum_gradcam", 1.0, "Grad-CAM ÷ Captum's"),
@@ -149,13 +156,20 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
         "hs_occlusion": lambda: occ(x, targets=labels).raw,
         "captum_occlusion": lambda: cocc.attribute(x, (1, 8, 8), 4, target=labels, **ppe),
     }
-    values = {"extra image forwards, every channel": full.cost(x)["forwards"],
-              "extra image forwards, top_k=3": budget.cost(x)["forwards"],
-              "rank correlation of the top-k map with the full one (Spearman, mean over images)":
-              _spearman(full(x, targets=y).raw, budget(x, targets=y).raw)}  # fmt: skip
+    rho = _spearman(full(x, targets=y).raw, budget(x, targets=y).raw)
+    values = {
+        "extra image forwards, every channel": full.cost(x)["forwards"],
+        "extra image forwards, top_k=3": budget.cost(x)["forwards"],
+        "rank correlation of the top-k map with the full one (Spearman, mean over images)": rho,
+    }
     about = f"the demo's shapes CNN (trained here), {len(x)}x1x32x32, layer `7` (32 channels)"
-    return fns, {"case": "explain/shapes", "title": "Score-CAM, IG, occlusion: shapes CNN",
-                 "about": about, "values": values, "unit": "score_plain"}  # fmt: skip
+    return fns, {
+        "case": "explain/shapes",
+        "title": "Score-CAM, IG, occlusion: shapes CNN",
+        "about": about,
+        "values": values,
+        "unit": "score_plain",
+    }
 
 
 def work(spec: Result) -> Result:

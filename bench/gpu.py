@@ -42,35 +42,63 @@ CASES: dict[str, tuple[str, ...]] = {
 GROUPS = (*BASE, "anomaly", "monitor", "gradcam", "extract")
 MODELS = ("resnet50", "gpt2", "llama1b")
 #: Seconds of rounds per case in a full run: no round starts past it after the third.
-BUDGETS = {"resnet50/fp32": 90, "gpt2/fp32": 80, "llama1b/bf16": 40, "resnet50/bf16": 45,
-           "gpt2/bf16": 40}  # fmt: skip
+BUDGETS = {
+    "resnet50/fp32": 90,
+    "gpt2/fp32": 80,
+    "llama1b/bf16": 40,
+    "resnet50/bf16": 45,
+    "gpt2/bf16": 40,
+}
 ITERS, ROUNDS = 3, 7
 #: (group, numerator, denominator), in the table's order.
 ROWS = (
-    ("capture", "few", "plain"), ("capture", "hand_few", "plain"),
-    ("capture", "every", "hand_every"), ("capture", "ref_every", "hand_noop"),
-    ("capture", "offload", "hand_offload"), ("capture", "offload", "plain"),
-    ("edit", "edit", "hand_edit"), ("features", "features", "plain"),
-    ("summary", "summary", "plain"), ("summary", "torchinfo", "plain"),
-    ("grads", "grads", "hand_grads"), ("grads", "grads", "plain_step"),
-    ("grads", "hand_grads", "plain_step"), ("nonfinite", "nonfinite", "plain_step"),
-    ("anomaly", "anomaly", "plain_step"), ("monitor", "monitor10", "plain10"),
-    ("monitor", "monitor10_tb", "plain10"), ("gradcam", "gradcam", "hand_floor"),
-    ("gradcam", "pgc", "gradcam"), ("gradcam", "captum", "gradcam"),
+    ("capture", "few", "plain"),
+    ("capture", "hand_few", "plain"),
+    ("capture", "every", "hand_every"),
+    ("capture", "ref_every", "hand_noop"),
+    ("capture", "offload", "hand_offload"),
+    ("capture", "offload", "plain"),
+    ("edit", "edit", "hand_edit"),
+    ("features", "features", "plain"),
+    ("summary", "summary", "plain"),
+    ("summary", "torchinfo", "plain"),
+    ("grads", "grads", "hand_grads"),
+    ("grads", "grads", "plain_step"),
+    ("grads", "hand_grads", "plain_step"),
+    ("nonfinite", "nonfinite", "plain_step"),
+    ("anomaly", "anomaly", "plain_step"),
+    ("monitor", "monitor10", "plain10"),
+    ("monitor", "monitor10_tb", "plain10"),
+    ("gradcam", "gradcam", "hand_floor"),
+    ("gradcam", "pgc", "gradcam"),
+    ("gradcam", "captum", "gradcam"),
     ("extract", "extract", "hand_loop"),
-)  # fmt: skip
+)
 TARGETS = [
     Target(f"gpu/{case}", a, b, None, group)
     for case, groups in CASES.items()
     for group, a, b in ROWS
     if group in groups
 ]
-TRAIN = {"plain_step", "grads", "hand_grads", "nonfinite", "anomaly", "plain10", "monitor10",
-         "monitor10_tb"}  # fmt: skip
+TRAIN = {
+    "plain_step",
+    "grads",
+    "hand_grads",
+    "nonfinite",
+    "anomaly",
+    "plain10",
+    "monitor10",
+    "monitor10_tb",
+}
 SLOW = {"plain10", "monitor10", "monitor10_tb", "extract", "hand_loop"}  # one iteration a round
 #: Variants that need a package the GPU machine may lack: skipped with a note.
-NEEDS = {"torchinfo": "torchinfo", "pgc": "pytorch_grad_cam", "captum": "captum",
-         "extract": "zarr", "monitor10_tb": "tensorboard"}  # fmt: skip
+NEEDS = {
+    "torchinfo": "torchinfo",
+    "pgc": "pytorch_grad_cam",
+    "captum": "captum",
+    "extract": "zarr",
+    "monitor10_tb": "tensorboard",
+}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -108,8 +136,14 @@ def _lm(name: str, quick: bool) -> tuple[nn.Module, list[str], int, str]:
         what = f"GPT2LMHeadModel(GPT2Config({'small' if quick else ''}))"
         return GPT2LMHeadModel(cfg), blocks, cfg.vocab_size, what
     size = (64, 256, 2, 4, 1, 1000) if quick else (2048, 8192, 16, 16, 4, 32000)
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "vocab_size")  # fmt: skip
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "vocab_size",
+    )
     cfg = LlamaConfig(**dict(zip(keys, size, strict=True)), use_cache=False)
     blocks = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
     what = "LlamaForCausalLM(hidden {}, MLP {}, {} layers, {} heads, {} KV heads)".format(*size)
@@ -188,10 +222,16 @@ def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
 
     fns: dict[str, Fn] = {"plain": case.plain}
     if "capture" in groups:
-        fns.update(few=lib(few), hand_few=hand(few, capture.clone), every=lib(leaves),
-                   hand_every=hand(leaves, capture.clone), hand_noop=hand(leaves, Tensor.detach),
-                   ref_every=lib(leaves, copy="reference"), offload=lib(few, capture_device="cpu"),
-                   hand_offload=hand(few, _to_host))  # fmt: skip
+        fns.update(
+            few=lib(few),
+            hand_few=hand(few, capture.clone),
+            every=lib(leaves),
+            hand_every=hand(leaves, capture.clone),
+            hand_noop=hand(leaves, Tensor.detach),
+            ref_every=lib(leaves, copy="reference"),
+            offload=lib(few, capture_device="cpu"),
+            hand_offload=hand(few, _to_host),
+        )
     if "edit" in groups:
         fns["edit"] = edited
         fns["hand_edit"] = lambda: capture.hooked(model, few, half, case.plain)
@@ -246,8 +286,11 @@ def _training(
     if "anomaly" in groups:
         fns["anomaly"] = inside(torch.autograd.detect_anomaly)
     if "monitor" in groups:
-        fns.update(plain10=lambda: [step() for _ in range(steps)], monitor10=monitored([]),
-                   monitor10_tb=monitored([("tensorboard", str(tmp / "tb"))]))  # fmt: skip
+        fns.update(
+            plain10=lambda: [step() for _ in range(steps)],
+            monitor10=monitored([]),
+            monitor10_tb=monitored([("tensorboard", str(tmp / "tb"))]),
+        )
     return fns
 
 
@@ -290,8 +333,17 @@ def _extract(case: capture.Case, tmp: Path, quick: bool) -> dict[str, Fn]:
     torch.manual_seed(2)  # drawn on the device (fast), kept on the host as a dataset is
     data = torch.randn(128 if quick else 2048, *x.shape[1:], device=x.device).cpu()
     batches = [lambda i=i: data[i : i + 64].to(x.device) for i in range(0, len(data), 64)]
-    ours = functools.partial(hs.extract, model, data, [name], out=tmp / "hs", batch_size=64,
-                             reduce="spatial_mean", overwrite=True, progress=False)  # fmt: skip
+    ours = functools.partial(
+        hs.extract,
+        model,
+        data,
+        [name],
+        out=tmp / "hs",
+        batch_size=64,
+        reduce="spatial_mean",
+        overwrite=True,
+        progress=False,
+    )
     hand = functools.partial(extract.hand_loop, model, name, "spatial_mean", batches, tmp / "h")
     return {"extract": ours, "hand_loop": hand}
 
@@ -309,9 +361,17 @@ def variants(
     wanted = {k for g, a, b in ROWS if g in groups for k in (a, b)}
     skipped |= {k: why for k in sorted(wanted) if (why := _missing(k))}
     model = case.model
-    return [Variant(k, "", fn, before=functools.partial(model.train, k in TRAIN),
-                    iters=1 if k in SLOW else None)
-            for k, fn in fns.items() if k in wanted and k not in skipped], skipped  # fmt: skip
+    return [
+        Variant(
+            k,
+            "",
+            fn,
+            before=functools.partial(model.train, k in TRAIN),
+            iters=1 if k in SLOW else None,
+        )
+        for k, fn in fns.items()
+        if k in wanted and k not in skipped
+    ], skipped
 
 
 def _timing(spec: Result, device: torch.device) -> Result:
@@ -322,8 +382,13 @@ def _timing(spec: Result, device: torch.device) -> Result:
         plan = Plan(**spec["plan"], iters=spec["iters"])
         result = h.timing(vs, plan, sync=sync)
     case.model.eval()
-    return {**result, "case": f"gpu/{spec['case']}", "title": spec["case"],
-            "about": case.description, "skipped": skipped}  # fmt: skip
+    return {
+        **result,
+        "case": f"gpu/{spec['case']}",
+        "title": spec["case"],
+        "about": case.description,
+        "skipped": skipped,
+    }
 
 
 def work(spec: Result) -> Result:
@@ -347,9 +412,20 @@ def jobs(cfg: Config) -> list[Job]:
         groups = [g for g in all_groups if not cfg.rows or g in cfg.rows]
         if not groups or not _picked(case, cfg.models):
             continue
-        plan = {"warmup": 0 if quick else 1, "rounds": 1 if quick else ROUNDS, "min_rounds": 3,
-                "budget_s": 0 if quick else BUDGETS[case]}  # fmt: skip
-        spec = {"kind": "timing", "case": case, "groups": groups, "device": cfg.device,
-                "quick": quick, "iters": 1 if quick else ITERS, "plan": plan}  # fmt: skip
+        plan = {
+            "warmup": 0 if quick else 1,
+            "rounds": 1 if quick else ROUNDS,
+            "min_rounds": 3,
+            "budget_s": 0 if quick else BUDGETS[case],
+        }
+        spec = {
+            "kind": "timing",
+            "case": case,
+            "groups": groups,
+            "device": cfg.device,
+            "quick": quick,
+            "iters": 1 if quick else ITERS,
+            "plan": plan,
+        }
         out.append(Job("gpu", f"timing_{case.replace('/', '_')}", spec, "defaults"))
     return out

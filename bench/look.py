@@ -22,9 +22,13 @@ from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
 TITLE = "Look: hs.summary beside a plain forward, torchinfo, FlopCounterMode, fvcore and thop"
-TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2", "llama": "Llama-7B (meta)",
-          "resnet50_host": "ResNet-50, 1x64² (host-bound)",
-          "gpt2_host": "GPT-2, 1x16 (host-bound)"}  # fmt: skip
+TITLES = {
+    "resnet50": "ResNet-50",
+    "gpt2": "GPT-2",
+    "llama": "Llama-7B (meta)",
+    "resnet50_host": "ResNet-50, 1x64² (host-bound)",
+    "gpt2_host": "GPT-2, 1x16 (host-bound)",
+}
 HOST_BOUND = ("resnet50_host", "gpt2_host")
 BUDGETS = {"resnet50": 60, "gpt2": 90, "llama": 20, "resnet50_host": 30, "gpt2_host": 30}
 LABELS = {
@@ -36,18 +40,40 @@ LABELS = {
 }
 LLAMA_FLOPS = "hs FLOPs: |÷ analytic - 1|, %"
 TARGETS = [
-    *(t for m in ("resnet50", "gpt2", *HOST_BOUND) for t in (
-        Target(f"look/{m}", "hs", "plain", 1.15, "summary with FLOPs: hs.summary ÷ plain forward"),
-        Target(f"look/{m}", "hs", "torchinfo", 1.0, "hs.summary ÷ torchinfo.summary"),
-        Target(f"look/{m}", "hs", "bl", 1.0, "hs.summary ÷ the baseline's (--baseline)"))),
+    *(
+        t
+        for m in ("resnet50", "gpt2", *HOST_BOUND)
+        for t in (
+            Target(
+                f"look/{m}", "hs", "plain", 1.15, "summary with FLOPs: hs.summary ÷ plain forward"
+            ),
+            Target(f"look/{m}", "hs", "torchinfo", 1.0, "hs.summary ÷ torchinfo.summary"),
+            Target(f"look/{m}", "hs", "bl", 1.0, "hs.summary ÷ the baseline's (--baseline)"),
+        )
+    ),
     # DESIGN.md: a 7B Llama on meta in under 5 s and 1 GB, FLOPs within 1%
-    Target("look/llama_rss", "first call, s", None, 5.0, "meta Llama: hs.summary, first call in "
-           "a fresh process, seconds"),
-    Target("look/llama_rss", "peak RSS, GB", None, 1.0, "meta Llama: that process's peak RSS "
-           "(ru_maxrss), GB"),
-    Target("look/llama", LLAMA_FLOPS, None, 1.0, "meta Llama: hs FLOPs against the analytic "
-           "count, % off"),
-]  # fmt: skip
+    Target(
+        "look/llama_rss",
+        "first call, s",
+        None,
+        5.0,
+        "meta Llama: hs.summary, first call in a fresh process, seconds",
+    ),
+    Target(
+        "look/llama_rss",
+        "peak RSS, GB",
+        None,
+        1.0,
+        "meta Llama: that process's peak RSS (ru_maxrss), GB",
+    ),
+    Target(
+        "look/llama",
+        LLAMA_FLOPS,
+        None,
+        1.0,
+        "meta Llama: hs FLOPs against the analytic count, % off",
+    ),
+]
 
 
 def build_case(name: str, quick: bool) -> capture.Case:
@@ -62,8 +88,14 @@ def build_case(name: str, quick: bool) -> capture.Case:
         return capture.build_case(name, quick)
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    small = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=2, vocab_size=1000)  # fmt: skip
+    small = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        vocab_size=1000,
+    )
     with torch.device("meta"):
         model = LlamaForCausalLM(small if quick else LlamaConfig()).eval()
     tokens = 16 if quick else 128
@@ -195,9 +227,14 @@ def _timing(spec: Result) -> Result:
         analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
     values = _flops(case, analytic, attention)
     params = sum(p.numel() for p in case.model.parameters()) / 1e6
-    return {**result, "case": f"look/{spec['model']}", "title": TITLES[spec["model"]],
-            "about": f"{case.description}; {params:.1f} M parameters", "values": values,
-            "skipped": skipped}  # fmt: skip
+    return {
+        **result,
+        "case": f"look/{spec['model']}",
+        "title": TITLES[spec["model"]],
+        "about": f"{case.description}; {params:.1f} M parameters",
+        "values": values,
+        "skipped": skipped,
+    }
 
 
 def _rss(spec: Result) -> Result:
@@ -210,15 +247,22 @@ def _rss(spec: Result) -> Result:
         t0 = time.perf_counter()
         hs.summary(case.model, input_size=shape, dtypes=[torch.long])
         times.append(time.perf_counter() - t0)
-    values = {"first call, s": times[0], "later, median s": statistics.median(times[1:] or times),
-              "RSS before the first summary (torch, transformers, the meta model), MiB": before,
-              "peak RSS, GB": h.peak_rss_mib() * 2**20 / 1e9}  # fmt: skip
+    values = {
+        "first call, s": times[0],
+        "later, median s": statistics.median(times[1:] or times),
+        "RSS before the first summary (torch, transformers, the meta model), MiB": before,
+        "peak RSS, GB": h.peak_rss_mib() * 2**20 / 1e9,
+    }
     about = (
         f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
         f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
     )
-    return {"case": "look/llama_rss", "title": "Llama-7B (meta) alone", "about": about,
-            "values": values}  # fmt: skip
+    return {
+        "case": "look/llama_rss",
+        "title": "Llama-7B (meta) alone",
+        "about": about,
+        "values": values,
+    }
 
 
 def work(spec: Result) -> Result:

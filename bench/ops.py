@@ -32,19 +32,31 @@ LABELS = {
     ".save() x12 (aliases)",
     "torchlens_sdpa": "torchlens.trace(copy, x, save=tl.func('scaled_dot_product_attention'))",
 }
-FLOORS = {"hs_sdpa": "hand_attn", "hs_weights2": "floor_weights2", "eager_all": "hs_weights2",
-          "nnsight_sdpa": "hs_sdpa", "torchlens_sdpa": "hs_sdpa"}  # fmt: skip
+FLOORS = {
+    "hs_sdpa": "hand_attn",
+    "hs_weights2": "floor_weights2",
+    "eager_all": "hs_weights2",
+    "nnsight_sdpa": "hs_sdpa",
+    "torchlens_sdpa": "hs_sdpa",
+}
 #: issue 17's performance section, of wall time and of the process's CPU time
 TARGETS = [
     Target("ops/gpt2", num, den, 1.05, what, t)
     for what, num, den in (
         ("one operation in each of 12 blocks: hs.capture ÷ plain forward", "hs_sdpa", "plain"),
-        ("one operation in each of 12 blocks ÷ hand module hooks, same bytes copied", "hs_sdpa",
-         "hand_attn"),
-        ("attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand",
-         "hs_weights2", "floor_weights2"))
+        (
+            "one operation in each of 12 blocks ÷ hand module hooks, same bytes copied",
+            "hs_sdpa",
+            "hand_attn",
+        ),
+        (
+            "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand",
+            "hs_weights2",
+            "floor_weights2",
+        ),
+    )
     for t in ("seconds", "cpu")
-]  # fmt: skip
+]
 
 
 def _hand_attn(case: capture.Case) -> Callable[[], Any]:
@@ -120,14 +132,27 @@ def build_variants(case: capture.Case) -> list[Variant]:
             return eager(*case.args, **case.kwargs, output_attentions=True)
 
     fns: dict[str, Callable[[], Any]] = {
-        "plain": case.plain, "hand_attn": _hand_attn(case), "hs_sdpa": hs_sdpa,
-        "hs_weights2": hs_weights2, "floor_weights2": lambda: (case.plain(), _explicit(qk)),
-        "eager_all": eager_all, "nnsight_sdpa": _nnsight(case),
-    }  # fmt: skip
+        "plain": case.plain,
+        "hand_attn": _hand_attn(case),
+        "hs_sdpa": hs_sdpa,
+        "hs_weights2": hs_weights2,
+        "floor_weights2": lambda: (case.plain(), _explicit(qk)),
+        "eager_all": eager_all,
+        "nnsight_sdpa": _nnsight(case),
+    }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     fn = capture.torchlens(case, lambda tl: tl.func("scaled_dot_product_attention"))
-    return [*out, Variant("torchlens_sdpa", LABELS["torchlens_sdpa"], fn, FLOORS["torchlens_sdpa"],
-                          "torchlens", heavy=True)]  # fmt: skip
+    return [
+        *out,
+        Variant(
+            "torchlens_sdpa",
+            LABELS["torchlens_sdpa"],
+            fn,
+            FLOORS["torchlens_sdpa"],
+            "torchlens",
+            heavy=True,
+        ),
+    ]
 
 
 def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
@@ -138,8 +163,10 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
         sdpa = [x.out for x in trace.layers if x.func_name == "scaled_dot_product_attention"]
     theirs = {"torchlens_sdpa": sdpa}
     theirs["nnsight_sdpa"] = variants["nnsight_sdpa"].fn()
-    return [{"what": f"`{k}` equals `hs_sdpa`", "ok": h.trees_equal(list(v), want)}
-            for k, v in theirs.items()]  # fmt: skip
+    return [
+        {"what": f"`{k}` equals `hs_sdpa`", "ok": h.trees_equal(list(v), want)}
+        for k, v in theirs.items()
+    ]
 
 
 def work(spec: Result) -> Result:
@@ -153,12 +180,23 @@ def work(spec: Result) -> Result:
     listed = hs.names(case.model, ops=True, inputs=case.args[0])
     own = [n for n in listed if ".attn::" in n and n.startswith("transformer.h.0.")]
     values = {"operations returning tensors in h.0.attn's own code, per call": len(own)}
-    return {**result, "case": "ops/gpt2", "title": "GPT-2", "about": capture.about(case),
-            "values": values, "checks": _peer_checks({v.key: v for v in variants})}  # fmt: skip
+    return {
+        **result,
+        "case": "ops/gpt2",
+        "title": "GPT-2",
+        "about": capture.about(case),
+        "values": values,
+        "checks": _peer_checks({v.key: v for v in variants}),
+    }
 
 
 def jobs(cfg: Config) -> list[Job]:
-    plan = {"warmup": 0 if cfg.quick else 1, "rounds": 1 if cfg.quick else 40, "min_rounds": 5,
-            "budget_s": 0 if cfg.quick else 900, "heavy_rounds": 0 if cfg.quick else 3}  # fmt: skip
+    plan = {
+        "warmup": 0 if cfg.quick else 1,
+        "rounds": 1 if cfg.quick else 40,
+        "min_rounds": 5,
+        "budget_s": 0 if cfg.quick else 900,
+        "heavy_rounds": 0 if cfg.quick else 3,
+    }
     # many rounds: other tenants of the VM make single rounds noisy
     return [Job("ops", "timing_gpt2", {"kind": "timing", "quick": cfg.quick, "plan": plan})]

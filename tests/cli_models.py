@@ -13,9 +13,14 @@ from torch import Tensor, nn
 def small_cnn(classes: int = 3) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, classes),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, classes),
+    )
 
 
 class _Log(nn.Module):
@@ -81,17 +86,24 @@ def flat_cnn() -> nn.Module:
     """No global pooling: its classifier takes 6 x 8 x 8 inputs, so CAM has no fc to use."""
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(6 * 8 * 8, 3),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 8 * 8, 3),
+    )
 
 
 def random_cnn() -> nn.Module:
     """small_cnn's layers with the global random state's weights (--seed decides them)."""
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(4, 3),
-    )  # fmt: skip
+    )
 
 
 class _Sleepy(nn.Module):

@@ -95,8 +95,11 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> DemoRun:
         if not printed.is_file():
             done = subprocess.run(
                 [sys.executable, "-m", "hookscope", "demo", "--quick", "--out", str(out)],
-                capture_output=True, text=True, timeout=600, check=False,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=600,
+                check=False,
+            )
             assert done.returncode == 0, done.stderr
             printed.write_text(done.stdout)
     return DemoRun(out / "report.html", out / "weights.pt", printed.read_text())

@@ -88,9 +88,10 @@ def test_capabilities_use_core_through_its_public_names(capability: str) -> None
         f"{_rel(path)}:{line}: {name}"
         for path in _files(capability)
         for line, name in _imports(path)
-        if name.startswith("hookscope.core.") and not name.startswith("hookscope.core._torch")
+        if name.startswith("hookscope.core.")
+        and not name.startswith("hookscope.core._torch")
         and not _is_public_name_of_core(name)
-    ]  # fmt: skip
+    ]
     assert not bad, "private core modules imported:\n" + "\n".join(bad)
 
 
@@ -222,9 +223,10 @@ def test_interceptors_and_process_state_live_in_the_lifetime_module() -> None:
         for path in _files()
         if path not in (LIFETIME, TORCH_LIST)
         for line, name in _calls_and_names(path)
-        if name in _INTERCEPTORS or name in ("copyreg", "dispatch_table", "set_stance")
+        if name in _INTERCEPTORS
+        or name in ("copyreg", "dispatch_table", "set_stance")
         or name == "_python_dispatch"
-    ]  # fmt: skip
+    ]
     assert not bad, "outside core/_lifetime.py:\n" + "\n".join(bad)
 
 

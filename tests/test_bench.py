@@ -56,8 +56,13 @@ def test_quick_benchmark_runs_every_job(tmp_path: pathlib.Path) -> None:
     in_git = (ROOT / ".git").exists() and shutil.which("git") is not None
     baseline = ["--baseline", "HEAD"] if in_git else []
     cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
-    script = SCRIPT.format(run=str(ROOT / "bench" / "run.py"), bench=str(ROOT / "bench"),
-                           cpu=str(cpu), gpu=str(gpu), baseline=baseline)  # fmt: skip
+    script = SCRIPT.format(
+        run=str(ROOT / "bench" / "run.py"),
+        bench=str(ROOT / "bench"),
+        cpu=str(cpu),
+        gpu=str(gpu),
+        baseline=baseline,
+    )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=HANG_S, check=False
     )

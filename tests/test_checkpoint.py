@@ -205,9 +205,17 @@ def test_whole_model_checkpointed_keeps_its_pass() -> None:
 def test_hugging_face_gradient_checkpointing(reentrant: bool) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16, bos_token_id=0,
-        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=100,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(0)
     ref = transformers.GPT2LMHeadModel(config).train()
     net = copy.deepcopy(ref)

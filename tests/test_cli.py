@@ -93,8 +93,11 @@ def test_nan_names_the_producer_and_exits_1() -> None:
     assert result.exit_code == 1
     found = json.loads(result.stdout)
     assert (found["finite"], found["phase"], found["module"], found["op"]) == (
-        False, "forward", "1", "aten.log",
-    )  # fmt: skip
+        False,
+        "forward",
+        "1",
+        "aten.log",
+    )
     clean = run("nan", CNN, "--input-size", "2,3,8,8")
     assert clean.exit_code == 0 and "no NaN or Inf" in clean.output
 
@@ -113,8 +116,11 @@ def test_nan_runs_in_training_mode_by_default_and_says_so() -> None:
     assert trained.exit_code == 1, trained.output
     found = json.loads(trained.stdout)
     assert (found["finite"], found["mode"], found["module"], found["op"]) == (
-        False, "train", "3", "aten.log",
-    )  # fmt: skip
+        False,
+        "train",
+        "3",
+        "aten.log",
+    )
     text = run("nan", f"{MODELS}:dropout_log_model", "--input-size", "8,4")
     assert "run in train mode, loss: the sum of every floating output" in text.output
     evaluated = run("nan", f"{MODELS}:dropout_log_model", "--input-size", "8,4", "--eval")
@@ -323,12 +329,18 @@ def test_hugging_face_directory(tmp_path: Path) -> None:
 def test_a_real_subprocess(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "hookscope", "names", CNN, "--json"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == hs.names(small_cnn())  # stdout holds only the JSON
     bad = subprocess.run(
         [sys.executable, "-m", "hookscope", "names", "nope"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and "hint" not in bad.stdout

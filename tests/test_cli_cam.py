@@ -60,17 +60,44 @@ def test_every_method_runs_from_the_command_line(method: str, tmp_path: Path) ->
 
 
 def test_cam_finds_its_classifier(tmp_path: Path) -> None:
-    result = run("cam", CNN, *X, "--method", "cam", "--layer", "3", "--target", "1", "--out",
-                 str(tmp_path / "a"), "--json")  # fmt: skip
+    result = run(
+        "cam",
+        CNN,
+        *X,
+        "--method",
+        "cam",
+        "--layer",
+        "3",
+        "--target",
+        "1",
+        "--out",
+        str(tmp_path / "a"),
+        "--json",
+    )
     assert result.exit_code == 0, result.output
-    by_hand = run("cam", CNN, *X, "--method", "cam", "--layer", "3", "--fc", "6", "--target",
-                  "1", "--out", str(tmp_path / "b"), "--json")  # fmt: skip
+    by_hand = run(
+        "cam",
+        CNN,
+        *X,
+        "--method",
+        "cam",
+        "--layer",
+        "3",
+        "--fc",
+        "6",
+        "--target",
+        "1",
+        "--out",
+        str(tmp_path / "b"),
+        "--json",
+    )
     assert by_hand.exit_code == 0, by_hand.output
     for a, b in zip(json.loads(result.stdout), json.loads(by_hand.stdout)):
         with Image.open(a["png"]) as one, Image.open(b["png"]) as other:
             assert one.tobytes() == other.tobytes()
-    none = run("cam", f"{MODELS}:flat_cnn", "--input-size", "1,3,8,8", "--method", "cam",
-               "--layer", "3")  # fmt: skip
+    none = run(
+        "cam", f"{MODELS}:flat_cnn", "--input-size", "1,3,8,8", "--method", "cam", "--layer", "3"
+    )
     assert none.exit_code == 2 and "no nn.Linear has 6 inputs" in none.output
     assert "--fc" in none.output and "Usage: cli cam" in none.output
     wrong = run("cam", CNN, *X, "--method", "cam", "--layer", "3", "--fc", "5")
@@ -80,9 +107,14 @@ def test_cam_finds_its_classifier(tmp_path: Path) -> None:
 def test_the_default_classifier_is_the_last_linear_fed_by_the_channels() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 6, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 6),
-        nn.Linear(6, 3), nn.Linear(3, 2),
-    )  # fmt: skip
+        nn.Conv2d(3, 6, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(6, 6),
+        nn.Linear(6, 3),
+        nn.Linear(3, 2),
+    )
     assert default_fc(model, torch.randn(1, 3, 8, 8), "1") == "5"
 
 
@@ -92,8 +124,9 @@ def test_perturbation_methods_are_budgeted(tmp_path: Path) -> None:
     cli_models.CALLS.clear()
     # by module name (tests/ is on sys.path), so that the command fills this module's CALLS
     args = ("cam", "cli_models:counting_cnn", "--input-size", "4,3,16,16", "--layer", "3")
-    result = run(*args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3",
-                 "--out", str(tmp_path))  # fmt: skip
+    result = run(
+        *args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3", "--out", str(tmp_path)
+    )
     assert result.exit_code == 0, result.output
     assert "scorecam: 8 extra image forwards in 3 calls of up to 3 images" in result.stderr
     assert [n for n in cli_models.CALLS if n != 4] == [3, 3, 2]  # the others: the whole batch
@@ -117,8 +150,9 @@ def test_occlusion_window_stride_and_path_steps(tmp_path: Path) -> None:
     exp = hs.Occlusion(cli_models.small_cnn(), (3, 4, 4), strides=(1, 4, 4))(x)
     picture = hs.overlay(x[0], exp.maps[0].abs().amax(0), alpha=0.45)
     with Image.open(tmp_path / "occlusion_0.png") as png:
-        assert torch.equal(torch.frombuffer(bytearray(png.tobytes()), dtype=torch.uint8),
-                           picture.flatten())  # fmt: skip
+        assert torch.equal(
+            torch.frombuffer(bytearray(png.tobytes()), dtype=torch.uint8), picture.flatten()
+        )
     refused = run(*args, "--method", "gradcam", "--window", "4")
     assert refused.exit_code == 2 and "--window and --stride are occlusion's" in refused.output
     refused = run(*args, "--method", "saliency", "--steps", "4")
@@ -136,8 +170,9 @@ def test_smoothgrad_over_a_base_method_and_input_methods_take_no_layer(tmp_path:
     exp = smooth(x)
     picture = hs.overlay(x[0], exp.maps[0], alpha=0.45)
     with Image.open(tmp_path / "smoothgrad_0.png") as png:
-        assert torch.equal(torch.frombuffer(bytearray(png.tobytes()), dtype=torch.uint8),
-                           picture.flatten())  # fmt: skip
+        assert torch.equal(
+            torch.frombuffer(bytearray(png.tobytes()), dtype=torch.uint8), picture.flatten()
+        )
     refused = run("cam", CNN, *X, "--method", "saliency", "--layer", "3")
     assert refused.exit_code == 2 and "explains the input, not a layer" in refused.output
 

@@ -30,9 +30,12 @@ CNN = f"{MODELS}:small_cnn"
 def hookscope(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "hookscope", *args],
-        capture_output=True, text=True, timeout=300, check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def hookscopes(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
@@ -45,9 +48,12 @@ def hookscopes(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[s
 def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
         vocab_size=100,
-    )  # fmt: skip
+    )
     torch.manual_seed(0)
     model = transformers.BertModel(config).eval()
     model.save_pretrained(tmp_path / "bert")
@@ -130,9 +136,12 @@ def test_ctrl_c_exits_130(tmp_path: Path) -> None:
     mark = tmp_path / "running"
     process = subprocess.Popen(
         [sys.executable, "-m", "hookscope", "summary", f"{MODELS}:sleepy", "--input-size", "1,2"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_interruptible,
         env={**os.environ, "HOOKSCOPE_TEST_MARK": str(mark)},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 120
         while not mark.exists() and time.monotonic() < deadline and process.poll() is None:
@@ -162,9 +171,20 @@ def test_cam_overlays_keep_each_image_size_and_land_on_the_bright_part(tmp_path:
     tall.paste((255, 255, 255), (0, 34, 30, 50))
     tall.save(folder / "b_tall.png")
     done = hookscope(
-        "cam", f"{MODELS}:brightness_cnn", "--input", str(folder), "--image-size", "16",
-        "--layer", "1", "--target", "0", "--out", str(tmp_path / "maps"), "--json",
-    )  # fmt: skip
+        "cam",
+        f"{MODELS}:brightness_cnn",
+        "--input",
+        str(folder),
+        "--image-size",
+        "16",
+        "--layer",
+        "1",
+        "--target",
+        "0",
+        "--out",
+        str(tmp_path / "maps"),
+        "--json",
+    )
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)
     assert [Path(r["image"]).name for r in rows] == ["a_wide.png", "b_tall.png"]
@@ -188,9 +208,12 @@ def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     folder = tmp_path / "bert"
     config = transformers.BertConfig(
-        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
         vocab_size=10,
-    )  # fmt: skip
+    )
     transformers.BertModel(config).save_pretrained(folder)
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))

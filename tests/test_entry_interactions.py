@@ -21,9 +21,12 @@ pytest.importorskip("zarr")
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
         nn.Linear(4, 3),
-    )  # fmt: skip
+    )
 
 
 X = torch.randn(12, 3, 8, 8, generator=torch.Generator().manual_seed(1))

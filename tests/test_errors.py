@@ -99,8 +99,13 @@ def test_containers_that_never_run_are_refused_with_their_children(selector: str
         hs.capture(model, getattr(model, selector))
     # patterns skip containers instead of failing on them
     assert list(hs.capture(model, nn.Module).records) == [
-        "blocks.0", "blocks.1", "heads.a", "enc", "enc.0", "enc.1"
-    ]  # fmt: skip
+        "blocks.0",
+        "blocks.1",
+        "heads.a",
+        "enc",
+        "enc.0",
+        "enc.1",
+    ]
 
 
 def test_children_of_an_alias_resolve_to_the_canonical_layer() -> None:

@@ -18,10 +18,14 @@ from hookscope.explain import METHODS
 def _net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(6, 5, 3, padding=1), nn.ReLU(inplace=True),  # "2": the explained layer
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(5, 4),
-    )  # fmt: skip
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(6, 5, 3, padding=1),
+        nn.ReLU(inplace=True),  # "2": the explained layer
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(5, 4),
+    )
 
 
 def _reference(model: nn.Module, x: Tensor, targets: list[int]) -> tuple[Tensor, Tensor]:

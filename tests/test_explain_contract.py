@@ -458,8 +458,10 @@ def test_maps_match_pytorch_grad_cam(name: str) -> None:
         wanted = [model_targets.ClassifierOutputTarget(c) for c in targets]
         theirs = cam(input_tensor=x, targets=wanted)
     if name == "eigencam":  # the SVD's sign is arbitrary: each of theirs has one of the two
-        gaps = [np.abs(_scaled((s * ours.raw).clamp_min(0), (12, 12)) - theirs).max((1, 2))
-                for s in (1, -1)]  # fmt: skip
+        gaps = [
+            np.abs(_scaled((s * ours.raw).clamp_min(0), (12, 12)) - theirs).max((1, 2))
+            for s in (1, -1)
+        ]
         assert np.minimum(*gaps).max() < 1e-4
     else:
         assert np.abs(_scaled(ours.raw, (12, 12)) - theirs).max() < 1e-4

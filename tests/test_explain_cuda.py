@@ -26,11 +26,20 @@ OWN = {"eigencam": 1}  # torch.linalg.svd reads its error code back
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 6, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-        nn.Linear(6, 5),
-    ).cuda().eval()  # fmt: skip
+    return (
+        nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 6, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(6, 5),
+        )
+        .cuda()
+        .eval()
+    )
 
 
 def _build(name: str, model: nn.Module) -> Any:

@@ -49,9 +49,12 @@ def _name(model: nn.Module, layer: nn.Module) -> str:
 def _conv_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 3),
+    )
 
 
 def test_a_non_square_conv_map_is_channels_first() -> None:

@@ -38,10 +38,16 @@ def close(ours: Tensor, theirs: Tensor, tol: float = 1e-5) -> None:
 def cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1), nn.BatchNorm2d(6), nn.ReLU(),
-        nn.Conv2d(6, 12, 3, stride=2, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # "3": a layer
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(12, 5),
-    ).eval()  # fmt: skip
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.Conv2d(6, 12, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),  # "3": a layer
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(12, 5),
+    ).eval()
 
 
 def images(n: int = 3, seed: int = 1) -> Tensor:
@@ -67,14 +73,24 @@ def test_integrated_gradients_and_delta_equal_captums(
 ) -> None:
     model, x, targets = cnn(), images(), [1, 4, 0]
     base = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(2))
-    ig = hs.IntegratedGradients(model, baselines=base, n_steps=9, method=method,
-                                internal_batch_size=internal_batch_size,
-                                return_convergence_delta=True)  # fmt: skip
+    ig = hs.IntegratedGradients(
+        model,
+        baselines=base,
+        n_steps=9,
+        method=method,
+        internal_batch_size=internal_batch_size,
+        return_convergence_delta=True,
+    )
     ours = ig(x, targets=targets)
     theirs, delta = attr.IntegratedGradients(captum(model)).attribute(
-        x, baselines=base, target=targets, n_steps=9, method=method,
-        internal_batch_size=internal_batch_size, return_convergence_delta=True,
-    )  # fmt: skip
+        x,
+        baselines=base,
+        target=targets,
+        n_steps=9,
+        method=method,
+        internal_batch_size=internal_batch_size,
+        return_convergence_delta=True,
+    )
     close(ours.raw, theirs)
     assert ours.maps is ours.raw and ours.attributions is ours.raw
     torch.testing.assert_close(ours.delta, delta, rtol=0, atol=1e-6)
@@ -85,15 +101,26 @@ def test_integrated_gradients_and_delta_equal_captums(
 @pytest.mark.parametrize("internal_batch_size", [None, 7])
 def test_layer_integrated_gradients_equal_captums(method: str, internal_batch_size: Any) -> None:
     model, x, targets = cnn(), images(), [2, 2, 3]
-    lig = hs.LayerIntegratedGradients(model, "3", baselines=0.25, n_steps=8, method=method,
-                                      internal_batch_size=internal_batch_size,
-                                      return_convergence_delta=True)  # fmt: skip
+    lig = hs.LayerIntegratedGradients(
+        model,
+        "3",
+        baselines=0.25,
+        n_steps=8,
+        method=method,
+        internal_batch_size=internal_batch_size,
+        return_convergence_delta=True,
+    )
     ours = lig(x, targets=targets)
     theirs_model = captum(model)
     theirs, delta = attr.LayerIntegratedGradients(theirs_model, theirs_model[3]).attribute(
-        x, baselines=0.25, target=targets, n_steps=8, method=method,
-        internal_batch_size=internal_batch_size, return_convergence_delta=True,
-    )  # fmt: skip
+        x,
+        baselines=0.25,
+        target=targets,
+        n_steps=8,
+        method=method,
+        internal_batch_size=internal_batch_size,
+        return_convergence_delta=True,
+    )
     assert ours.attributions is not None
     close(ours.attributions, theirs)
     torch.testing.assert_close(ours.delta, delta, rtol=0, atol=1e-6)
@@ -105,16 +132,26 @@ def test_layer_integrated_gradients_equal_captums(method: str, internal_batch_si
 @pytest.mark.parametrize("internal_batch_size", [None, 6])
 def test_layer_conductance_equals_captums(method: str, internal_batch_size: Any) -> None:
     model, x, targets = cnn(), images(), [0, 1, 2]
-    cond = hs.LayerConductance(model, "4", baselines=-0.5, n_steps=7, method=method,
-                               internal_batch_size=internal_batch_size,
-                               return_convergence_delta=True)  # fmt: skip
+    cond = hs.LayerConductance(
+        model,
+        "4",
+        baselines=-0.5,
+        n_steps=7,
+        method=method,
+        internal_batch_size=internal_batch_size,
+        return_convergence_delta=True,
+    )
     ours = cond(x, targets=targets)
     theirs_model = captum(model)
     theirs, delta = attr.LayerConductance(theirs_model, theirs_model[4]).attribute(
-        x, baselines=-0.5, target=targets, n_steps=7, method=method,
+        x,
+        baselines=-0.5,
+        target=targets,
+        n_steps=7,
+        method=method,
         internal_batch_size=internal_batch_size and 2 * internal_batch_size,
         return_convergence_delta=True,
-    )  # fmt: skip
+    )
     assert ours.attributions is not None
     close(ours.attributions, theirs)
     torch.testing.assert_close(ours.delta, delta, rtol=0, atol=1e-6)
@@ -210,13 +247,18 @@ def test_token_ids_through_the_embeddings_and_occluded_tokens_equal_captums() ->
     mask[1, 7:] = 0
     reference = torch.zeros_like(ids)  # the padding id
     theirs_model = captum(model)
-    lig = hs.LayerIntegratedGradients(model, "embed", baselines=reference, n_steps=12,
-                                      return_convergence_delta=True)  # fmt: skip
+    lig = hs.LayerIntegratedGradients(
+        model, "embed", baselines=reference, n_steps=12, return_convergence_delta=True
+    )
     ours = lig((ids, mask), targets=[0, 2])
     theirs, delta = attr.LayerIntegratedGradients(theirs_model, theirs_model.embed).attribute(
-        ids, baselines=reference, target=[0, 2], additional_forward_args=(mask,), n_steps=12,
+        ids,
+        baselines=reference,
+        target=[0, 2],
+        additional_forward_args=(mask,),
+        n_steps=12,
         return_convergence_delta=True,
-    )  # fmt: skip
+    )
     assert ours.attributions is not None
     close(ours.attributions, theirs)
     torch.testing.assert_close(ours.delta, delta, rtol=0, atol=1e-6)
@@ -240,8 +282,9 @@ def test_integrated_gradients_is_complete_on_a_linear_model() -> None:
     with torch.no_grad():
         gain = net(x)[:, 2] - net(base)[:, 2]
     for method in RULES:
-        exp = hs.IntegratedGradients(net, baselines=base, n_steps=3, method=method,
-                                     return_convergence_delta=True)(x, targets=2)  # fmt: skip
+        exp = hs.IntegratedGradients(
+            net, baselines=base, n_steps=3, method=method, return_convergence_delta=True
+        )(x, targets=2)
         total = 2 / 3 if method == "riemann_trapezoid" else 1.0
         torch.testing.assert_close(exp.raw, total * weights * (x - base), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(exp.delta, (total - 1) * gain, rtol=0, atol=1e-5)

@@ -88,12 +88,17 @@ def _text() -> tuple[Tensor, Tensor, Tensor]:
 def test_vit_input_methods_equal_captums(vit: nn.Module) -> None:
     x, targets = _pixels(), [2, 0]
     theirs = Logits(copy.deepcopy(vit), "pixel_values")
-    ours = hs.IntegratedGradients(vit, baselines=0.1, n_steps=12, internal_batch_size=8,
-                                  return_convergence_delta=True)(x, targets=targets)  # fmt: skip
+    ours = hs.IntegratedGradients(
+        vit, baselines=0.1, n_steps=12, internal_batch_size=8, return_convergence_delta=True
+    )(x, targets=targets)
     want, delta = attr.IntegratedGradients(theirs).attribute(
-        x, baselines=0.1, target=targets, n_steps=12, internal_batch_size=8,
+        x,
+        baselines=0.1,
+        target=targets,
+        n_steps=12,
+        internal_batch_size=8,
         return_convergence_delta=True,
-    )  # fmt: skip
+    )
     close(ours.raw, want)
     torch.testing.assert_close(ours.delta, delta, rtol=0, atol=1e-6)
     ours = hs.InputXGradient(vit)(x, targets=targets)
@@ -146,9 +151,14 @@ def test_bert_token_ids_through_the_embeddings_equal_captums(bert: nn.Module) ->
     )
     ours = lig(inputs, targets=[0, 2])
     want, delta = attr.LayerIntegratedGradients(theirs, theirs.model.bert.embeddings).attribute(
-        ids, baselines=reference, target=[0, 2], additional_forward_args=(mask,), n_steps=16,
-        internal_batch_size=6, return_convergence_delta=True,
-    )  # fmt: skip
+        ids,
+        baselines=reference,
+        target=[0, 2],
+        additional_forward_args=(mask,),
+        n_steps=16,
+        internal_batch_size=6,
+        return_convergence_delta=True,
+    )
     close(ours.attributions, want)
     torch.testing.assert_close(ours.delta, delta, rtol=0, atol=1e-6)
     assert ours.raw.shape == ours.maps.shape == (2, 8)  # one value per token

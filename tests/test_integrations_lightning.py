@@ -44,9 +44,14 @@ STEPS = BATCHES // ACCUMULATE
 
 def _cnn() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 3, stride=2, padding=1),
-        nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
 
 
 class LitCNN(L.LightningModule):
@@ -92,11 +97,18 @@ def _loader(data: Any) -> torch.utils.data.DataLoader:
 
 def _trainer(tmp: Path, callback: HookscopeCallback, **kwargs: Any) -> Any:
     settings: dict[str, Any] = {
-        "max_epochs": 1, "accelerator": "cpu", "devices": 1, "default_root_dir": str(tmp),
-        "enable_checkpointing": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "num_sanity_val_steps": 0, "log_every_n_steps": 1,
-        "callbacks": [callback], "logger": L.loggers.CSVLogger(str(tmp), name="csv"),
-    }  # fmt: skip
+        "max_epochs": 1,
+        "accelerator": "cpu",
+        "devices": 1,
+        "default_root_dir": str(tmp),
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+        "log_every_n_steps": 1,
+        "callbacks": [callback],
+        "logger": L.loggers.CSVLogger(str(tmp), name="csv"),
+    }
     return L.Trainer(**(settings | kwargs))
 
 
@@ -133,8 +145,7 @@ def test_fit_with_accumulation_and_validation_equals_the_loop_by_hand(tmp_path: 
     data = _data()
     callback = HookscopeCallback(every=1, sinks=[tmp_path / "hs.jsonl"])
     module = LitCNN()
-    trainer = _trainer(tmp_path, callback, accumulate_grad_batches=ACCUMULATE,
-                       val_check_interval=3)  # fmt: skip
+    trainer = _trainer(tmp_path, callback, accumulate_grad_batches=ACCUMULATE, val_check_interval=3)
     trainer.fit(module, _loader(data), _loader(_data(seed=2, n=4)))
     want = _by_hand(data)
     assert trainer.global_step == STEPS
@@ -176,9 +187,11 @@ def test_mixed_precision_steps_are_the_scalers_and_gradients_unscaled(tmp_path: 
     callback = HookscopeCallback(every=1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     trainer = _trainer(
-        tmp_path, callback, accumulate_grad_batches=ACCUMULATE,
+        tmp_path,
+        callback,
+        accumulate_grad_batches=ACCUMULATE,
         plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-    )  # fmt: skip
+    )
     trainer.fit(LitCNN(), _loader(data))
     mine = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     want = _by_hand(data, scaler=mine, autocast=True)
@@ -231,8 +244,11 @@ def _wandb_history(root: Path) -> list[dict[str, Any]]:
     wandb_cli = Path(sys.executable).with_name("wandb")
     done = subprocess.run(
         [str(wandb_cli), "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return [r["history"]["item"] for r in rows if r["type"] == "history"]
 
@@ -264,8 +280,9 @@ def test_the_trainers_loggers_hold_the_records_and_the_maps(
     maps = Maps(images, layer="net.2", method="gradcam", targets=[0, 1])
     callback = HookscopeCallback(every=1, histograms=True, maps=maps)
     data = _data()
-    trainer = _trainer(tmp_path, callback, accumulate_grad_batches=ACCUMULATE, logger=loggers,
-                       max_epochs=2)  # fmt: skip
+    trainer = _trainer(
+        tmp_path, callback, accumulate_grad_batches=ACCUMULATE, logger=loggers, max_epochs=2
+    )
     trainer.fit(LitCNN(), _loader(data))
     wandb.finish()
     records = callback.records
@@ -344,11 +361,19 @@ def _ddp_rank(rank: int, port: int, out: str, ranks: str) -> None:
     try:
         callback = HookscopeCallback(every=1, sinks=[f"{out}/lightning{rank}.jsonl"], ranks=ranks)
         trainer = L.Trainer(
-            max_epochs=1, accelerator="cpu", devices=2, num_nodes=1, strategy="ddp",
-            accumulate_grad_batches=ACCUMULATE, use_distributed_sampler=False, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            max_epochs=1,
+            accelerator="cpu",
+            devices=2,
+            num_nodes=1,
+            strategy="ddp",
+            accumulate_grad_batches=ACCUMULATE,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
             callbacks=[callback],
-        )  # fmt: skip
+        )
         module = LitCNN()
         trainer.fit(module, _loader(part))
         assert trainer.global_step == STEPS // 2  # its half: half the optimizer steps

@@ -36,9 +36,15 @@ MAX_NORM = 0.5  # small enough that some steps are clipped
 def _gpt2() -> Any:
     torch.manual_seed(0)
     config = transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=LENGTH,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        n_layer=2,
+        n_embd=32,
+        n_head=2,
+        vocab_size=64,
+        n_positions=LENGTH,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
@@ -69,19 +75,32 @@ def _optimizer(model: Any) -> torch.optim.Optimizer:
 
 def _train(tmp: Path, callback: HookscopeCallback, **kwargs: Any) -> Any:
     settings: dict[str, Any] = {
-        "output_dir": str(tmp / "out"), "per_device_train_batch_size": BATCH,
-        "gradient_accumulation_steps": ACCUMULATE, "num_train_epochs": 1,
-        "lr_scheduler_type": "constant", "max_grad_norm": MAX_NORM, "logging_steps": 1,
-        "save_strategy": "no", "report_to": [], "use_cpu": True, "disable_tqdm": True,
-        "dataloader_num_workers": 0, "train_sampling_strategy": "sequential", "seed": 0,
-    }  # fmt: skip
+        "output_dir": str(tmp / "out"),
+        "per_device_train_batch_size": BATCH,
+        "gradient_accumulation_steps": ACCUMULATE,
+        "num_train_epochs": 1,
+        "lr_scheduler_type": "constant",
+        "max_grad_norm": MAX_NORM,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "disable_tqdm": True,
+        "dataloader_num_workers": 0,
+        "train_sampling_strategy": "sequential",
+        "seed": 0,
+    }
     model = _gpt2()
     extra = {"eval_dataset": kwargs.pop("eval_dataset")} if "eval_dataset" in kwargs else {}
     args = transformers.TrainingArguments(**(settings | kwargs))
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=Tokens(), callbacks=[callback],
-        optimizers=(_optimizer(model), None), **extra,
-    )  # fmt: skip
+        model=model,
+        args=args,
+        train_dataset=Tokens(),
+        callbacks=[callback],
+        optimizers=(_optimizer(model), None),
+        **extra,
+    )
     trainer.train()
     return trainer
 
@@ -110,9 +129,10 @@ def _by_hand(every: int = 1) -> tuple[list[dict[str, Any]], list[hs.ClipReport]]
                 report = hs.clip_grad_norm(model, MAX_NORM)
                 reports.append(report)
                 mon.log(
-                    grad_norm=report.total_norm, grad_norm_clipped=report.total_norm_after,
+                    grad_norm=report.total_norm,
+                    grad_norm_clipped=report.total_norm_after,
                     clip_coef=min(report.clipped.values(), default=1.0),
-                )  # fmt: skip
+                )
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
             opt.step()
@@ -126,8 +146,9 @@ def _steps(records: list[dict[str, Any]]) -> list[int]:
 
 def test_train_with_accumulation_and_clipping_equals_the_loop_by_hand(tmp_path: Path) -> None:
     callback = HookscopeCallback(every=1, sinks=[tmp_path / "hs.jsonl"])
-    trainer = _train(tmp_path, callback, eval_dataset=Tokens(seed=5, n=4),
-                     eval_strategy="steps", eval_steps=1)  # fmt: skip
+    trainer = _train(
+        tmp_path, callback, eval_dataset=Tokens(seed=5, n=4), eval_strategy="steps", eval_steps=1
+    )
     want, reports = _by_hand()
     trainer.model.train()  # the Trainer's last evaluation left it in eval mode: not ours
     assert trainer.state.global_step == STEPS
@@ -170,13 +191,18 @@ def test_after_a_failure_close_takes_the_hooks_off(tmp_path: Path) -> None:
 
     model = _gpt2()
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=BATCH, report_to=[],
-        use_cpu=True, disable_tqdm=True, train_sampling_strategy="sequential",
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=BATCH,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        train_sampling_strategy="sequential",
         save_strategy="no",
-    )  # fmt: skip
+    )
     with HookscopeCallback(every=1, nonfinite=True) as callback:
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=Broken(),
-                                       callbacks=[callback])  # fmt: skip
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Broken(), callbacks=[callback]
+        )
         with pytest.raises(RuntimeError, match="a broken sample"):
             trainer.train()
         assert args.max_grad_norm == 0.0  # the callback's while training runs
@@ -191,8 +217,11 @@ def _wandb_history(root: Path) -> list[dict[str, Any]]:
     wandb_cli = Path(sys.executable).with_name("wandb")
     done = subprocess.run(
         [str(wandb_cli), "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     return [r["history"]["item"] for r in rows if r["type"] == "history"]
 
@@ -216,8 +245,9 @@ def test_report_to_trackers_hold_the_records_and_the_attention_maps(
     prompt = Tokens(seed=7, n=2).ids
     maps = Maps(prompt, layer="transformer.h.1.attn", method="attention", cmap="viridis")
     callback = HookscopeCallback(every=2, histograms=True, maps=maps)
-    trainer = _train(tmp_path, callback, report_to=["wandb", "mlflow", "tensorboard"],
-                     num_train_epochs=2)  # fmt: skip
+    trainer = _train(
+        tmp_path, callback, report_to=["wandb", "mlflow", "tensorboard"], num_train_epochs=2
+    )
     import mlflow
 
     wandb.finish()

@@ -316,8 +316,11 @@ def test_tensorboard_histograms_can_be_turned_off(tmp_path: Path) -> None:
     events = accumulator.EventAccumulator(str(default), size_guidance={"histograms": 0})
     events.Reload()
     assert set(events.Tags()["histograms"]) == {
-        "0/parameter", "0/parameter_gradient", "2/parameter", "2/parameter_gradient"
-    }  # fmt: skip
+        "0/parameter",
+        "0/parameter_gradient",
+        "2/parameter",
+        "2/parameter_gradient",
+    }
     with pytest.raises(hs.UsageError, match="histograms must be"):
         TensorBoardSink(tmp_path, histograms="some")
 
@@ -413,9 +416,17 @@ def test_dead_channels_of_conv1d_outputs(path: str) -> None:
 
 #: activations with a region of zero derivative, and some without (no ``dead`` statistic)
 CAN_DIE = [
-    nn.ReLU(), nn.ReLU6(), nn.Hardtanh(-2.0, 2.0), nn.Hardsigmoid(), nn.Hardswish(),
-    nn.Hardshrink(0.5), nn.Softshrink(0.5), nn.Threshold(0.1, -1.0), nn.Tanh(), nn.Sigmoid(),
-]  # fmt: skip
+    nn.ReLU(),
+    nn.ReLU6(),
+    nn.Hardtanh(-2.0, 2.0),
+    nn.Hardsigmoid(),
+    nn.Hardswish(),
+    nn.Hardshrink(0.5),
+    nn.Softshrink(0.5),
+    nn.Threshold(0.1, -1.0),
+    nn.Tanh(),
+    nn.Sigmoid(),
+]
 CANNOT_DIE = [nn.GELU(), nn.SiLU(), nn.Mish(), nn.ELU(), nn.LeakyReLU(), nn.Softplus()]
 
 
@@ -550,9 +561,11 @@ def test_scalars_are_written_at_the_step_they_describe(
     net[0].register_forward_hook(lambda m, a, out: seen.append(float(out.detach().norm())))
     losses = []
     with hs.Monitor(
-        net, every=2, optimizer=opt if follow == "optimizer=" else None,
+        net,
+        every=2,
+        optimizer=opt if follow == "optimizer=" else None,
         sinks=[tmp_path / "m.jsonl"],
-    ) as mon:  # fmt: skip
+    ) as mon:
         for i in range(5):
             x = torch.randn(4, 3, generator=torch.Generator().manual_seed(i))
             loss = net(x).pow(2).mean()

@@ -287,10 +287,17 @@ def test_dropout_under_deterministic_algorithms_does_not_blame_filled_memory() -
     it (dropout's mask, BatchNorm's buffers): those NaN never reach the output."""
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Dropout(0.3),
         nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.Dropout2d(0.2)),
-        Plant(), nn.Dropout(0.1), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 2),
-    ).train()  # fmt: skip
+        Plant(),
+        nn.Dropout(0.1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 2),
+    ).train()
     old = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
@@ -636,8 +643,10 @@ def test_an_infinity_in_the_first_layers_weight_gradient_is_blamed_on_it() -> No
     with pytest.raises(hs.NonFiniteError) as info, hs.nonfinite(model):
         (model(torch.full((64, 4), 1e37)) * 1e3).sum().backward()
     assert (info.value.module, info.value.op, info.value.stats["parameters"]) == (
-        "0", "aten.mm", ["0.weight"],
-    )  # fmt: skip
+        "0",
+        "aten.mm",
+        ["0.weight"],
+    )
 
 
 class SqrtOfChild(nn.Module):

@@ -399,10 +399,20 @@ def test_listing_names_every_operation_each_layer_runs() -> None:
     }
     listed = hs.names(attention_net(), "0", ops=True, inputs=X)
     assert [k for k in listed if k.startswith("0::")] == [
-        "0::view#1", "0::transpose#1", "0::view#2", "0::transpose#2", "0::view#3",
-        "0::transpose#3", "0::transpose#4", "0::matmul#1", "0::div", "0::softmax",
-        "0::matmul#2", "0::transpose#5", "0::flatten",
-    ]  # fmt: skip
+        "0::view#1",
+        "0::transpose#1",
+        "0::view#2",
+        "0::transpose#2",
+        "0::view#3",
+        "0::transpose#3",
+        "0::transpose#4",
+        "0::matmul#1",
+        "0::div",
+        "0::softmax",
+        "0::matmul#2",
+        "0::transpose#5",
+        "0::flatten",
+    ]
     with pytest.raises(hs.UsageError, match="inputs=x"):
         hs.names(net, ops=True)
     with pytest.raises(hs.UsageError, match="only with ops=True"):

@@ -46,27 +46,41 @@ SMALL = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4}
 SMALL |= {"intermediate_size": 128}
 CASES = {
     "gpt2": Case(
-        "GPT2Model", transformers.GPT2Config, {"n_layer": 2, "n_embd": 64, "n_head": 4,
-        "vocab_size": 100}, "h.{}.attn", _ids("left"),
+        "GPT2Model",
+        transformers.GPT2Config,
+        {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 100},
+        "h.{}.attn",
+        _ids("left"),
     ),
     "bert": Case(
-        "BertModel", transformers.BertConfig, {**SMALL, "vocab_size": 100},
-        "encoder.layer.{}.attention.self", _ids("right"),
+        "BertModel",
+        transformers.BertConfig,
+        {**SMALL, "vocab_size": 100},
+        "encoder.layer.{}.attention.self",
+        _ids("right"),
     ),
     "llama-gqa": Case(  # no mask: SDPA's own enable_gqa=True
-        "LlamaModel", transformers.LlamaConfig, {**SMALL, "num_key_value_heads": 2,
-        "vocab_size": 100}, "layers.{}.self_attn", _ids(),
+        "LlamaModel",
+        transformers.LlamaConfig,
+        {**SMALL, "num_key_value_heads": 2, "vocab_size": 100},
+        "layers.{}.self_attn",
+        _ids(),
     ),
     "llama-gqa-padded": Case(  # a mask: transformers repeats the key/value heads itself
-        "LlamaModel", transformers.LlamaConfig, {**SMALL, "num_key_value_heads": 2,
-        "vocab_size": 100}, "layers.{}.self_attn", _ids("left"),
+        "LlamaModel",
+        transformers.LlamaConfig,
+        {**SMALL, "num_key_value_heads": 2, "vocab_size": 100},
+        "layers.{}.self_attn",
+        _ids("left"),
     ),
     "vit": Case(
-        "ViTModel", transformers.ViTConfig, {**SMALL, "image_size": 32, "patch_size": 8},
+        "ViTModel",
+        transformers.ViTConfig,
+        {**SMALL, "image_size": 32, "patch_size": 8},
         "layers.{}.attention",
         lambda: {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.manual_seed(1))},
     ),
-}  # fmt: skip
+}
 
 
 def pair(case: Case) -> tuple[nn.Module, nn.Module]:
@@ -120,9 +134,15 @@ def _head_mask_attention(heads: Tensor) -> Callable[..., tuple[Tensor, Tensor]]:
     the softmax (registered with transformers' AttentionInterface)."""
 
     def attention(
-        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
-        scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
         scores = query @ key.transpose(-1, -2) * (scaling or query.size(-1) ** -0.5)
         if attention_mask is not None:
             scores = scores + attention_mask
@@ -195,9 +215,12 @@ def test_under_gradient_checkpointing(reentrant: bool) -> None:
 DECODING = {
     "llama-gqa-padded": ("LlamaModel", transformers.LlamaConfig, {}, True),
     "mistral-sliding-window": (  # every decoding step of a sliding-window model has a mask
-        "MistralModel", transformers.MistralConfig, {"sliding_window": 4}, False,
+        "MistralModel",
+        transformers.MistralConfig,
+        {"sliding_window": 4},
+        False,
     ),
-}  # fmt: skip
+}
 
 
 def _decoding(name: str, implementation: str = "eager") -> tuple[nn.Module, nn.Module]:
@@ -252,9 +275,15 @@ def _head_mask_gqa_attention(heads: Tensor, layer: int) -> Callable[..., tuple[T
     ``heads`` multiplied in after the softmax in ``layer``."""
 
     def attention(
-        module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any,
-        scaling: float | None = None, dropout: float = 0.0, **kwargs: Any,
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Any,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]:
         groups = module.num_key_value_groups
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         scores = query @ key.transpose(-1, -2) * (scaling or query.size(-1) ** -0.5)

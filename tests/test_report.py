@@ -58,9 +58,14 @@ class _Page(HTMLParser):
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3),
-    )  # fmt: skip
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    )
 
 
 def _decode(uri: str) -> Any:
@@ -351,7 +356,9 @@ def test_the_map_section_draws_any_method_that_needs_no_argument(tmp_path: Path)
         picture = hs.overlay(x[0], plane[0], alpha=0.45)
         sources = [a["src"] for t, a in page.sections["cam"] if t == "img"]
         shown = Image.open(io.BytesIO(base64.b64decode(sources[1].split(",", 1)[1])))
-        assert torch.equal(torch.frombuffer(bytearray(shown.convert("RGB").tobytes()),
-                                            dtype=torch.uint8), picture.flatten())  # fmt: skip
+        assert torch.equal(
+            torch.frombuffer(bytearray(shown.convert("RGB").tobytes()), dtype=torch.uint8),
+            picture.flatten(),
+        )
     with pytest.raises(hs.UsageError, match=r"cam_method must be one of .*, got 'occlusion'"):
         hs.report(_cnn(), x, tmp_path / "r.html", cam_method="occlusion")

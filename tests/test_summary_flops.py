@@ -84,8 +84,9 @@ def test_grouped_query_attention_on_every_cuda_kernel(kernel: str) -> None:
 
 def test_grouped_query_attention_on_the_cpu_kernel() -> None:
     q, k, v = torch.randn(B, HQ, SQ, D), torch.randn(B, HKV, SK, D), torch.randn(B, HKV, SK, D)
-    s = hs.summary(Op(lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)),
-                   (q, k, v))  # fmt: skip
+    s = hs.summary(
+        Op(lambda q, k, v: aten._scaled_dot_product_flash_attention_for_cpu(q, k, v)), (q, k, v)
+    )
     assert s.total_flops == ANALYTIC
 
 
@@ -115,9 +116,17 @@ def test_convolution_formula_equals_the_registry(transposed: bool) -> None:
     x = torch.randn(2, 4, 9, 9)
     out = conv(x)
     expected = flop_registry[aten.convolution](
-        x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, transposed,
-        conv.output_padding, conv.groups, out_val=out,
-    )  # fmt: skip
+        x,
+        conv.weight,
+        conv.bias,
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        transposed,
+        conv.output_padding,
+        conv.groups,
+        out_val=out,
+    )
     assert hs.summary(conv, x).total_flops == expected
 
 
@@ -182,8 +191,11 @@ def test_repeated_blocks_run_without_a_python_call_per_operator() -> None:
     assert s.total_flops == 12 * 2 * 4 * 16 * 16
     assert [r.flops for r in s.rows if r.type == "Linear"] == [2 * 4 * 16 * 16] * 12
     assert s.uncounted == {"aten.add": 12, "aten.mul": 12, "aten.sigmoid": 12}
-    assert all(r.uncounted == {"aten.add": 1, "aten.mul": 1, "aten.sigmoid": 1}
-               for r in s.rows if r.type == "Gated")  # fmt: skip
+    assert all(
+        r.uncounted == {"aten.add": 1, "aten.mul": 1, "aten.sigmoid": 1}
+        for r in s.rows
+        if r.type == "Gated"
+    )
     ops = 2 + 3  # a Linear (t, addmm) and a Gated block
     assert calls[0] == 2 * ops  # the first two blocks only, of the 12
 

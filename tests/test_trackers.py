@@ -82,8 +82,11 @@ def _wandb_records(run_dir: Path) -> list[dict[str, Any]]:
     wandb_cli = Path(sys.executable).with_name("wandb")
     done = subprocess.run(
         [str(wandb_cli), "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True, text=True, timeout=120, check=True,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
@@ -283,7 +286,8 @@ def test_buckets_merge_with_exact_counts() -> None:
     counts = [0.0, 2.0, 0.0, 3.0, 1.0, 4.0]
     stats = {"min": -0.5, "max": 7.0}
     assert merged_buckets(stats, counts, edges, 8) == (
-        [2.0, 0.0, 3.0, 1.0, 4.0], [-0.5, 0.0, 1.0, 2.0, 3.0, 7.0]
-    )  # fmt: skip
+        [2.0, 0.0, 3.0, 1.0, 4.0],
+        [-0.5, 0.0, 1.0, 2.0, 3.0, 7.0],
+    )
     assert merged_buckets(stats, counts, edges, 2) == ([5.0, 5.0], [-0.5, 2.0, 7.0])
     assert merged_buckets(stats, [0.0] * 6, edges, 2) == ([], [])

@@ -130,10 +130,11 @@ CALL_CODES: tuple[types.CodeType, ...] = (
 _INNER = _find(
     "nn.Module._call_impl.<locals>.inner",
     lambda: next(
-        c for c in _call_impl.__code__.co_consts if isinstance(c, types.CodeType)
-        and c.co_name == "inner"
+        c
+        for c in _call_impl.__code__.co_consts
+        if isinstance(c, types.CodeType) and c.co_name == "inner"
     ),
-)  # fmt: skip
+)
 
 
 def inner_code() -> types.CodeType:
@@ -252,9 +253,10 @@ def _checkpoint_codes() -> dict[str, Any] | None:
     from torch.utils import checkpoint as cp
 
     unpack = next(
-        c for c in cp._checkpoint_hook.__init__.__code__.co_consts
+        c
+        for c in cp._checkpoint_hook.__init__.__code__.co_consts
         if isinstance(c, types.CodeType) and c.co_name == "unpack_hook"
-    )  # fmt: skip
+    )
     return {
         "reentrant_forward": cp.CheckpointFunction.forward.__code__,
         "reentrant_backward": cp.CheckpointFunction.backward.__code__,

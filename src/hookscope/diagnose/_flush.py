@@ -261,9 +261,17 @@ def _histograms(inputs: StepEnd, gather: _Gather) -> list[tuple[str, str, Any]]:
 def _histogram_entry(
     name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather
 ) -> tuple[str, str, Any]:
-    slices = gather.moments(Moments(
-        m.numel, m.total, m.norm, m.nonzero, m.nonzero_finite.sum(), m.low, m.high,
-    ))  # fmt: skip
+    slices = gather.moments(
+        Moments(
+            m.numel,
+            m.total,
+            m.norm,
+            m.nonzero,
+            m.nonzero_finite.sum(),
+            m.low,
+            m.high,
+        )
+    )
     total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
     counted = gather.add(total, SUM)
 

@@ -16,15 +16,36 @@ from .._extras import require
 from ..errors import UsageError
 
 __all__ = [
-    "CSV_FIELDS", "ROOT", "CSVSink", "JSONLSink", "Sink", "TensorBoardSink", "histogram_name",
-    "make_sink", "scalars",
-]  # fmt: skip
+    "CSV_FIELDS",
+    "ROOT",
+    "CSVSink",
+    "JSONLSink",
+    "Sink",
+    "TensorBoardSink",
+    "histogram_name",
+    "make_sink",
+    "scalars",
+]
 
 #: The CSV header: every key a record can have (empty where a record has none).
 CSV_FIELDS = (
-    "step", "layer", "kind", "norm", "mean", "std", "min", "max", "zeros", "nonfinite", "dead",
-    "grad_norm", "grad_nonfinite", "update_norm", "update_ratio", "value",
-)  # fmt: skip
+    "step",
+    "layer",
+    "kind",
+    "norm",
+    "mean",
+    "std",
+    "min",
+    "max",
+    "zeros",
+    "nonfinite",
+    "dead",
+    "grad_norm",
+    "grad_nonfinite",
+    "update_norm",
+    "update_ratio",
+    "value",
+)
 
 
 #: the name of the model itself (layer ``""``) in a metric's name, where a name cannot be empty
@@ -170,10 +191,16 @@ class TensorBoardSink:
         if self.prefix:
             tag = histogram_name(tag, self.prefix)
         self._writer.add_histogram_raw(
-            tag, min=stats["min"], max=stats["max"], num=int(stats["num"]), sum=stats["sum"],
-            sum_squares=stats["sum_squares"], bucket_limits=limits, bucket_counts=kept,
+            tag,
+            min=stats["min"],
+            max=stats["max"],
+            num=int(stats["num"]),
+            sum=stats["sum"],
+            sum_squares=stats["sum_squares"],
+            bucket_limits=limits,
+            bucket_counts=kept,
             global_step=step,
-        )  # fmt: skip
+        )
 
     def image(self, tag: str, step: int, image: Any) -> None:
         """One RGB image ``(H, W, 3)``, ``uint8``, named ``{prefix}{tag}``."""

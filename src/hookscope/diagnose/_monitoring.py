@@ -432,12 +432,19 @@ class Monitor(Session):
 
     def _end_step(self) -> Ended:
         world = _world()
-        ended = end_step(StepEnd(
-            step=self.count, layers=list(self.layers_watched), moments=self._moments,
-            hist=self._hist, params=self._params, before=self._before,
-            histograms=self.histograms, world=world if self.ranks == "reduce" else 1,
-            rank=_rank() if self.ranks == "each" and world > 1 else None,
-        ))  # fmt: skip
+        ended = end_step(
+            StepEnd(
+                step=self.count,
+                layers=list(self.layers_watched),
+                moments=self._moments,
+                hist=self._hist,
+                params=self._params,
+                before=self._before,
+                histograms=self.histograms,
+                world=world if self.ranks == "reduce" else 1,
+                rank=_rank() if self.ranks == "each" and world > 1 else None,
+            )
+        )
         ended.log(self._scalars)
         self._moments, self._hist, self._before, self._scalars = {}, {}, {}, {}
         return ended

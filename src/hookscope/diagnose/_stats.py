@@ -34,9 +34,19 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "EDGES", "MAX", "MIN", "ROOT_SUM_SQUARES", "SUM", "Flat", "Moments", "few_operators",
-    "has_values", "histogram", "reduce", "stored",
-]  # fmt: skip
+    "EDGES",
+    "MAX",
+    "MIN",
+    "ROOT_SUM_SQUARES",
+    "SUM",
+    "Flat",
+    "Moments",
+    "few_operators",
+    "has_values",
+    "histogram",
+    "reduce",
+    "stored",
+]
 
 #: how each value combines across ranks
 SUM, MIN, MAX, ROOT_SUM_SQUARES = 0, 1, 2, 3

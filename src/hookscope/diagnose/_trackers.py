@@ -248,8 +248,10 @@ class MLflowSink:
                 limits.append(float(edges[i]) if i < len(edges) else stats["max"])
                 kept.append(float(c))
         self._hists.setdefault(step, {})[histogram_name(tag)] = {
-            "limits": limits, "counts": kept, **{k: float(v) for k, v in stats.items()}
-        }  # fmt: skip
+            "limits": limits,
+            "counts": kept,
+            **{k: float(v) for k, v in stats.items()},
+        }
 
     def image(self, tag: str, step: int, image: Any) -> None:
         """One image, as MLflow logs images at a step (``log_image(key=, step=)``)."""

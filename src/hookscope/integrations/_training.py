@@ -105,9 +105,14 @@ class Training:
             if opts.monitor:
                 relayed = [self._relay] if self._relay is not None else []
                 self.monitor = Monitor(
-                    model, opts.layers, every=opts.every, sinks=[*sinks, *relayed],
-                    optimizer=list(optimizers), ranks=opts.ranks, scaler=scaler,
-                )  # fmt: skip
+                    model,
+                    opts.layers,
+                    every=opts.every,
+                    sinks=[*sinks, *relayed],
+                    optimizer=list(optimizers),
+                    ranks=opts.ranks,
+                    scaler=scaler,
+                )
                 self._sessions.enter_context(self.monitor)
             if opts.nonfinite:
                 mode: Literal["raise", "warn"] = "warn" if opts.nonfinite == "warn" else "raise"

@@ -84,10 +84,19 @@ class HookscopeCallback(Results, pl.Callback):
         maps: Maps | None = None,
     ) -> None:
         super().__init__()
-        self._training = Training(Options(
-            every=every, layers=layers, sinks=tuple(sinks), ranks=ranks, monitor=monitor,
-            nonfinite=nonfinite, loggers=loggers, histograms=histograms, maps=maps,
-        ))  # fmt: skip
+        self._training = Training(
+            Options(
+                every=every,
+                layers=layers,
+                sinks=tuple(sinks),
+                ranks=ranks,
+                monitor=monitor,
+                nonfinite=nonfinite,
+                loggers=loggers,
+                histograms=histograms,
+                maps=maps,
+            )
+        )
 
     # -- the trainer's events ------------------------------------------------------------------
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -102,9 +111,13 @@ class HookscopeCallback(Results, pl.Callback):
         self._training.open(pl_module, trainer.optimizers, scaler=scaler, loggers=loggers)
 
     def on_train_batch_end(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Hand the steps read so far to the trainer's loggers."""
         self._training.drain()
 

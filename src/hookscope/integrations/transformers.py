@@ -108,10 +108,19 @@ class HookscopeCallback(Results, TrainerCallback):
         clip: bool = True,
         maps: Maps | None = None,
     ) -> None:
-        self._training = Training(Options(
-            every=every, layers=layers, sinks=tuple(sinks), ranks=ranks, monitor=monitor,
-            nonfinite=nonfinite, loggers=loggers, histograms=histograms, maps=maps,
-        ))  # fmt: skip
+        self._training = Training(
+            Options(
+                every=every,
+                layers=layers,
+                sinks=tuple(sinks),
+                ranks=ranks,
+                monitor=monitor,
+                nonfinite=nonfinite,
+                loggers=loggers,
+                histograms=histograms,
+                maps=maps,
+            )
+        )
         self.clip = bool(clip)
         #: ``(step, report)`` of each logged step's clipping (with ``clip=True``)
         self.clip_reports: list[tuple[int, ClipReport]] = []

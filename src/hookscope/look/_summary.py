@@ -137,9 +137,17 @@ def summary(
 
 
 def _run(
-    model: nn.Module, root: nn.Module, tensors: list[Tensor], args: tuple[Any, ...],
-    kwargs: dict[str, Any], *, time: bool, train: bool, grad: bool, ops: bool,
-) -> Summary:  # fmt: skip
+    model: nn.Module,
+    root: nn.Module,
+    tensors: list[Tensor],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    time: bool,
+    train: bool,
+    grad: bool,
+    ops: bool,
+) -> Summary:
     """The summary's forward and its rows."""
     if any(torch.nn.parameter.is_lazy(t) for t in tensors):
         model = copy.deepcopy(model)  # initialising lazy modules would change the user's

@@ -132,9 +132,16 @@ def _load(o: dict[str, Any], inputs: bool = True) -> tuple[torch.nn.Module, Any]
     if not inputs:
         return model, None
     loaded = load_inputs(
-        model, o["model"], size=o["input_size"], dtype=o["dtype"], images=o["images"],
-        image_size=o["image_size"], channels=int(o["channels"]), text=o["text"], seed=o["seed"],
-    )  # fmt: skip
+        model,
+        o["model"],
+        size=o["input_size"],
+        dtype=o["dtype"],
+        images=o["images"],
+        image_size=o["image_size"],
+        channels=int(o["channels"]),
+        text=o["text"],
+        seed=o["seed"],
+    )
     model, batch = prepare(model, loaded.batch, device=o["device"], dtype=o["dtype"])
     click.get_current_context().meta["hookscope.run"] = (model, batch)  # to locate a failure
     for note in loaded.notes:
@@ -202,9 +209,12 @@ def names_(o: dict[str, Any]) -> None:
 @_input_options
 @click.option("--depth", type=int, help="Fold calls deeper than this.")
 @click.option(
-    "--width", type=click.IntRange(min=40), default=120, show_default=True,
+    "--width",
+    type=click.IntRange(min=40),
+    default=120,
+    show_default=True,
     help="Fit the table to this many columns.",
-)  # fmt: skip
+)
 @click.option(
     "--full", is_flag=True, help="The whole table: every column, full names, one line a call."
 )
@@ -258,13 +268,19 @@ _PERTURBING = ", ".join(perturbation_methods())
     help="smoothgrad: the method averaged over noisy copies of the input.",
 )
 @click.option(
-    "--samples", type=click.IntRange(min=1), default=25, show_default=True,
+    "--samples",
+    type=click.IntRange(min=1),
+    default=25,
+    show_default=True,
     help="smoothgrad: noisy copies.",
-)  # fmt: skip
+)
 @click.option(
-    "--noise", type=click.FloatRange(min=0), default=0.15, show_default=True,
+    "--noise",
+    type=click.FloatRange(min=0),
+    default=0.15,
+    show_default=True,
     help="smoothgrad: noise std as a fraction of each image's range.",
-)  # fmt: skip
+)
 @click.option(
     "--top-k",
     type=click.IntRange(min=1),
@@ -278,19 +294,22 @@ _PERTURBING = ", ".join(perturbation_methods())
     help=f"{_PERTURBING}: images per extra forward (default 32).",
 )
 @click.option(
-    "--steps", type=click.IntRange(min=1),
+    "--steps",
+    type=click.IntRange(min=1),
     help="integrated_gradients, layer_integrated_gradients, layer_conductance: points of the "
     "path integral (default 50, Gauss-Legendre).",
-)  # fmt: skip
+)
 @click.option(
-    "--window", type=click.IntRange(min=1),
+    "--window",
+    type=click.IntRange(min=1),
     help="occlusion: the square window's side in pixels, over every channel (default: an "
     "eighth of the image's shorter side).",
-)  # fmt: skip
+)
 @click.option(
-    "--stride", type=click.IntRange(min=1),
+    "--stride",
+    type=click.IntRange(min=1),
     help="occlusion: pixels between window positions (default: half the window).",
-)  # fmt: skip
+)
 @click.option(
     "--target", "targets", type=int, multiple=True, help="Class per image (default: top)."
 )
@@ -302,10 +321,18 @@ def cam(o: dict[str, Any]) -> None:
     at the image's own size. The score is the target class's logit (the model's raw output)."""
     model, x = _load(o)
     options = MethodOptions(
-        layer=o["layer"], fc=o["fc"], base=o["base"], top_k=o["top_k"],
-        batch_size=o["batch_size"], samples=o["samples"], noise=o["noise"], seed=o["seed"],
-        window=o["window"], stride=o["stride"], steps=o["steps"],
-    )  # fmt: skip
+        layer=o["layer"],
+        fc=o["fc"],
+        base=o["base"],
+        top_k=o["top_k"],
+        batch_size=o["batch_size"],
+        samples=o["samples"],
+        noise=o["noise"],
+        seed=o["seed"],
+        window=o["window"],
+        stride=o["stride"],
+        steps=o["steps"],
+    )
     method = build(o["method"], model, x.batch, options)
     if hasattr(method, "cost"):
         _say_cost(o["method"], method.cost(x.batch), method)
@@ -356,23 +383,33 @@ def _say_cost(name: str, cost: dict[str, int], method: Any) -> None:
 @_model_options
 @_input_options
 @click.option(
-    "--train/--eval", "train", default=True, show_default=True,
+    "--train/--eval",
+    "train",
+    default=True,
+    show_default=True,
     help="Run the model in training mode (dropout, BatchNorm's batch statistics: where NaNs "
     "usually come from) or in eval mode.",
-)  # fmt: skip
+)
 @click.option(
-    "--loss", type=click.Choice(sorted(LOSSES)), default="sum", show_default=True,
+    "--loss",
+    type=click.Choice(sorted(LOSSES)),
+    default="sum",
+    show_default=True,
     help="What the backward starts from: sum (of every floating output), cross_entropy (the "
     "logits against --target or --labels classes), mse (the output against --labels).",
-)  # fmt: skip
+)
 @click.option(
-    "--target", "targets", type=int, multiple=True,
+    "--target",
+    "targets",
+    type=int,
+    multiple=True,
     help="cross_entropy: the class of each input (once: of every input).",
-)  # fmt: skip
+)
 @click.option(
-    "--labels", help="A .npy file, one row per input: class indices (cross_entropy) or values "
+    "--labels",
+    help="A .npy file, one row per input: class indices (cross_entropy) or values "
     "shaped like the output (mse).",
-)  # fmt: skip
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @_with_options
 def nan(o: dict[str, Any]) -> None:
@@ -428,9 +465,12 @@ def _device_of(batch: Any) -> torch.device:
 @click.option("--reduce", type=click.Choice(["spatial_mean", "token_mean"]))
 @click.option("--store-dtype", help="Storage dtype, e.g. float16.")
 @click.option(
-    "--codec", type=click.Choice(["none", "lz4", "zstd"]), default="none", show_default=True,
+    "--codec",
+    type=click.Choice(["none", "lz4", "zstd"]),
+    default="none",
+    show_default=True,
     help="Compression of the feature arrays.",
-)  # fmt: skip
+)
 @click.option("--image-size", type=int, default=224, show_default=True, help="Images: resize to.")
 @click.option(
     "--on-error", type=click.Choice(["raise", "skip"]), default="raise", show_default=True
@@ -451,11 +491,22 @@ def extract_(o: dict[str, Any]) -> None:
     data, tokenizer, transform = _extract_data(o)
     try:
         store = extract(
-            model, data, list(o["layers"]), out=o["out"], batch_size=o["batch_size"],
-            chunk=o["chunk"], reduce=o["reduce"], dtype=o["store_dtype"], tokenizer=tokenizer,
-            transform=transform, on_error=o["on_error"], resume=o["resume"],
-            overwrite=o["overwrite"], engine=o["engine"], codec=o["codec"],
-        )  # fmt: skip
+            model,
+            data,
+            list(o["layers"]),
+            out=o["out"],
+            batch_size=o["batch_size"],
+            chunk=o["chunk"],
+            reduce=o["reduce"],
+            dtype=o["store_dtype"],
+            tokenizer=tokenizer,
+            transform=transform,
+            on_error=o["on_error"],
+            resume=o["resume"],
+            overwrite=o["overwrite"],
+            engine=o["engine"],
+            codec=o["codec"],
+        )
     except UsageError as e:
         raise UsageError(_as_flags(str(e))) from None
     except KeyboardInterrupt:
@@ -537,13 +588,18 @@ def _interrupted(out: str) -> str:
 @click.option("--out", default="report.html", show_default=True, help="The HTML file to write.")
 @click.option("--cam-layer", help="Grad-CAM layer (default: the last spatial one).")
 @click.option(
-    "--cam-method", default="gradcam", show_default=True, type=click.Choice(report_methods()),
+    "--cam-method",
+    default="gradcam",
+    show_default=True,
+    type=click.Choice(report_methods()),
     help="The attribution method of the report's map section (layer methods at --cam-layer).",
-)  # fmt: skip
+)
 @click.option(
-    "--features", "feature_layers", multiple=True,
+    "--features",
+    "feature_layers",
+    multiple=True,
     help="A layer whose feature maps are shown (repeatable; default: up to four convolutions).",
-)  # fmt: skip
+)
 @click.option(
     "--target", "targets", type=int, multiple=True, help="Class per input (default: top)."
 )
@@ -552,9 +608,14 @@ def report_(o: dict[str, Any]) -> None:
     """Write a self-contained HTML report (summary, statistics, feature maps, CAM, findings)."""
     model, x = _load(o)
     path = report(
-        model, x.batch, o["out"], cam_layer=o["cam_layer"], cam_method=o["cam_method"],
-        feature_layers=list(o["feature_layers"]) or None, targets=_targets(o),
-    )  # fmt: skip
+        model,
+        x.batch,
+        o["out"],
+        cam_layer=o["cam_layer"],
+        cam_method=o["cam_method"],
+        feature_layers=list(o["feature_layers"]) or None,
+        targets=_targets(o),
+    )
     click.echo(f"report: {path.resolve()}")
 
 

@@ -299,9 +299,11 @@ def image_transform(spec: str, size: int, channels: int = 3, *, squash: bool = F
         if not squash:
             return lambda im: processor(im.convert("RGB"), return_tensors="pt")["pixel_values"][0]
         return lambda im: processor(
-            im.convert("RGB").resize((size, size)), do_resize=False, do_center_crop=False,
+            im.convert("RGB").resize((size, size)),
+            do_resize=False,
+            do_center_crop=False,
             return_tensors="pt",
-        )["pixel_values"][0]  # fmt: skip
+        )["pixel_values"][0]
     mode = "L" if channels == 1 else "RGB"
     return lambda image: image_to_tensor(image.convert(mode).resize((size, size)))
 

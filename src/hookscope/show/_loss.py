@@ -40,9 +40,11 @@ def labels_for(
             raise UsageError(f"got {len(targets)} --target classes for {n} inputs: give 1 or {n}")
         return torch.tensor(targets * (n if len(targets) == 1 else 1), device=device)
     if not labels:
-        need = "--target K (repeatable) or --labels FILE.npy" if loss == "cross_entropy" else (
-            "--labels FILE.npy (values shaped like the output)"
-        )  # fmt: skip
+        need = (
+            "--target K (repeatable) or --labels FILE.npy"
+            if loss == "cross_entropy"
+            else ("--labels FILE.npy (values shaped like the output)")
+        )
         raise UsageError(f"--loss {loss} needs labels: {need}")
     return _npy_labels(labels, n, device)
 

@@ -80,9 +80,15 @@ def _draw_panel(ax: Any, rows: list[int], panel: Panel) -> None:
         else:
             errors = [_shown(v, False) for v in panel.errors.get(label, [math.nan] * len(xs))]
             ax.errorbar(
-                xs, rows, xerr=[0 if math.isnan(e) else e for e in errors], fmt="o", ms=4,
-                capsize=2, linestyle="none", label=label,
-            )  # fmt: skip
+                xs,
+                rows,
+                xerr=[0 if math.isnan(e) else e for e in errors],
+                fmt="o",
+                ms=4,
+                capsize=2,
+                linestyle="none",
+                label=label,
+            )
     if panel.log:
         ax.set_xscale("log")
     ax.set_title(panel.title, fontsize=_TITLE, loc="left")

@@ -241,15 +241,29 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
     plots = layer_panels(
         [f"{name} ({types.get(name, '?')})" for name in layers],
         [
-            Panel("Activations", "output value: mean ± std over the batch",
-                  {"mean ± std": col(acts, "mean")}, errors={"mean ± std": col(acts, "std")}),
-            Panel("Zeros and dead units", "% of the layer's outputs / channels",
-                  {"outputs exactly 0": col(acts, "zeros", 100),
-                   "dead channels (no gradient passed)": col(acts, "dead", 100)}, kind="bars"),
-            Panel("Gradients", "L2 norm of d(score) / d(output), log scale",
-                  {"gradient norm": col(grads, "norm")}, log=True),
+            Panel(
+                "Activations",
+                "output value: mean ± std over the batch",
+                {"mean ± std": col(acts, "mean")},
+                errors={"mean ± std": col(acts, "std")},
+            ),
+            Panel(
+                "Zeros and dead units",
+                "% of the layer's outputs / channels",
+                {
+                    "outputs exactly 0": col(acts, "zeros", 100),
+                    "dead channels (no gradient passed)": col(acts, "dead", 100),
+                },
+                kind="bars",
+            ),
+            Panel(
+                "Gradients",
+                "L2 norm of d(score) / d(output), log scale",
+                {"gradient norm": col(grads, "norm")},
+                log=True,
+            ),
         ],
-    )  # fmt: skip
+    )
     rows = [
         [
             name,
@@ -260,7 +274,7 @@ def _statistics_html(records: list[dict[str, Any]], types: dict[str, str], n: in
             sum(int(t.get(name, {}).get("nonfinite", 0)) for t in (acts, grads)),
         ]
         for name in layers
-    ]  # fmt: skip
+    ]
     caption = (
         f"One forward and one backward of the explained scores on the {n} input(s), in eval "
         "mode. Zeros: share of a layer's output values that are exactly 0. Dead: share of its "
@@ -342,10 +356,12 @@ def _features(model: nn.Module, inputs: Any, layers: Any) -> str:
     out = []
     for name, grid in grids.items():
         width = min(max(grid.shape[1] * 2, 200), 560)
-        out.append(_html.figure(
-            _html.image(_png(grid), f"feature maps of {name}", width=width, pixel=True),
-            f"{name}: every channel of the first input, each scaled on its own",
-        ))  # fmt: skip
+        out.append(
+            _html.figure(
+                _html.image(_png(grid), f"feature maps of {name}", width=width, pixel=True),
+                f"{name}: every channel of the first input, each scaled on its own",
+            )
+        )
     return "\n".join(out)
 
 
@@ -412,10 +428,12 @@ def _cams(
         label = "target" if k is None else names[k] if names and k < len(names) else f"class {k}"
         p = "" if probs is None or k is None else f", softmax {float(probs[i, k]):.3f}"
         width = max(160, min(256, picture.shape[1] * 4))
-        out.append(_html.figure(
-            _html.image(_png(picture), f"{title} {i}: {label}", width=width),
-            f"#{i}: {label} (logit {float(exp.scores[i]):.3g}{p})",
-        ))  # fmt: skip
+        out.append(
+            _html.figure(
+                _html.image(_png(picture), f"{title} {i}: {label}", width=width),
+                f"#{i}: {label} (logit {float(exp.scores[i]):.3g}{p})",
+            )
+        )
     scale = _html.figure(
         _html.image(colour_scale("jet", "0: the map's minimum", "1: its maximum"), "colour scale"),
         "Colour scale of the overlays: each map is scaled to 0..1 on its own, so colours "

@@ -184,10 +184,17 @@ def explicit(chain: Chain, module: nn.Module) -> Callable[..., Tensor]:
     ) -> Tensor:
         if has_torch_function((query, key, value)):  # sessions below see it as the SDPA call
             out: Tensor = handle_torch_function(
-                scaled_dot_product_attention, (query, key, value), query, key, value,
-                attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                scaled_dot_product_attention,
+                (query, key, value),
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
                 enable_gqa=enable_gqa,
-            )  # fmt: skip
+            )
             return out
         groups = packed_groups(module, query, key)
         probs = unpack(probabilities(query, key, attn_mask, is_causal, scale, enable_gqa), groups)

@@ -89,8 +89,13 @@ def _ints(values: Any) -> bool:
 class _Windows:
     """Window positions, the first dimension's changing fastest (Captum's order)."""
 
-    def __init__(self, shape: tuple[int, ...], window: tuple[int, ...],
-                 strides: tuple[int, ...], device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        shape: tuple[int, ...],
+        window: tuple[int, ...],
+        strides: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
         self.shape, self.window, self.strides, self.device = shape, window, strides, device
         self.counts = [
             math.ceil((d - w) / s) + 1 for d, w, s in zip(shape, window, strides, strict=True)
