@@ -29,7 +29,8 @@ from ._bind import Binder
 from ._calls import PRIVATE, ModuleCall
 from ._lifetime import HookSet, run_unseen
 from ._records import _OUTPUT, Call, LayerRecord
-from ._session import Run, Session, replica_error, transformed_error
+from ._refusals import replica_error, transformed_error
+from ._session import Run, Session
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
 from ._watch import PENDING, GradWatch

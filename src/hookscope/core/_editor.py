@@ -41,7 +41,8 @@ from ._calls import ModuleCall
 from ._checkpoint import REENTRANT, Replay, find_segments, maybe_in_segment
 from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
-from ._session import Run, Session, replica_error
+from ._refusals import replica_error
+from ._session import Run, Session
 from .ops._attention import WAITING, chain_of, explicit
 from .ops._select import SDPA, WEIGHTS, OpSelector, forward_op, op_binder, op_name
 

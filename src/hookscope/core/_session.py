@@ -69,25 +69,19 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ..errors import LayerNotFoundError, UnsupportedModelError
+from ..errors import LayerNotFoundError
 from . import _torch
-from ._calls import PRIVATE, ModuleCall, Now, hidden, in_own_forward, private_forward, private_to
+from ._calls import PRIVATE, ModuleCall, Now, hidden, in_own_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
-from ._compile import compile_guard, is_compiled, refuse_inside_traces, transforms_now
+from ._compile import compile_guard, is_compiled, refuse_inside_traces
 from ._lifetime import HookSet, run_unseen, unseen
 from ._naming import Layers, Site, is_called, unwrap
+from ._refusals import check_model, replica_error, scripted_error, transformed_error
 from .ops._attention import attention_args, probabilities
 from .ops._select import forward_op, op_binder
 from .ops._watch import Listener, OpWatch
 
-__all__ = [
-    "ModuleCall",
-    "Session",
-    "private_forward",
-    "replica_error",
-    "scripted_error",
-    "transformed_error",
-]
+__all__ = ["Run", "Session"]
 
 #: ``run(args, kwargs) -> result``: the rest of an intercepted operation's handling
 Run = Callable[[tuple[Any, ...], dict[str, Any]], Any]
@@ -222,7 +216,7 @@ class Session:
         return self
 
     def _install_hooks(self) -> None:
-        _check_model(self.model, self._layers.root)
+        check_model(self.model, self._layers.root)
         self._follow_replaced()
         compiled = is_compiled(self.model)
         with contextlib.ExitStack() as stack:
@@ -596,33 +590,8 @@ _stack_length = _torch.function_stack_length
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
 _functorch_level = _torch.functorch_level
 
+
 #: what to do instead, per torch.func transform (``_torch.functorch_transforms``)
-_TRANSFORM_FIX = {
-    "vmap": "for vmap, call the model on the whole batch (vmap's result equals it for a "
-    "model whose samples do not interact)",
-    "grad": "for grad, vjp and jacrev, run a plain forward and take gradients with "
-    "autograd (loss.backward(), torch.autograd.grad or torch.autograd.functional.jacobian)",
-    "jvp": "for jvp and jacfwd, torch.autograd.functional.jvp and .jacobian compute the "
-    "same with a plain forward",
-    "functionalize": "for functionalize, run the model itself",
-}
-
-
-def transformed_error(layer: str, entry: str) -> UnsupportedModelError:
-    """``layer`` ran inside a torch.func transform, where ``entry`` cannot work."""
-    kinds, where = transforms_now()
-    fixes = "; ".join(_TRANSFORM_FIX.get(k, f"for {k}, run the model itself") for k in kinds)
-    return UnsupportedModelError(
-        f"{layer or 'the model'!r} ran inside {where} (a torch.func transform), where tensors "
-        "are the transform's wrappers (one sample's slice under vmap, dual or gradient-tracking "
-        f"tensors under jvp and grad) that mean nothing outside it: {entry} cannot use them. "
-        "Fix: run the model outside "
-        f"the transform while {entry} is open ({fixes}), or, where the model's own forward "
-        "runs the transform, select layers outside it. (torch.func.functional_call is not a "
-        "transform and works; hs.edit works inside transforms.)"
-    )
-
-
 def _running(module: nn.Module, skip: int) -> bool:
     """Whether a call of ``module`` is on the Python stack (beyond the innermost ``skip``)."""
     frame = sys._getframe(1)
@@ -646,37 +615,3 @@ def _module_at(root: nn.Module, name: str) -> nn.Module | None:
         kids = _torch.children(unwrap(module)) if module is not None else {}
         module = kids[part] if part in kids else None  # noqa: SIM401 - TorchScript's has no get
     return unwrap(module) if module is not None else None
-
-
-def _check_model(model: nn.Module, root: nn.Module) -> None:
-    """Refuse models whose calls cannot be followed: TorchScript, DataParallel replicas."""
-    if isinstance(root, torch.jit.ScriptModule):
-        raise scripted_error("the model", root)
-    module: nn.Module | None = model
-    while module is not None:
-        if isinstance(module, nn.DataParallel) and len(module.device_ids or []) > 1:
-            raise UnsupportedModelError(
-                f"nn.DataParallel over {len(module.device_ids)} devices runs a copy of the "
-                "model per device, in threads; hookscope cannot attribute their calls "
-                "reliably. Hook the model on one device (model.module, or DataParallel with "
-                "device_ids=[0]), or use DistributedDataParallel (one process per GPU)."
-            )
-        inner = getattr(module, "module", None) or getattr(module, "_orig_mod", None)
-        module = inner if isinstance(inner, nn.Module) else None
-
-
-def replica_error(module: nn.Module) -> UnsupportedModelError:
-    return UnsupportedModelError(
-        f"a hook of hookscope ran on a copy of the hooked {type(module).__name__} (a "
-        "DataParallel replica, or a copy made while the hooks existed); hookscope records "
-        "only the modules it hooked. Hook the model on one device."
-    )
-
-
-def scripted_error(what: str, module: nn.Module) -> UnsupportedModelError:
-    kind = getattr(module, "original_name", type(module).__name__)
-    return UnsupportedModelError(
-        f"{what} ({kind}) is TorchScript (torch.jit.script / trace) or part of a TorchScript "
-        "module: PyTorch runs it in C++ and does not allow Python hooks on it or inside it. "
-        "Hook the Python model before scripting it (or export it with torch.export instead)."
-    )
