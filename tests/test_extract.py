@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hookscope as hs
+from extract_oracle import TokenModel, token_items
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand_hooks as _hand_hooks
 
@@ -396,6 +397,16 @@ def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
         factory = hs.extract(hidden.build, data, ["body.0"], out=tmp_path / "h_factory",
                              chunk=16, engine="ray")  # fmt: skip
         _assert_same(factory, local)
+        # unit="token": actors write ranges of blocks (10 blocks, chunks shared across them)
+        torch.manual_seed(0)
+        model = TokenModel()
+        kwargs = {"unit": "token", "batch_size": 6, "chunk": 12, "positions": (1, None)}
+        local = hs.extract(model, token_items(), ["mix"], out=tmp_path / "t_local", **kwargs)
+        remote = hs.extract(model, token_items(), ["mix"], out=tmp_path / "t_ray", **kwargs,
+                            engine="ray", workers=2)  # fmt: skip
+        _assert_same(remote, local)
+        for name in ("sample", "position", "token_id"):
+            assert np.array_equal(remote[name][:], local[name][:]), name
     finally:
         ray.shutdown()
         sys.modules.pop("hidden_models", None)
@@ -440,7 +451,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
     for kwargs, message in [
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"chunk": -1}, "chunk must be an int >= 1"),
-        ({"engine": "spark"}, 'engine must be "local" or "ray"'),
+        ({"engine": "spark"}, 'engine must be "local", "ray" or "distributed"'),
         ({"dtype": "bfloat16"}, "bfloat16 cannot be stored"),
         ({"dtype": "floaty"}, "not a torch dtype"),
         ({"progress": "yes"}, "progress must be"),

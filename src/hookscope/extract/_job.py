@@ -97,6 +97,9 @@ class _Place:
     at: int
     src: int
     count: int
+    tokens: int = 0  # unit="token": the kept tokens of these samples,
+    token_src: int = 0  # which of the batch's kept tokens they are,
+    token_at: int = 0  # and where they go in the block's rows
 
 
 class Job:
@@ -222,7 +225,7 @@ class Job:
                 block = self._open.get(k)
                 if block is None:
                     capacity = chunk if n is None else min(chunk, n - k * chunk)
-                    block = self._open[k] = Block(k, k * chunk, capacity, buffers())
+                    block = self._open[k] = self._block(k, k * chunk, capacity, buffers())
                 places.append(_Place(block, block.rows, i, count))
                 for j in range(i, i + count):
                     if not ok[j]:
@@ -231,6 +234,9 @@ class Job:
                     block.errors.append("" if ok[j] else reasons.get(ids[j], "unreadable"))
             i += count
         return places
+
+    def _block(self, index: int, start: int, capacity: int, buffers: dict[str, Tensor]) -> Block:
+        return Block(index, start, capacity, buffers)
 
     def _finished(self, block: Block) -> Block:
         del self._open[block.index]

@@ -59,15 +59,22 @@ from .._extras import require
 from ..errors import UsageError
 
 __all__ = [
-    "CODECS", "IDENTITY", "META", "Codec", "Store", "check_codec", "open_group", "zarr_module",
+    "CODECS", "COLUMNS", "IDENTITY", "META", "Codec", "Store", "check_codec", "open_group",
+    "zarr_module",
 ]  # fmt: skip
 
 META = "hookscope"
-_RESERVED = ("ids", "errors", "done")
+#: a token store's arrays beside its layers' (``unit="token"``): which sample each token
+#: row comes from, its position among the sample's real tokens, its token id
+COLUMNS = ("sample", "position", "token_id")
+_RESERVED = ("ids", "errors", "done", "block_tokens", *COLUMNS)
 #: What must be the same to resume a store (the rest of the metadata may differ).
 IDENTITY = (
-    "model", "fingerprint", "layers", "reduce", "dtype", "chunk", "input", "probe",
+    "model", "fingerprint", "layers", "reduce", "dtype", "chunk", "input", "probe", "unit",
+    "token_rule",
 )  # fmt: skip
+#: what a store made before a setting existed had (a store of samples has no token rule)
+_DEFAULTS: dict[str, Any] = {"unit": "sample"}
 _LABELS = {
     "probe": "the first sample's model input (transform, image size, tokenizer, order)",
     "batch_size": "batch size (texts are padded to each batch's longest)",
@@ -435,11 +442,7 @@ class Store:
 
         if not self._ready and "done" not in self.group:
             self._create({n: ((), np.dtype("float32")) for n in features}, 0, 1, "none")
-        if self._async("ids").shape[0] != rows:
-            for name in (*features, "ids", "errors"):
-                array = self._array(name)
-                array.resize((rows, *array.shape[1:]))
-            self._writable.clear()
+        self._trim(rows, features)
         if errors is None and rows:
             reasons = self._array("errors")[:]
             ids = self._array("ids")[:]
@@ -454,10 +457,23 @@ class Store:
         attributes = self.group.attrs.asdict()  # the whole set is replaced: keep the others
         attributes[META] = {
             **attributes[META], **meta, "samples": rows, "errors": errors, "complete": True,
+            **self._totals(),
             "arrays": {n: {"shape": list(self._async(n).shape), "dtype": str(self._async(n).dtype)}
                        for n in features},
         }  # fmt: skip
         (self.group,) = self._run([self.group.update_attributes_async(attributes)])
+
+    def _trim(self, rows: int, features: list[str]) -> None:
+        """The arrays cut (or grown) to ``rows`` samples, the store's final length."""
+        if self._async("ids").shape[0] != rows:
+            for name in (*features, "ids", "errors"):
+                array = self._array(name)
+                array.resize((rows, *array.shape[1:]))
+            self._writable.clear()
+
+    def _totals(self) -> dict[str, Any]:
+        """What a finished store's metadata says beside its samples (a token store: tokens)."""
+        return {}
 
     def ours(self) -> bool:
         """Whether the store at the path is still the one this object made or resumed (not
@@ -538,10 +554,13 @@ def _remove(path: Path) -> None:
 def _check_same(
     old: Mapping[str, Any], new: Mapping[str, Any], path: Path, same: tuple[str, ...]
 ) -> None:
-    differ = [k for k in same if old.get(k) != new.get(k)]
+    def stored(k: str) -> Any:
+        return old.get(k, _DEFAULTS.get(k))
+
+    differ = [k for k in same if stored(k) != new.get(k)]
     if differ:
         what = "; ".join(
-            f"{_LABELS.get(k, k)}: stored {old.get(k)!r}, now {new.get(k)!r}" for k in differ
+            f"{_LABELS.get(k, k)}: stored {stored(k)!r}, now {new.get(k)!r}" for k in differ
         )
         raise UsageError(
             f"cannot resume {str(path)!r}: the run differs from the one that made it ({what}). "

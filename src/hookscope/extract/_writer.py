@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._store import Store
+from ._store import COLUMNS, Store
 
-__all__ = ["Block", "Writer", "overlap", "pinned"]
+__all__ = ["Block", "TokenBlock", "Writer", "overlap", "pinned"]
 
 _POLL = 0.1  # seconds between looks at the writer thread while waiting for it
 
@@ -68,6 +68,25 @@ class Block:
                 rows = rows.clone() if name in self.held else rows  # never the model's inputs
                 rows[self.bad] = float("nan") if rows.is_floating_point() else 0
             out[name] = rows.numpy()
+        return out
+
+
+class TokenBlock(Block):
+    """A block of ``unit="token"``: its samples' ids as a :class:`Block`'s, and the rows of
+    their kept tokens: ``count`` rows per layer (buffers of at least that many), and per token
+    its ``sample``, ``position`` and ``token_id`` (``columns``, a part per batch)."""
+
+    def __init__(self, index: int, start: int, capacity: int, buffers: dict[str, Tensor]) -> None:
+        super().__init__(index, start, capacity, buffers)
+        self.count = 0
+        self.columns: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def arrays(self) -> dict[str, Any]:
+        out = {name: buffer[: self.count].numpy() for name, buffer in self.buffers.items()}
+        dtypes = (torch.int64, torch.int32, torch.int32)
+        for i, (name, dtype) in enumerate(zip(COLUMNS, dtypes, strict=True)):
+            parts = [c[i] for c in self.columns]
+            out[name] = (torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)).numpy()
         return out
 
 
