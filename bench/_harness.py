@@ -58,9 +58,8 @@ class Job:
     alone: bool = True  # timing jobs run alone; memory jobs (per-process RSS) may share
 
 
-def timing_jobs(
-    module: str, cfg: Config, budgets: dict[str, float], *, rounds: int = 20, min_rounds: int = 5
-) -> list[Job]:
+def timing_jobs(module: str, cfg: Config, budgets: dict[str, float], *, rounds: int = 20,
+                min_rounds: int = 5) -> list[Job]:  # fmt: skip
     """A malloc-tuned timing process per case (``{case: seconds of rounds}``): a warm-up round,
     then ``rounds``, never fewer than ``min_rounds`` (--quick: one round, no warm-up)."""
     plan = {"warmup": 0, "rounds": 1, "min_rounds": min_rounds, "budget_s": 0.0}

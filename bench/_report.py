@@ -103,10 +103,8 @@ def case_section(r: Result) -> list[str]:
         rows = []
         for key, v in r["variants"].items():
             got = [median(s, key, f) for f in fields]
-            cells = [
-                DASH if x is None else number(x * FIELDS[f][1], f)
-                for f, x in zip(fields, got, strict=True)
-            ]
+            cells = [DASH if x is None else number(x * FIELDS[f][1], f)
+                     for f, x in zip(fields, got, strict=True)]  # fmt: skip
             base = (fields or ["seconds"])[0]
             vs = f"{cell(paired(s, key, v['floor'], base))} `{v['floor']}`" if v["floor"] else DASH
             rows.append([f"`{key}`", v["label"], *cells, cell(paired(s, key, unit, base)), vs])
@@ -150,9 +148,8 @@ def run_lines(meta: Result, machine: Result) -> list[str]:
     return lines + ([quick, ""] if meta.get("quick") else [])
 
 
-def section(
-    title: str, targets: list[Target], results: list[Result], meta: Result
-) -> tuple[list[Result], list[str]]:
+def section(title: str, targets: list[Target], results: list[Result],
+            meta: Result) -> tuple[list[Result], list[str]]:  # fmt: skip
     """(the evaluated targets, the markdown section) of one module's results."""
     cases = merge(r for r in results if r.get("kind") != "error")
     rows = [row for t in targets if (row := evaluate(t, cases)) is not None]

@@ -128,9 +128,8 @@ class StopHere(Exception):
     """Raised by hand-written early-stop hooks."""
 
 
-def hooked(
-    model: nn.Module, names: list[str], make: Callable[[str], Any], fn: Callable[[], Any]
-) -> Any:
+def hooked(model: nn.Module, names: list[str], make: Callable[[str], Any],
+           fn: Callable[[], Any]) -> Any:  # fmt: skip
     """``fn()`` with the forward hook ``make(name)`` on each of ``names``, registered for this
     call only, as a library must."""
     modules = dict(model.named_modules())
@@ -140,9 +139,8 @@ def hooked(
         return fn()
 
 
-def hand_capture(
-    case: Case, names: list[str], store: Callable[[Tensor], Any], stop_after: str | None = None
-) -> tuple[Any, dict[str, Any]]:
+def hand_capture(case: Case, names: list[str], store: Callable[[Tensor], Any],
+                 stop_after: str | None = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """The floor: hooks that keep ``store(output)``; ``stop_after``'s ends the forward."""
     kept: dict[str, Any] = {}
 
@@ -171,7 +169,6 @@ def _reducer(kind: str) -> Callable[[Tensor], Tensor]:
 
 
 def lib_capture(lib: ModuleType, case: Case, names: list[str], **options: Any) -> Any:
-    out = None
     with torch.no_grad(), lib.capture(case.model, names, **options) as cap:
         out = case.forward()
     return out, cap

@@ -138,9 +138,7 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
               "extra image forwards, top_k=3": budget.cost(x)["forwards"],
               "rank correlation of the top-k map with the full one (Spearman, mean over images)":
               _spearman(full(x, targets=y).raw, budget(x, targets=y).raw)}  # fmt: skip
-    about = (
-        f"the demo's shapes CNN (trained in the worker), {len(x)}x1x32x32, layer `7` (32 channels)"
-    )
+    about = f"the demo's shapes CNN (trained in the worker), {len(x)}x1x32x32, layer `7` (32 ch.)"
     return fns, {"case": "explain/shapes", "title": "Score-CAM, shapes CNN", "about": about,
                  "values": values, "unit": "score_plain"}  # fmt: skip
 

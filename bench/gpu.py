@@ -173,14 +173,9 @@ def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
 
     model, x, few, leaves = case.model, case.args[0], case.selection, case.leaves
 
-    def lib(names: list[str], **options: Any) -> Fn:
-        return functools.partial(capture.lib_capture, hs, case, names, **options)
-
-    def hand(names: list[str], store: Callable[[Tensor], Any]) -> Fn:
-        return functools.partial(capture.hand_capture, case, names, store)
-
-    def half(name: str) -> Callable[[nn.Module, Any, Any], Any]:
-        return lambda module, args, out: h.map_tensors(lambda t: t * 0.5, out)
+    lib = functools.partial(functools.partial, capture.lib_capture, hs, case)
+    hand = functools.partial(functools.partial, capture.hand_capture, case)
+    half = lambda name: lambda module, args, out: h.map_tensors(lambda t: t * 0.5, out)  # noqa: E731
 
     def edited() -> Any:
         with torch.no_grad(), hs.edit(model, dict.fromkeys(few, hs.scale(0.5))):
@@ -203,9 +198,8 @@ def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
     return fns
 
 
-def _training(
-    case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
-) -> dict[str, Fn]:
+def _training(case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path,
+              quick: bool) -> dict[str, Fn]:  # fmt: skip
     """A training step, alone and inside each tool; 10 steps for the Monitor (--quick: 2)."""
     import hookscope as hs
 
@@ -213,9 +207,7 @@ def _training(
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
 
     def step() -> None:
-        F.cross_entropy(
-            explain.Logits(model)(x).flatten(0, -2).float(), labels.flatten()
-        ).backward()
+        F.cross_entropy(explain.Logits(model)(x).flatten(0, -2).float(), labels.view(-1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -296,9 +288,8 @@ def _extract(case: capture.Case, tmp: Path, quick: bool) -> dict[str, Fn]:
     return {"extract": ours, "hand_loop": hand}
 
 
-def variants(
-    case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
-) -> tuple[list[Variant], dict[str, str]]:
+def variants(case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path,
+             quick: bool) -> tuple[list[Variant], dict[str, str]]:  # fmt: skip
     """The timed calls of ``groups``, and why any is skipped (a peer not installed)."""
     fns, skipped = _inference(case, groups), {}
     fns.update(_training(case, labels, groups, tmp, quick))

@@ -213,10 +213,8 @@ def _rss(spec: Result) -> Result:
     values = {"first call, s": times[0], "later, median s": statistics.median(times[1:] or times),
               "RSS before the first summary (torch, transformers, the meta model), MiB": before,
               "peak RSS, GB": h.peak_rss_mib() * 2**20 / 1e9}  # fmt: skip
-    about = (
-        f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
-        f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
-    )
+    about = (f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
+             f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times")
     return {"case": "look/llama_rss", "title": "Llama-7B (meta) alone", "about": about,
             "values": values}  # fmt: skip
 

@@ -105,23 +105,21 @@ def build_variants(case: capture.Case) -> list[Variant]:
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
 
-    def hs_sdpa() -> list[Tensor]:
-        with torch.no_grad(), hs.capture(case.model, SDPA) as cap:
-            case.forward()
-        return [cap[n].output for n in cap]
+    def captured(selection: Any) -> Callable[[], list[Tensor]]:
+        def run() -> list[Tensor]:  # every output read, in the selection's order
+            with torch.no_grad(), hs.capture(case.model, selection) as cap:
+                case.forward()
+            return [cap[n].output for n in cap]
 
-    def hs_weights2() -> Any:
-        with torch.no_grad(), hs.capture(case.model, WEIGHTS) as cap:
-            case.forward()
-        return [cap[w].output for w in WEIGHTS]
+        return run
 
     def eager_all() -> Any:
         with torch.no_grad():
             return eager(*case.args, **case.kwargs, output_attentions=True)
 
     fns: dict[str, Callable[[], Any]] = {
-        "plain": case.plain, "hand_attn": _hand_attn(case), "hs_sdpa": hs_sdpa,
-        "hs_weights2": hs_weights2, "floor_weights2": lambda: (case.plain(), _explicit(qk)),
+        "plain": case.plain, "hand_attn": _hand_attn(case), "hs_sdpa": captured(SDPA),
+        "hs_weights2": captured(WEIGHTS), "floor_weights2": lambda: (case.plain(), _explicit(qk)),
         "eager_all": eager_all, "nnsight_sdpa": _nnsight(case),
     }  # fmt: skip
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]

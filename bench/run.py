@@ -60,11 +60,9 @@ def _git(*args: str) -> bytes:
 
 
 def extract_baseline(rev: str) -> dict[str, Any]:
-    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` under bench/_out/baseline.
-
-    Renaming the folder is enough because the package imports itself only relatively; an
-    absolute ``import hookscope`` would mix in the code under test, so it is refused.
-    """
+    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` under bench/_out/baseline:
+    the package imports itself only relatively, so renaming its folder is enough (an absolute
+    ``import hookscope`` would mix in the code under test, so it is refused)."""
     info: dict[str, Any] = {"rev": rev, "path": str(BASELINE_DIR)}
     try:
         info["commit"] = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
@@ -106,10 +104,9 @@ def _failed(path: Path, job: Job, stderr: str, t0: float) -> None:
 
 
 def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
-    """Each job in a worker process of its own, ``parallel`` at a time (the next starts as
-    soon as any one ends), or with ``parallel`` 0 all in this process one after another (the
-    smoke run: no isolation to pay for, one import of torch and transformers). A failure
-    leaves an error record."""
+    """Each job in a worker process of its own, ``parallel`` at a time (the next starts as soon
+    as any one ends), or with ``parallel`` 0 all in this process in turn (the smoke run: no
+    isolation to pay for, one import of torch and transformers). A failure leaves a record."""
     pending, running = list(jobs), []
     while pending and not parallel:
         job, start = pending.pop(0), time.perf_counter()

@@ -13,8 +13,10 @@ the buffer, which is emitted. So:
   chunk's rows in order (a shuffle of chunks alone would);
 - the order is a function of ``seed``, the epoch (:meth:`Shuffled.set_epoch`) and the number
   of workers; another seed gives another permutation;
-- host memory holds the buffer, one chunk being read and one batch per worker;
-- reads are whole chunks, each once: the store is read at the speed of reading it in order.
+- host memory holds the buffer, two chunks (one mixed, the next being read meanwhile by a
+  thread) and one batch per worker;
+- reads are whole chunks, each once: the store is read at the speed of reading it in order,
+  and each row is copied twice more (into the buffer, and from it into its batch).
 
 The first rows of an epoch can only come from the first chunks read: the order is a uniform
 permutation within a window of about ``buffer`` rows, not over the whole store (a larger
@@ -23,8 +25,10 @@ buffer widens it; ``buffer >= tokens`` makes it a uniform permutation of all of 
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +74,36 @@ class Shuffled(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
         chunks = math.ceil(self.tokens / self.chunk)
         order = np.random.default_rng([self.seed, self.epoch]).permutation(chunks)
         rng = np.random.default_rng([self.seed, self.epoch, workers, worker])
-        capacity = max(self.chunk, self.buffer // workers)
+        mixer = _Mixer(max(self.chunk, self.buffer // workers), self.batch_size, rng)
         group = zarr_module().open_group(self.path, mode="r")
-        arrays = {name: group[name] for name in (*self.layers, *COLUMNS)}
-        reads = (self._read(arrays, int(c)) for c in order[worker::workers])
-        batches = _Batches(self.batch_size)
-        for rows in _mixed(reads, capacity, rng):
-            yield from batches.add(rows)
-        if (last := batches.rest()) is not None and not self.drop_last:
-            yield last
+        arrays = {name: group[name].async_array for name in (*self.layers, *COLUMNS)}
+        loop = asyncio.new_event_loop()  # the reading thread's: every array of a chunk at once
+        try:
+            with ThreadPoolExecutor(1, thread_name_prefix="hookscope-shuffled") as reader:
+                mine = [int(c) for c in order[worker::workers]]
 
-    def _read(self, arrays: dict[str, Any], chunk: int) -> dict[str, np.ndarray[Any, Any]]:
+                def read(i: int) -> Future[Rows] | None:
+                    return (
+                        reader.submit(self._read, loop, arrays, mine[i]) if i < len(mine) else None
+                    )
+
+                ahead = read(0)
+                for i in range(len(mine)):  # the next chunk is read while this one is mixed
+                    assert ahead is not None
+                    rows, ahead = ahead.result(), read(i + 1)
+                    yield from mixer.add(rows)
+        finally:
+            loop.close()
+        yield from mixer.drain(self.drop_last)
+
+    def _read(self, loop: asyncio.AbstractEventLoop, arrays: dict[str, Any], chunk: int) -> Rows:
         a, b = chunk * self.chunk, min((chunk + 1) * self.chunk, self.tokens)
-        rows = {name: np.asarray(array[a:b]) for name, array in arrays.items()}
+
+        async def every() -> list[Any]:
+            return list(await asyncio.gather(*(x.getitem(slice(a, b)) for x in arrays.values())))
+
+        rows = {name: np.asarray(v) for name, v in zip(arrays, loop.run_until_complete(every()),
+                                                          strict=True)}  # fmt: skip
         rows["token"] = np.arange(a, b, dtype=np.int64)
         return rows
 
@@ -90,47 +111,52 @@ class Shuffled(torch.utils.data.IterableDataset[dict[str, torch.Tensor]]):
 Rows = dict[str, np.ndarray[Any, Any]]
 
 
-def _mixed(reads: Iterator[Rows], capacity: int, rng: np.random.Generator) -> Iterator[Rows]:
-    """Rows out of a buffer of ``capacity`` rows (see the module docstring)."""
-    buffer: Rows = {}
-    filled = 0
-    for rows in reads:
-        if not buffer:
-            buffer = {k: np.empty((capacity, *v.shape[1:]), v.dtype) for k, v in rows.items()}
-        n = len(rows["token"])
-        first = min(n, capacity - filled)  # room left: no row is emitted yet
-        for k, v in rows.items():
-            buffer[k][filled : filled + first] = v[:first]
-        filled += first
-        if first < n:  # each row read replaces one drawn at random, which goes out
-            slots = rng.choice(capacity, n - first, replace=False)
-            yield {k: b[slots] for k, b in buffer.items()}
-            for k, v in rows.items():
-                buffer[k][slots] = v[first:]
-    order = rng.permutation(filled)
-    if filled:
-        yield {k: b[order] for k, b in buffer.items()}
+class _Mixer:
+    """The buffer of ``capacity`` rows (see the module docstring), and the batch being filled:
+    rows drawn from the buffer are gathered straight into it."""
 
-
-class _Batches:
-    """Rows cut into batches of ``size`` (what is left waits for the next rows)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._rest: Rows | None = None
+    def __init__(self, capacity: int, batch: int, rng: np.random.Generator) -> None:
+        self.capacity, self.batch, self.rng = capacity, batch, rng
+        self.buffer: Rows = {}
+        self.filled = 0
+        self._out: Rows = {}
+        self._at = 0
 
     def add(self, rows: Rows) -> Iterator[dict[str, torch.Tensor]]:
-        if self._rest is not None:
-            rows = {k: np.concatenate([self._rest[k], v]) for k, v in rows.items()}
-            self._rest = None
-        n, start = len(rows["token"]), 0
-        while n - start >= self.size:
-            yield {k: torch.from_numpy(v[start : start + self.size]) for k, v in rows.items()}
-            start += self.size
-        if start < n:
-            self._rest = {k: v[start:].copy() for k, v in rows.items()}
+        """Rows read: they fill the buffer, then each takes the place of one drawn."""
+        if not self.buffer:
+            self.buffer = {k: np.empty((self.capacity, *v.shape[1:]), v.dtype)
+                           for k, v in rows.items()}  # fmt: skip
+        n = len(rows["token"])
+        first = min(n, self.capacity - self.filled)
+        for k, v in rows.items():
+            self.buffer[k][self.filled : self.filled + first] = v[:first]
+        self.filled += first
+        if first < n:
+            slots = self.rng.choice(self.capacity, n - first, replace=False)
+            yield from self._emit(slots)
+            for k, v in rows.items():
+                self.buffer[k][slots] = v[first:]
 
-    def rest(self) -> dict[str, torch.Tensor] | None:
-        if self._rest is None:
-            return None
-        return {k: torch.from_numpy(v) for k, v in self._rest.items()}
+    def drain(self, drop_last: bool) -> Iterator[dict[str, torch.Tensor]]:
+        """The rows left, in a random order; then the last, smaller batch."""
+        order = self.rng.permutation(self.filled)
+        for i in range(0, len(order), self.batch):
+            yield from self._emit(order[i : i + self.batch])
+        if self._at and not drop_last:
+            yield {k: torch.from_numpy(v[: self._at]) for k, v in self._out.items()}
+
+    def _emit(self, slots: np.ndarray[Any, Any]) -> Iterator[dict[str, torch.Tensor]]:
+        """The rows at ``slots``, gathered into the batch being filled (whole ones yielded)."""
+        done = 0
+        while done < len(slots):
+            if not self._out:
+                self._out = {k: np.empty((self.batch, *b.shape[1:]), b.dtype)
+                             for k, b in self.buffer.items()}  # fmt: skip
+            part = slots[done : done + self.batch - self._at]
+            for k, b in self.buffer.items():
+                np.take(b, part, axis=0, out=self._out[k][self._at : self._at + len(part)])
+            self._at, done = self._at + len(part), done + len(part)
+            if self._at == self.batch:
+                yield {k: torch.from_numpy(v) for k, v in self._out.items()}
+                self._out, self._at = {}, 0

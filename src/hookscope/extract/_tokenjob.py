@@ -123,6 +123,8 @@ class TokenJob(Job):
         size = max(need, self._per_block, guess, 2 * len(buffer) if buffer is not None else 0)
         grown = torch.empty((size, *row), dtype=dtype, pin_memory=self._pinned)
         if buffer is not None and filled:
+            if self._pinned:  # copies from the device into the old buffer may be under way
+                torch.cuda.current_stream(self.device).synchronize()
             grown[:filled].copy_(buffer[:filled])
         block.buffers[name] = grown
         return grown
