@@ -374,3 +374,6 @@ def test_export_to_hugging_face_datasets(tmp_path: Path) -> None:
                           packed["token_id"][:])  # fmt: skip
     with pytest.raises(hs.UsageError, match="already exists"):
         packed.to_hf_dataset(tmp_path / "seq")
+    rows = [{"input_ids": torch.randint(0, 50, (k,))} for k in (6, 6, 6, 3)]  # packed: last short
+    cut = hs.extract(model, rows, ["mix"], out=tmp_path / "c", unit="token")
+    assert len(cut.to_hf_dataset(tmp_path / "cut", rows="sequence")) == 3

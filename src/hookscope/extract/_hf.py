@@ -50,9 +50,10 @@ def export(store: FeatureStore, path: Path, layers: list[str], names: dict[str, 
             f"names give columns {sorted(column.values())}: they must differ "
             "from each other and from sample, position, token_id, token_ids"
         )
-    length = _length(store) if rows == "sequence" else 0
-    features, parts = (_sequences(store, layers, column, length) if rows == "sequence"
-                       else _tokens(store, layers, column))  # fmt: skip
+    if rows == "sequence":
+        features, parts = _sequences(store, layers, column, *_length(store))
+    else:
+        features, parts = _tokens(store, layers, column)
     staging = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
     staging.mkdir(parents=True)
     try:
@@ -105,21 +106,24 @@ def _tokens(store: FeatureStore, layers: list[str], column: dict[str, str]) -> t
     return features, parts()
 
 
-def _length(store: FeatureStore) -> int:
-    """The tokens every sample keeps (the one context a sequence layout has)."""
+def _length(store: FeatureStore) -> tuple[int, int]:
+    """``(tokens, samples)``: the tokens every sample keeps (the one context a sequence layout
+    has), and how many samples keep them (all, or all but a packed store's last, shorter row,
+    which is left out)."""
     counts = np.bincount(store["sample"][:], minlength=len(store))
-    if len(counts) == 0 or counts.min() != counts.max():
+    whole = counts[:-1] if len(counts) > 1 and counts[-1] < counts[0] else counts
+    if len(whole) == 0 or whole.min() != whole.max():
         seen = f"{counts.min()}..{counts.max()}" if len(counts) else "no"
         raise UsageError(
             f"rows='sequence' needs every sample to keep the same number of tokens; they keep "
             f"{seen}. Extract with pack=True (rows of context tokens) and no drop_token_ids "
             "or positions, or write rows='token'"
         )
-    return int(counts[0])
+    return int(whole[0]), len(whole)
 
 
-def _sequences(store: FeatureStore, layers: list[str], column: dict[str, str],
-               length: int) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:  # fmt: skip
+def _sequences(store: FeatureStore, layers: list[str], column: dict[str, str], length: int,
+               samples: int) -> tuple[dict[str, Any], Iterator[dict[str, Any]]]:  # fmt: skip
     """A row per sample: each layer's ``(length, d)`` array and ``token_ids`` (SAELens)."""
     datasets = importlib.import_module("datasets")
 
@@ -132,8 +136,8 @@ def _sequences(store: FeatureStore, layers: list[str], column: dict[str, str],
 
     def parts() -> Iterator[dict[str, Any]]:
         per = max(1, int(store["sample"].chunks[0]) // max(length, 1))  # samples a part
-        for first in range(0, len(store), per):
-            last = min(first + per, len(store))
+        for first in range(0, samples, per):
+            last = min(first + per, samples)
             a, b = first * length, last * length
             part = {column[n]: store[n][a:b].reshape(last - first, length, -1) for n in layers}
             part["token_ids"] = store["token_id"][a:b].reshape(last - first, length)

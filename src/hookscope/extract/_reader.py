@@ -218,7 +218,8 @@ class FeatureStore:
                 ``token_id``); or ``"sequence"``, a row per sample with each layer's
                 ``(tokens, d)`` array and ``token_ids``, the layout SAELens' cached
                 activations have, for stores whose samples all keep the same number of
-                tokens (``pack=True`` without dropped tokens).
+                tokens (``pack=True`` without dropped tokens; the last packed row, shorter,
+                is left out).
 
         Returns:
             The ``datasets.Dataset``, memory-mapped from ``path``.
