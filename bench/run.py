@@ -124,8 +124,16 @@ def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
             job = pending.pop(0)
             path = out / f"{job.module}_{job.name}.json"
             log = path.with_suffix(".log").open("w")
-            cmd = [sys.executable, __file__, "--worker", job.module, "--json", str(path),
-                   "--spec", json.dumps(job.spec)]  # fmt: skip
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                job.module,
+                "--json",
+                str(path),
+                "--spec",
+                json.dumps(job.spec),
+            ]
             proc = subprocess.Popen(cmd, env=_env(job.env), stderr=log, text=True)
             running.append((job, path, log, proc, time.perf_counter()))
         while not (ended := [r for r in running if r[3].poll() is not None]):
@@ -239,8 +247,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = ("tuned",) if args.quick else ("tuned", "defaults")
         device, rows = args.device or "cpu", args.rows
         cfg = Config(args.quick, settings, path or None, device, args.models, rows)
-        meta = {"command": " ".join(["python bench/run.py", *argv]), "quick": args.quick,
-                "started": time.strftime("%Y-%m-%d %H:%M"), "baseline": baseline}  # fmt: skip
+        meta = {
+            "command": " ".join(["python bench/run.py", *argv]),
+            "quick": args.quick,
+            "started": time.strftime("%Y-%m-%d %H:%M"),
+            "baseline": baseline,
+        }
         run_all(cfg, modules, out, meta)
     if args.device:  # gpu.md: the section to paste into RESULTS.md; gpu.json: its rows
         rows, lines = render(out, "gpu")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import hookscope as hs
+from extract_oracle import TokenModel, token_items
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand_hooks as _hand_hooks
 
@@ -180,11 +181,27 @@ def test_texts_resume_only_with_their_batch_size(tmp_path: Path) -> None:
     model = Embed()
     texts = ["a bb", "ccc d ee", "f"] * 4
     out = tmp_path / "t"
-    hs.extract(model, texts, ["emb"], out=out, tokenizer=Tokenizer(), reduce="token_mean",
-               batch_size=4, chunk=4)  # fmt: skip
+    hs.extract(
+        model,
+        texts,
+        ["emb"],
+        out=out,
+        tokenizer=Tokenizer(),
+        reduce="token_mean",
+        batch_size=4,
+        chunk=4,
+    )
     with pytest.raises(hs.UsageError, match=r"batch size \(texts are padded .*stored 4, now 2"):
-        hs.extract(model, texts, ["emb"], out=out, tokenizer=Tokenizer(), reduce="token_mean",
-                   batch_size=2, resume=True)  # fmt: skip
+        hs.extract(
+            model,
+            texts,
+            ["emb"],
+            out=out,
+            tokenizer=Tokenizer(),
+            reduce="token_mean",
+            batch_size=2,
+            resume=True,
+        )
 
 
 # -- image folders -------------------------------------------------------------------------------
@@ -225,8 +242,9 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
     ledger = zarr.open_group(str(tmp_path / "f"), mode="r+")  # the same reasons, in the arrays
     assert {i: r for i, r in zip(ledger["ids"][:], ledger["errors"][:]) if r} == store.errors
     ledger["done"][0] = False  # resumed, the metadata's reasons are read back from the arrays
-    again = hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "f", on_error="skip",
-                       resume=True)  # fmt: skip
+    again = hs.extract(
+        model, tmp_path / "imgs", ["6"], out=tmp_path / "f", on_error="skip", resume=True
+    )
     assert again.errors == store.errors and np.array_equal(
         again.to_numpy("6"), store.to_numpy("6"), equal_nan=True
     )
@@ -243,8 +261,9 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
         hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "g", on_error="raise")
     with pytest.raises(hs.UsageError, match="unfinished"):
         hs.open_features(tmp_path / "g")  # what the failed run left is never taken as done
-    again = hs.extract(model, tmp_path / "imgs", ["6"], out=tmp_path / "g", on_error="skip",
-                       resume=True)  # what the message advises  # fmt: skip
+    again = hs.extract(
+        model, tmp_path / "imgs", ["6"], out=tmp_path / "g", on_error="skip", resume=True
+    )  # what the message advises
     assert np.array_equal(again.to_numpy("6"), store.to_numpy("6"), equal_nan=True)
 
 
@@ -273,10 +292,20 @@ _CHILD = textwrap.dedent(
 
 def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> int:
     done = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(out), str(kill_at), str(delay),
-         "resume" if resume else "new"],
-        capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            _CHILD,
+            str(out),
+            str(kill_at),
+            str(delay),
+            "resume" if resume else "new",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     return done.returncode
 
 
@@ -298,8 +327,9 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
         out = tmp_path / f"timer{seed}"
         child = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(out), "0", "0.01", "new"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         rng = np.random.default_rng(seed)
         try:
             child.wait(timeout=float(rng.uniform(1.0, 3.0)))
@@ -346,9 +376,12 @@ _RSS = textwrap.dedent(
 def test_resident_memory_does_not_grow_with_the_dataset() -> None:
     def peak(n: int) -> int:
         done = subprocess.run(
-            [sys.executable, "-c", _RSS, str(n)], capture_output=True, text=True, timeout=300,
+            [sys.executable, "-c", _RSS, str(n)],
+            capture_output=True,
+            text=True,
+            timeout=300,
             check=True,
-        )  # fmt: skip
+        )
         return int(done.stdout.split()[-1])
 
     small, large = peak(1_000), peak(10_000)
@@ -369,33 +402,58 @@ def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
     # workers import the factory (_cnn) from extract_oracle, as from a user's module
     here = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     ray.init(
-        num_cpus=2, include_dashboard=False, log_to_driver=False,
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
         runtime_env={"env_vars": {"PYTHONPATH": here}},
-    )  # fmt: skip
+    )
     try:
         remote = hs.extract(
-            model, data, ["1", "6"], out=tmp_path / "ray", batch_size=8, chunk=16,
-            engine="ray", workers=2,
-        )  # fmt: skip
+            model,
+            data,
+            ["1", "6"],
+            out=tmp_path / "ray",
+            batch_size=8,
+            chunk=16,
+            engine="ray",
+            workers=2,
+        )
         _assert_same(remote, local)
         assert remote["6"].dtype == local["6"].dtype
         # resume on Ray: a block marked not done is recomputed, the rest kept
         zarr.open_group(str(tmp_path / "ray"), mode="r+")["done"][2] = False
         again = hs.extract(
-            _cnn, data, ["1", "6"], out=tmp_path / "ray", batch_size=8, chunk=16,
-            engine="ray", resume=True,
-        )  # fmt: skip
+            _cnn,
+            data,
+            ["1", "6"],
+            out=tmp_path / "ray",
+            batch_size=8,
+            chunk=16,
+            engine="ray",
+            resume=True,
+        )
         _assert_same(again, local)
         # a model class the workers cannot import (a file on no path of theirs): sent by value
         hidden = _hidden_module(tmp_path)
         model = hidden.build()
         local = hs.extract(model, data, ["body.0"], out=tmp_path / "h_local", chunk=16)
-        remote = hs.extract(model, data, ["body.0"], out=tmp_path / "h_ray", chunk=16,
-                            engine="ray")  # fmt: skip
+        remote = hs.extract(model, data, ["body.0"], out=tmp_path / "h_ray", chunk=16, engine="ray")
         _assert_same(remote, local)
-        factory = hs.extract(hidden.build, data, ["body.0"], out=tmp_path / "h_factory",
-                             chunk=16, engine="ray")  # fmt: skip
+        factory = hs.extract(
+            hidden.build, data, ["body.0"], out=tmp_path / "h_factory", chunk=16, engine="ray"
+        )
         _assert_same(factory, local)
+        # unit="token": actors write ranges of blocks (10 blocks, chunks shared across them)
+        torch.manual_seed(0)
+        model = TokenModel()
+        kwargs = {"unit": "token", "batch_size": 6, "chunk": 12, "positions": (1, None)}
+        local = hs.extract(model, token_items(), ["mix"], out=tmp_path / "t_local", **kwargs)
+        remote = hs.extract(
+            model, token_items(), ["mix"], out=tmp_path / "t_ray", **kwargs, engine="ray", workers=2
+        )
+        _assert_same(remote, local)
+        for name in ("sample", "position", "token_id"):
+            assert np.array_equal(remote[name][:], local[name][:]), name
     finally:
         ray.shutdown()
         sys.modules.pop("hidden_models", None)
@@ -440,7 +498,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
     for kwargs, message in [
         ({"batch_size": 0}, "batch_size must be an int >= 1"),
         ({"chunk": -1}, "chunk must be an int >= 1"),
-        ({"engine": "spark"}, 'engine must be "local" or "ray"'),
+        ({"engine": "spark"}, 'engine must be "local", "ray" or "distributed"'),
         ({"dtype": "bfloat16"}, "bfloat16 cannot be stored"),
         ({"dtype": "floaty"}, "not a torch dtype"),
         ({"progress": "yes"}, "progress must be"),
@@ -475,9 +533,14 @@ def test_minilm_sentence_embeddings_equal_sentence_transformers(tmp_path: Path) 
     model = transformers.AutoModel.from_pretrained(path).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     store = hs.extract(
-        model, sentences, ["encoder.layer.5"], out=tmp_path / "f", tokenizer=tokenizer,
-        reduce="token_mean", batch_size=64,
-    )  # fmt: skip
+        model,
+        sentences,
+        ["encoder.layer.5"],
+        out=tmp_path / "f",
+        tokenizer=tokenizer,
+        reduce="token_mean",
+        batch_size=64,
+    )
     got = store.to_numpy("encoder.layer.5")
     got = got / np.linalg.norm(got, axis=1, keepdims=True)
     np.testing.assert_allclose(got, want, atol=1e-5)

@@ -53,8 +53,19 @@ def files(tmp_path: Path) -> tuple[str, Path]:
 def _command(model: str, data: Path, out: Path, *more: str) -> list[str]:
     layers = ["--layer", "0", "--layer", "2"]
     sizes = ["--batch-size", "8", "--chunk", "16"]
-    return [sys.executable, "-m", "hookscope", "extract", model, str(data), *layers, "--out",
-            str(out), *sizes, *more]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "hookscope",
+        "extract",
+        model,
+        str(data),
+        *layers,
+        "--out",
+        str(out),
+        *sizes,
+        *more,
+    ]
 
 
 def _env() -> dict[str, str]:
@@ -62,8 +73,9 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, timeout=300, check=False,
-                          env=_env())  # fmt: skip
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=300, check=False, env=_env()
+    )
 
 
 def _runs(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
@@ -91,8 +103,9 @@ def test_ctrl_c_keeps_finished_blocks_and_resume_finishes_them(
         "from hookscope.show import main; main(sys.argv[1:])"
     )
     args = [sys.executable, "-c", entry, *_command(model, data, out)[3:]]
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=_env())  # fmt: skip
+    child = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
     try:
         deadline = time.monotonic() + 120
         while _done(out) < 2 and child.poll() is None and time.monotonic() < deadline:
@@ -135,8 +148,9 @@ def test_the_progress_bar_moves_per_batch(tmp_path: Path, files: tuple[str, Path
     model, data = files
     leader, follower = pty.openpty()
     env = {**_env(), "COLUMNS": "120"}
-    child = subprocess.Popen(_command(model, data, tmp_path / "s"), stdout=subprocess.DEVNULL,
-                             stderr=follower, env=env)  # fmt: skip
+    child = subprocess.Popen(
+        _command(model, data, tmp_path / "s"), stdout=subprocess.DEVNULL, stderr=follower, env=env
+    )
     os.close(follower)
     shown = b""
     while True:

@@ -22,9 +22,14 @@ zarr = pytest.importorskip("zarr")
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3),
-    ).cuda()  # fmt: skip
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 3),
+    ).cuda()
 
 
 X = torch.randn(200, 3, 16, 16, generator=torch.Generator().manual_seed(1))
@@ -51,8 +56,15 @@ def test_cuda_store_equals_the_hand_loop(tmp_path: Path, chunk: int) -> None:
     store = hs.extract(model, X, ["1", "6"], out=tmp_path / "f", batch_size=20, chunk=chunk)
     for layer in ("1", "6"):
         np.testing.assert_allclose(store.to_numpy(layer), _hand(model, layer, 20), atol=1e-5)
-    half = hs.extract(model, X, ["3"], out=tmp_path / "h", batch_size=20, dtype=torch.float16,
-                      reduce="spatial_mean")  # fmt: skip
+    half = hs.extract(
+        model,
+        X,
+        ["3"],
+        out=tmp_path / "h",
+        batch_size=20,
+        dtype=torch.float16,
+        reduce="spatial_mean",
+    )
     want = torch.from_numpy(_hand(model, "3", 20)).mean((2, 3)).half().numpy()
     np.testing.assert_allclose(half.to_numpy("3"), want, atol=1e-3)
 

@@ -370,14 +370,20 @@ def test_whole_chunks_written_directly_are_the_bytes_zarr_writes(tmp_path: Path)
     for name in ("1", "ids", "done"):
         array = ours[name]
         oracle = plain.create_array(
-            name, shape=array.shape, chunks=array.chunks, dtype=array.dtype,
-            fill_value=array.fill_value, compressors=array.compressors, filters=array.filters,
+            name,
+            shape=array.shape,
+            chunks=array.chunks,
+            dtype=array.dtype,
+            fill_value=array.fill_value,
+            compressors=array.compressors,
+            filters=array.filters,
             chunk_key_encoding=array.metadata.chunk_key_encoding,
-        )  # fmt: skip
+        )
         oracle[:] = array[:]
         files = sorted(p.name for p in (tmp_path / "f" / name).iterdir() if p.name != "zarr.json")
-        assert files == sorted(p.name for p in (tmp_path / "plain" / name).iterdir()
-                               if p.name != "zarr.json")  # fmt: skip
+        assert files == sorted(
+            p.name for p in (tmp_path / "plain" / name).iterdir() if p.name != "zarr.json"
+        )
         for file in files:
             assert (tmp_path / "f" / name / file).read_bytes() == (
                 tmp_path / "plain" / name / file

@@ -88,12 +88,19 @@ def test_varying_per_sample_shapes_are_refused_not_truncated(tmp_path: Path) -> 
         with pytest.raises(
             hs.UsageError, match=r"rows of shape \(1, 8\) .* per-sample shapes vary"
         ) as refused:
-            hs.extract(model, texts, ["proj"], out=out, tokenizer=tok, batch_size=4,
-                       chunk=chunk)  # fmt: skip
+            hs.extract(model, texts, ["proj"], out=out, tokenizer=tok, batch_size=4, chunk=chunk)
         assert f"nothing was kept at {str(out)!r}" in "".join(refused.value.__notes__)
         assert not out.exists()
-        store = hs.extract(model, texts, ["proj"], out=out, tokenizer=tok, batch_size=4,
-                           chunk=chunk, reduce="token_mean")  # fmt: skip
+        store = hs.extract(
+            model,
+            texts,
+            ["proj"],
+            out=out,
+            tokenizer=tok,
+            batch_size=4,
+            chunk=chunk,
+            reduce="token_mean",
+        )
         np.testing.assert_allclose(store.to_numpy("proj"), want.numpy(), rtol=1e-6, atol=1e-6)
 
 
@@ -105,8 +112,9 @@ def test_a_reduce_that_drops_the_samples_axis_is_refused(tmp_path: Path) -> None
     # t.mean(0) of a batch of 8 with 8 channels keeps 8 rows: only a per-sample check sees it
     for reduce in (lambda t: t.mean(0), lambda t: t.sum()):
         with pytest.raises(hs.UsageError, match=r"keep dim 0 \(the samples\)"):
-            hs.extract(model, X, ["1"], out=tmp_path / "b", reduce=reduce, batch_size=8,
-                       overwrite=True)  # fmt: skip
+            hs.extract(
+                model, X, ["1"], out=tmp_path / "b", reduce=reduce, batch_size=8, overwrite=True
+            )
     store = hs.extract(model, X, ["1"], out=tmp_path / "c", reduce=lambda t: t.amax(dim=(2, 3)))
     want = _hand(model, X, "1").amax(dim=(2, 3))
     assert np.array_equal(store.to_numpy("1"), want.numpy())
@@ -145,8 +153,7 @@ def test_resume_refuses_permuted_weights_and_accepts_the_same_weights(tmp_path: 
     assert not torch.equal(_hand(permuted, X, "6"), _hand(model, X, "6"))
     with pytest.raises(hs.UsageError, match="fingerprint: stored"):
         hs.extract(permuted, X, ["6"], out=out, chunk=16, batch_size=8, resume=True)
-    again = hs.extract(copy.deepcopy(model), X, ["6"], out=out, chunk=16, batch_size=8,
-                       resume=True)  # fmt: skip
+    again = hs.extract(copy.deepcopy(model), X, ["6"], out=out, chunk=16, batch_size=8, resume=True)
     np.testing.assert_allclose(again.to_numpy("6"), _hand(model, X, "6").numpy(), atol=1e-6)
 
 
@@ -161,8 +168,11 @@ def test_the_fingerprint_of_fixed_weights_never_changes() -> None:
             p.copy_(torch.arange(p.numel(), dtype=torch.float32).reshape(p.shape) % 7 / 7)
     models = (small, big, nn.Sequential(small, big), nn.Sequential(big, small))
     assert [fingerprint(m) for m in models] == [
-        "fcef8e2915c07d2e", "b33db29be05d7468", "542e19727a1628d0", "79038a6c885ff25e",
-    ]  # fmt: skip
+        "fcef8e2915c07d2e",
+        "b33db29be05d7468",
+        "542e19727a1628d0",
+        "79038a6c885ff25e",
+    ]
 
 
 def test_the_fingerprint_does_not_depend_on_the_number_of_torch_threads() -> None:
@@ -198,8 +208,9 @@ def test_a_dataloader_that_pads_each_batch(tmp_path: Path) -> None:
     np.testing.assert_allclose(store.to_numpy("proj"), want.numpy(), rtol=1e-6, atol=1e-6)
     assert store.ids == [str(i) for i in range(30)]
     zarr.open_group(str(tmp_path / "f"), mode="r+")["done"][1] = False  # rows 8..15: 2 batches
-    again = hs.extract(model, loader(), ["proj"], out=tmp_path / "f", reduce="token_mean",
-                       chunk=8, resume=True)  # fmt: skip
+    again = hs.extract(
+        model, loader(), ["proj"], out=tmp_path / "f", reduce="token_mean", chunk=8, resume=True
+    )
     assert np.array_equal(again.to_numpy("proj"), store.to_numpy("proj"))
     with pytest.raises(hs.UsageError, match="reduce='token_mean'"):
         hs.extract(model, loader(), ["proj"], out=tmp_path / "g", chunk=8)
@@ -284,10 +295,12 @@ def test_resume_checks_the_image_transform_and_size(tmp_path: Path) -> None:
     hs.extract(model, tmp_path / "imgs", ["6"], out=out, transform=resized(12), chunk=4)
     for other in (resized(16), lambda im: resized(12)(im.rotate(90))):
         with pytest.raises(hs.UsageError, match="the first sample's model input"):
-            hs.extract(model, tmp_path / "imgs", ["6"], out=out, transform=other, chunk=4,
-                       resume=True)  # fmt: skip
-    hs.extract(model, tmp_path / "imgs", ["6"], out=out, transform=resized(12), chunk=4,
-               resume=True)  # the same transform (another function object) resumes  # fmt: skip
+            hs.extract(
+                model, tmp_path / "imgs", ["6"], out=out, transform=other, chunk=4, resume=True
+            )
+    hs.extract(
+        model, tmp_path / "imgs", ["6"], out=out, transform=resized(12), chunk=4, resume=True
+    )  # the same transform (another function object) resumes
 
 
 # -- nested tensors ------------------------------------------------------------------------------
@@ -319,8 +332,9 @@ def test_nested_tensor_outputs_of_a_padded_transformer_encoder(tmp_path: Path) -
     enc, data = _encoder(), _Padded()
     with torch.no_grad():  # the oracle: each sequence alone, unpadded, through layer 0 by hand
         alone = [enc.layers[0](data.x[i, :n][None])[0] for i, n in enumerate(data.lengths)]
-    store = hs.extract(enc, data, ["layers.0"], out=tmp_path / "m", reduce="token_mean",
-                       batch_size=4)  # fmt: skip
+    store = hs.extract(
+        enc, data, ["layers.0"], out=tmp_path / "m", reduce="token_mean", batch_size=4
+    )
     want = torch.stack([a.mean(0) for a in alone])
     np.testing.assert_allclose(store.to_numpy("layers.0"), want.numpy(), atol=1e-5)
     padded = hs.extract(enc, data, ["layers.0"], out=tmp_path / "p", batch_size=4).to_numpy(

@@ -351,9 +351,13 @@ def _ddp_rank(rank: int, port: int, out: str, ranks: str) -> None:
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-        LOCAL_RANK=str(rank), NODE_RANK="0",
-    )  # fmt: skip  # launched here, so Lightning launches nothing (LightningEnvironment)
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )  # launched here, so Lightning launches nothing (LightningEnvironment)
     warnings.filterwarnings("ignore")  # Lightning's advice, printed by each process
     torch.set_num_threads(1)
     data = _data()

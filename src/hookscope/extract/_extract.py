@@ -4,10 +4,12 @@ forwards in this thread, the writes in another: ``_writer``) or on Ray Data (``_
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, Literal
 
 import torch
@@ -21,11 +23,14 @@ from ._identity import fingerprint, probe
 from ._job import Job
 from ._reader import FeatureStore, open_features
 from ._rows import check_reduce
-from ._sources import Source, Texts, Unreadable, source
+from ._sources import Dataset, Source, Texts, Unreadable, source
 from ._store import IDENTITY, Codec, Store, check_codec
+from ._tokenjob import TokenJob
+from ._tokens import Rule
+from ._tokenstore import TokenStore
 from ._writer import Writer, overlap
 
-__all__ = ["extract"]
+__all__ = ["extract", "kept"]
 
 
 def extract(
@@ -36,17 +41,22 @@ def extract(
     out: str | os.PathLike[str],
     batch_size: int = 64,
     reduce: Reduce | None = None,
+    unit: Literal["sample", "token"] = "sample",
+    drop_token_ids: Collection[int] | None = None,
+    positions: tuple[int, int | None] | None = None,
     dtype: torch.dtype | str | None = None,
     input_device: torch.device | str | None = None,
     chunk: int | None = None,
     stop: bool = True,
     tokenizer: Any = None,
+    context: int | None = None,
+    pack: bool = False,
     transform: Callable[[Any], Any] | None = None,
     on_error: Literal["raise", "skip"] = "raise",
     resume: bool = False,
     overwrite: bool = False,
     progress: bool | None = None,
-    engine: Literal["local", "ray"] = "local",
+    engine: Literal["local", "ray", "distributed"] = "local",
     workers: int = 2,
     codec: Codec | Any = "none",
 ) -> FeatureStore:
@@ -81,6 +91,17 @@ def extract(
             A nested tensor (``nn.TransformerEncoder``'s fast path with a padding mask) is
             reduced sample by sample, or without a reduce padded with zeros to the inputs'
             length. Every sample must give rows of one shape: varying shapes are refused.
+        unit: ``"sample"``, a row per sample; or ``"token"``, a row per real token (where the
+            inputs' ``attention_mask`` says so; every token of 2-d token ids without one) of
+            each layer's ``(samples, tokens, ...)`` output, with the arrays ``sample`` (its
+            row in ``ids``), ``position`` (its index among its sample's real tokens, so left
+            and right padding agree) and ``token_id`` beside the layers. Samples of several
+            lengths are padded per batch (a Dataset of tokenizer outputs; a DataLoader's
+            ``collate_fn`` pads its own).
+        drop_token_ids: ``unit="token"``: token ids never stored (BOS, special tokens:
+            ``tokenizer.all_special_ids``).
+        positions: ``unit="token"``: ``(start, stop)``, store only positions ``start`` to
+            ``stop - 1`` (``stop`` None: to the end); ``(1, None)`` skips each first token.
         dtype: storage dtype (e.g. ``torch.float16``); default: as computed (bfloat16, which
             NumPy lacks, is stored as float32). Floating features need a floating dtype (a
             cast to an integer or bool type is refused: it would truncate them).
@@ -90,7 +111,13 @@ def extract(
             ``batch_size`` near 256 samples, fewer for large rows: at most 16 MiB per layer, at
             least one batch; a resumed store's own). Memory holds about three blocks.
         stop: end each forward after the last selected layer.
-        tokenizer: for a list of strings (padding and truncation per batch).
+        tokenizer: for a list of strings (padding and truncation per batch); with
+            ``unit="token"``, its ``pad_token_id`` pads a Dataset of tokenizer outputs.
+        context: for a list of strings: the most tokens of a text (longer ones are cut), or
+            with ``pack`` the length of each packed row.
+        pack: for a list of strings: tokenize them all once and join them (each with its
+            tokenizer's special tokens; a tokenizer adding none, GPT-2's, gets its EOS token
+            after each text) into samples of ``context`` tokens, the last one padded.
         transform: for an image folder: PIL image -> tensor (default: RGB in 0..1).
         on_error: for an image folder: ``"raise"`` at a file that cannot be decoded, or
             ``"skip"``: its row is kept, filled with NaN, with the reason in ``errors`` and
@@ -111,6 +138,12 @@ def extract(
             to the actors pickled; classes from modules that are not installed packages (a
             script, a notebook, a local file) are pickled by value, so actors need not import
             them.
+            ``"distributed"``: every process of a ``torch.distributed`` job (``torchrun``)
+            calls ``extract`` with the same arguments and computes its own range of the
+            blocks not done; the one store equals the local engine's, and a resume may use
+            another number of processes. Both need samples addressable by index; with
+            ``unit="token"`` they read the inputs once more first, to count each block's
+            tokens.
         workers: Ray actors.
         codec: compression of the layer arrays: ``"none"`` (default: writing stays cheap, and
             float features rarely shrink much), ``"lz4"`` (Blosc, byte shuffle: fast, and small
@@ -137,28 +170,46 @@ def extract(
         ((100, 8), 100)
     """
     _check(batch_size, workers, chunk, engine, resume, overwrite, reduce, codec, on_error)
+    _check_tokens(unit, reduce, drop_token_ids, positions, context)
     wanted(progress)
-    factory = None
-    if not isinstance(model, nn.Module):
-        if engine != "ray" or not callable(model):
-            raise UsageError("model must be an nn.Module (a factory is accepted with engine='ray')")
-        factory, model = model, model()
-        if not isinstance(model, nn.Module):
-            raise UsageError(f"the model factory returned {type(model).__name__}, not an nn.Module")
-    src = source(data, tokenizer=tokenizer, transform=transform, on_error=on_error)
-    if engine == "ray" and not src.addressable:
+    model, factory = _model(model, engine)
+    src = source(
+        data,
+        tokenizer=tokenizer,
+        transform=transform,
+        on_error=on_error,
+        context=context,
+        pack=pack,
+    )
+    if engine != "local" and not src.addressable:
         raise UsageError(
-            "engine='ray' needs samples it can address by index (a tensor, array, Dataset, "
-            "image folder or list of strings), not a one-pass iterable"
+            f"engine={engine!r} needs samples it can address by index (a tensor, array, "
+            "Dataset, image folder or list of strings), not a one-pass iterable (a "
+            "DataLoader's dataset is one: its collate_fn's padding is what unit='token' does "
+            "itself)"
         )
-    job = Job(model, src, layers, batch_size, reduce, _dtype(dtype), input_device, stop)
-    size = chunk or (Store.chunk_of(out) if resume else None)
-    # sample 0's rows: Ray makes the arrays from them; their size sets the default chunk
-    shapes = job.probe(strict=True) if engine == "ray" else {} if size else job.probe()
-    size = size or _chunk(batch_size, shapes)
+    rule = Rule.of(drop_token_ids, positions) if unit == "token" else None
+    job = _job(
+        model, src, layers, batch_size, reduce, _dtype(dtype), input_device, stop, rule, tokenizer
+    )
+    kind = TokenStore if rule else Store
+    size = chunk or (kind.chunk_of(out) if resume else None)
+    # sample 0's rows: the other engines make the arrays from them; they size the default chunk
+    shapes = job.probe(strict=True) if engine != "local" else {} if size else job.probe()
+    size = size or _chunk(batch_size, shapes, job.length() if isinstance(job, TokenJob) else 1)
     meta = _meta(job, size, codec)
-    store, done = Store.open(out, meta, overwrite=overwrite, resume=resume, same=_same(src))
-    try:
+    opening = functools.partial(
+        kind.open, out, meta, overwrite=overwrite, resume=resume, same=_same(src)
+    )
+    if engine == "distributed":
+        from ._distributed import run_distributed
+
+        run_distributed(job, kind, out, opening, size, progress, codec, shapes, meta)
+        return open_features(out)
+    store, done = opening()
+    if isinstance(store, TokenStore) and isinstance(job, TokenJob):
+        store.expected = size * job.length()
+    with kept(store, src, out):
         if engine == "ray":
             from ._ray import run_ray
 
@@ -167,7 +218,16 @@ def extract(
         else:
             rows = _run_local(job, store, done, size, progress, codec)
             errors = None if done else store.errors_written  # it wrote every block
-        store.finish(rows, {k: v for k, v in meta.items() if k != "created"}, job.names, errors)
+        store.finish(rows, meta, job.names, errors)
+    return open_features(out)
+
+
+@contextlib.contextmanager
+def kept(store: Store, src: Source, out: str | os.PathLike[str]) -> Iterator[None]:
+    """What a failed run leaves: the finished blocks, except after a refusal (rows that
+    cannot be stored...), where a store this run made is removed."""
+    try:
+        yield
     except Unreadable:
         raise  # the finished blocks are what a resume with on_error="skip" keeps
     except (UsageError, CaptureError) as e:
@@ -191,15 +251,69 @@ def extract(
     finally:
         # this thread's event loop, if it wrote (blocks in line, Ray's arrays, an empty store)
         store.close()
-    return open_features(out)
+
+
+def _model(model: Any, engine: str) -> tuple[nn.Module, Any]:
+    """The model, and the factory that made it (``engine="ray"``)."""
+    if isinstance(model, nn.Module):
+        return model, None
+    if engine != "ray" or not callable(model):
+        raise UsageError("model must be an nn.Module (a factory is accepted with engine='ray')")
+    made = model()
+    if not isinstance(made, nn.Module):
+        raise UsageError(f"the model factory returned {type(made).__name__}, not an nn.Module")
+    return made, model
+
+
+def _job(
+    model: nn.Module,
+    src: Source,
+    layers: Any,
+    batch_size: int,
+    reduce: Any,
+    dtype: torch.dtype | None,
+    device: Any,
+    stop: bool,
+    rule: Rule | None,
+    tokenizer: Any,
+) -> Job:
+    if rule is None:
+        return Job(model, src, layers, batch_size, reduce, dtype, device, stop)
+    if isinstance(src, Dataset):  # tokenizer outputs of several lengths: padded per batch
+        pad = getattr(tokenizer, "pad_token_id", None)
+        src.pad = pad if isinstance(pad, int) else 0
+    return TokenJob(model, src, layers, batch_size, dtype, device, stop, rule)
+
+
+def _check_tokens(unit: Any, reduce: Any, drop: Any, positions: Any, context: Any) -> None:
+    if unit not in ("sample", "token"):
+        raise UsageError(f'unit must be "sample" or "token", got {unit!r}')
+    if unit == "token" and reduce is not None:
+        raise UsageError(
+            "unit='token' stores every kept token's row; reduce= makes one row per sample "
+            "(unit='sample'): use one or the other"
+        )
+    if unit == "sample" and (drop is not None or positions is not None):
+        raise UsageError("drop_token_ids= and positions= choose tokens: they need unit='token'")
+    if context is not None and (
+        isinstance(context, bool) or not isinstance(context, int) or context < 1
+    ):
+        raise UsageError(f"context must be an int >= 1 (tokens per row), got {context!r}")
 
 
 def _check(
-    batch_size: Any, workers: Any, chunk: Any, engine: Any, resume: bool, overwrite: bool,
-    reduce: Any, codec: Any, on_error: Any,
-) -> None:  # fmt: skip
-    if engine not in ("local", "ray"):
-        raise UsageError(f'engine must be "local" or "ray", got {engine!r}')
+    batch_size: Any,
+    workers: Any,
+    chunk: Any,
+    engine: Any,
+    resume: bool,
+    overwrite: bool,
+    reduce: Any,
+    codec: Any,
+    on_error: Any,
+) -> None:
+    if engine not in ("local", "ray", "distributed"):
+        raise UsageError(f'engine must be "local", "ray" or "distributed", got {engine!r}')
     if on_error not in ("raise", "skip"):
         raise UsageError(f'on_error must be "raise" or "skip", got {on_error!r}')
     for name, value in (("batch_size", batch_size), ("workers", workers)):
@@ -217,11 +331,14 @@ def _check(
 _CHUNK_BYTES = 16 * 2**20
 
 
-def _chunk(batch_size: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> int:
+def _chunk(
+    batch_size: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], tokens: int = 1
+) -> int:
     """The default chunk: whole batches, about 256 samples, fewer where rows are large (so
-    that a block of large maps is one batch, which the CPU stores without copying it)."""
+    that a block of large maps is one batch, which the CPU stores without copying it).
+    ``tokens``: rows per sample (unit="token": sample 0's tokens, a packed row's context)."""
     batches = max(1, round(256 / batch_size))
-    row = max((math.prod(r) * d.itemsize for r, d in shapes.values()), default=0)
+    row = tokens * max((math.prod(r) * d.itemsize for r, d in shapes.values()), default=0)
     if row:
         batches = max(1, min(batches, _CHUNK_BYTES // (batch_size * row)))
     return batch_size * batches
@@ -241,6 +358,8 @@ def _meta(job: Job, chunk: int, codec: Any) -> dict[str, Any]:
         "chunk": chunk,
         "batch_size": job.batch_size,
         "input": job.src.description,
+        "unit": "token" if isinstance(job, TokenJob) else "sample",
+        "token_rule": job.rule.meta() if isinstance(job, TokenJob) else None,
         "probe": _probe(job.src),
         "codec": codec if isinstance(codec, str) else repr(codec),
         "hookscope": __version__,
@@ -255,7 +374,7 @@ def _same(src: Source) -> tuple[str, ...]:
     a smaller batch size (the usual answer to running out of memory) resumes any other store.
     Rows computed at another batch size can differ in the last bits, as the kernels chosen
     for another batch size can round differently."""
-    return (*IDENTITY, "batch_size") if isinstance(src, Texts) else IDENTITY
+    return (*IDENTITY, "batch_size") if isinstance(src, Texts) else IDENTITY  # not Packed
 
 
 def _probe(src: Source) -> str | None:
@@ -267,8 +386,9 @@ def _probe(src: Source) -> str | None:
     return first
 
 
-def _run_local(job: Job, store: Store, done: set[int], chunk: int, bar: bool | None,
-               codec: Any) -> int:  # fmt: skip
+def _run_local(
+    job: Job, store: Store, done: set[int], chunk: int, bar: bool | None, codec: Any
+) -> int:
     """The local engine: every block not done, in order, written by a writer thread while
     the next forwards run. Returns the number of samples."""
     n = job.src.length()

@@ -75,8 +75,9 @@ def probe(first: Any) -> str | None:
     for key, value in items:
         if isinstance(value, Tensor):
             t = value.detach().cpu().contiguous()
-            shapes.append(f"{key}{'=' if key else ''}{str(t.dtype).replace('torch.', '')}"
-                          f"{list(t.shape)}")  # fmt: skip
+            shapes.append(
+                f"{key}{'=' if key else ''}{str(t.dtype).replace('torch.', '')}{list(t.shape)}"
+            )
             h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
         else:

@@ -99,24 +99,36 @@ class _Place:
     at: int
     src: int
     count: int
+    tokens: int = 0  # unit="token": the kept tokens of these samples,
+    token_src: int = 0  # which of the batch's kept tokens they are,
+    token_at: int = 0  # and where they go in the block's rows
 
 
 class Job:
     """One extraction's settings and forwards (see the module's docstring)."""
 
     def __init__(
-        self, model: nn.Module, src: Source, layers: Any, batch_size: int, reduce: Any,
-        dtype: torch.dtype | None, device: torch.device | str | None, stop: bool,
-    ) -> None:  # fmt: skip
+        self,
+        model: nn.Module,
+        src: Source,
+        layers: Any,
+        batch_size: int,
+        reduce: Any,
+        dtype: torch.dtype | None,
+        device: torch.device | str | None,
+        stop: bool,
+    ) -> None:
         self.model, self.src, self.batch_size, self.reduce = model, src, batch_size, reduce
         src.floats = floating_dtype(model)  # NumPy's float64 into a float32 model: cast
         self.tap = Tap(model, layers, stop)  # fails now for an unknown layer
         self.names = list(self.tap.chosen)
         self.dtype, self.stop = dtype, stop
         first = next(iter(model.parameters()), None)
-        self.device = torch.device(device) if device is not None else (
-            first.device if first is not None else torch.device("cpu")
-        )  # fmt: skip
+        self.device = (
+            torch.device(device)
+            if device is not None
+            else (first.device if first is not None else torch.device("cpu"))
+        )
         self.shapes: Shapes = {}  # layer -> (row shape, dtype), from the first rows seen
         self.samples = 0  # how many samples the source had (set by blocks())
         self._rows = Rows(reduce, dtype)
@@ -132,8 +144,15 @@ class Job:
 
     def spec(self) -> tuple[Any, ...]:
         """What a Ray actor needs besides the model to build the same job."""
-        return (self.src, self.names, self.batch_size, self.reduce, self.dtype, self.device,
-                self.stop)  # fmt: skip
+        return (
+            self.src,
+            self.names,
+            self.batch_size,
+            self.reduce,
+            self.dtype,
+            self.device,
+            self.stop,
+        )
 
     def expect(self, stored: dict[str, tuple[tuple[int, ...], Any]]) -> None:
         """Row shapes of a store being resumed: every new row must match them."""
@@ -178,9 +197,12 @@ class Job:
 
     # -- blocks -----------------------------------------------------------------------------------
     def blocks(
-        self, chunk: int, wanted: Callable[[int], bool], buffers: Callable[[], dict[str, Tensor]],
+        self,
+        chunk: int,
+        wanted: Callable[[int], bool],
+        buffers: Callable[[], dict[str, Tensor]],
         advance: Advance,
-    ) -> Iterator[Block]:  # fmt: skip
+    ) -> Iterator[Block]:
         """Every wanted block, computed and finished (inside :meth:`running`)."""
         n = self.src.length() if self.src.addressable else None
         self._size = chunk if n is None else max(1, min(chunk, n))  # rows of a buffer
@@ -213,9 +235,15 @@ class Job:
                     yield (b, *self.src.batch(b, min(b + self.batch_size, stop)))
 
     def _place(
-        self, start: int, ids: list[str], ok: list[bool], chunk: int, n: int | None,
-        wanted: Callable[[int], bool], buffers: Callable[[], dict[str, Tensor]],
-    ) -> list[_Place]:  # fmt: skip
+        self,
+        start: int,
+        ids: list[str],
+        ok: list[bool],
+        chunk: int,
+        n: int | None,
+        wanted: Callable[[int], bool],
+        buffers: Callable[[], dict[str, Tensor]],
+    ) -> list[_Place]:
         """Where each row of a batch goes (rows of blocks not wanted go nowhere)."""
         reasons = self.src.errors() if not all(ok) else {}
         places, i = [], 0
@@ -226,7 +254,7 @@ class Job:
                 block = self._open.get(k)
                 if block is None:
                     capacity = chunk if n is None else min(chunk, n - k * chunk)
-                    block = self._open[k] = Block(k, k * chunk, capacity, buffers())
+                    block = self._open[k] = self._block(k, k * chunk, capacity, buffers())
                 places.append(_Place(block, block.rows, i, count))
                 for j in range(i, i + count):
                     if not ok[j]:
@@ -235,6 +263,9 @@ class Job:
                     block.errors.append("" if ok[j] else reasons.get(ids[j], "unreadable"))
             i += count
         return places
+
+    def _block(self, index: int, start: int, capacity: int, buffers: dict[str, Tensor]) -> Block:
+        return Block(index, start, capacity, buffers)
 
     def _finished(self, block: Block) -> Block:
         del self._open[block.index]

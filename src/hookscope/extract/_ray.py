@@ -19,46 +19,61 @@ import contextlib
 import importlib
 import importlib.metadata
 import math
+import pickle
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from .._extras import require
 from .._progress import progress
 from ._store import Store, open_group
+from ._tokens import count
+from ._tokenstore import TokenStore
 
 __all__ = ["run_ray"]
 
 
 class _Worker:
     """A Ray actor: the model and the source, built once; ``__call__`` computes and writes
-    the blocks of a Ray batch."""
+    the parts (ranges of blocks) of a Ray batch."""
 
     def __init__(self, payload: dict[str, Any]) -> None:
         from ._job import Job
+        from ._tokenjob import TokenJob
 
         torch.set_num_threads(payload["threads"])
         model = _loads(payload["model"])
         model = model() if payload["factory"] else model
         if not isinstance(model, nn.Module):
             raise TypeError(f"the model factory returned {type(model).__name__}")
-        self.job = Job(model, *payload["job"])
+        self.job = (TokenJob if payload["tokens"] else Job)(model, *payload["job"])
         self.job.expect(payload["shapes"])
-        self.chunk = payload["chunk"]
-        self.store = Store(payload["path"], open_group(payload["path"], mode="r+"))
+        self.chunk, self.parts = payload["chunk"], payload["parts"]
+        kind = TokenStore if payload["tokens"] else Store
+        self.store = kind(payload["path"], open_group(payload["path"], mode="r+"))
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
-        rows = []
+        rows, held = [], []
         with self.job.running(), contextlib.closing(self.store):
-            for index in batch["block"].tolist():
-                for block in self.job.blocks(self.chunk, index.__eq__, dict, _nothing):
+            for part in batch["part"].tolist():
+                blocks = self.parts[part]
+                if isinstance(self.store, TokenStore):  # rows another actor's chunk may share
+                    self.store.held, self.store.held_blocks = [], set()
+                    self.store.hold_from(blocks[0])
+                done = 0
+                for block in self.job.blocks(self.chunk, set(blocks).__contains__, dict, _nothing):
                     block.wait()
-                    self.store.write(block.index, block.start, block.arrays(), block.ids,
-                                     block.errors)  # fmt: skip
-                    rows.append(block.rows)
-        return {"block": batch["block"], "rows": rows}
+                    self.store.write(
+                        block.index, block.start, block.arrays(), block.ids, block.errors
+                    )
+                    done += block.rows
+                rows.append(done)
+                kept = self.store if isinstance(self.store, TokenStore) else None
+                held.append(pickle.dumps((kept.held, kept.held_blocks) if kept else ([], set())))
+        return {"part": batch["part"], "rows": rows, "held": held}
 
 
 def _nothing(n: int = 1) -> None:
@@ -66,42 +81,73 @@ def _nothing(n: int = 1) -> None:
 
 
 def run_ray(
-    job: Any, store: Store, done: set[int], chunk: int, factory: Any, workers: int,
-    bar: bool | None, codec: Any, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
-) -> int:  # fmt: skip
+    job: Any,
+    store: Store,
+    done: set[int],
+    chunk: int,
+    factory: Any,
+    workers: int,
+    bar: bool | None,
+    codec: Any,
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]],
+) -> int:
     """Every block not done, on a Ray actor pool; returns the number of samples. The arrays
-    are made here from ``shapes`` (sample 0's rows), before any actor writes."""
+    are made here from ``shapes`` (sample 0's rows), before any actor writes. Token stores
+    (unit="token") count every block's tokens here first, which places their rows, and give
+    each actor a range of blocks: it holds back the rows of the chunk its range starts in,
+    which are written here once every range is done (``_tokenstore``)."""
     ray = require("ray", "ray", purpose="engine='ray'")
     require("ray.data", "ray", purpose="engine='ray'")
     n = len(job.src)
     pending = [k for k in range(math.ceil(n / chunk)) if k not in done]
     if not pending:
         return n
+    parts = [[k] for k in pending]
+    if isinstance(store, TokenStore):
+        store.expected = chunk * job.length()
+        counts = dict.fromkeys(pending, 0)
+        counts.update(count(job.selections(chunk, set(pending)), chunk))
+        store.plan(counts)
+        store.capacity = store.total()
+        cut = np.array_split(np.array(pending), min(len(pending), 4 * workers))
+        parts = [[int(k) for k in p] for p in cut if len(p)]
     as_numpy = {k: (row, torch.empty(0, dtype=d).numpy().dtype) for k, (row, d) in shapes.items()}
     store.ensure(as_numpy, n, chunk, codec)
+    if isinstance(store, TokenStore):
+        store.grow(store.capacity)
+        store.save_plan()
     payload = {
         "model": _dumps(factory if factory is not None else job.model),
         "factory": factory is not None,
+        "tokens": isinstance(store, TokenStore),
         "job": job.spec(),
         "shapes": store.row_shapes(),
         "chunk": chunk,
+        "parts": parts,
         "path": store.path,
         "threads": torch.get_num_threads(),
     }
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # ours counts samples
-    items = ray.data.from_items([{"block": k} for k in pending])
+    items = ray.data.from_items([{"part": i} for i in range(len(parts))])
     mapped = items.map_batches(
         _Worker,
         fn_constructor_kwargs={"payload": payload},
         batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=min(workers, len(pending))),
+        compute=ray.data.ActorPoolStrategy(size=min(workers, len(parts))),
         num_cpus=1,
     )
     total = sum(min(chunk, n - k * chunk) for k in pending)
+    held: dict[int, Any] = {}  # per part: a part Ray ran twice held the same rows twice
     with progress(total, "extract (ray)", bar) as advance:
         for row in mapped.iter_rows():
             advance(int(row["rows"]))
+            held[int(row["part"])] = pickle.loads(row["held"])
+    if isinstance(store, TokenStore):
+        store.write_held(
+            [p for pieces, _ in held.values() for p in pieces],
+            {b for _, blocks in held.values() for b in blocks},
+        )
     return n
 
 

@@ -28,7 +28,7 @@ from .._extras import require
 from .._png import image_to_tensor
 from ..errors import UsageError
 
-__all__ = ["IMAGE_SUFFIXES", "Source", "Unreadable", "from_numpy", "source"]
+__all__ = ["IMAGE_SUFFIXES", "Packed", "Source", "Texts", "Unreadable", "from_numpy", "source"]
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 Batch = tuple[list[str], Any, list[bool]]
@@ -121,9 +121,16 @@ class Dataset(Source):
     def __len__(self) -> int:
         return len(self.data)
 
+    #: the id that pads ``input_ids`` of mappings of several lengths (unit="token"; None:
+    #: such items are refused, as rows of several shapes would be)
+    pad: int | None = None
+
     def batch(self, start: int, stop: int) -> Batch:
         items = [_input_of(self.data[i]) for i in range(start, stop)]
-        inputs = _collate(items, self.floats, self.hint, start)
+        if self.pad is not None and isinstance(items[0], Mapping):
+            inputs = _padded(items, self.pad)
+        else:
+            inputs = _collate(items, self.floats, self.hint, start)
         return [str(i) for i in range(start, stop)], inputs, [True] * len(items)
 
 
@@ -237,23 +244,77 @@ class Images(Source):
 
 
 class Texts(Source):
-    """Strings, tokenized per batch (padding to the batch's longest, truncation)."""
+    """Strings, tokenized per batch (padding to the batch's longest, truncation to
+    ``context`` tokens, or to the tokenizer's own limit)."""
 
-    def __init__(self, texts: Sequence[str], tokenizer: Any) -> None:
+    def __init__(self, texts: Sequence[str], tokenizer: Any, context: int | None = None) -> None:
         if tokenizer is None:
             raise UsageError("a list of strings needs tokenizer= (e.g. an HF AutoTokenizer)")
-        self.texts, self.tokenizer = list(texts), tokenizer
-        self.description = f"{len(self.texts)} texts, tokenizer {type(tokenizer).__name__}"
+        self.texts, self.tokenizer, self.context = list(texts), tokenizer, context
+        self.description = f"{len(self.texts)} texts, tokenizer {type(tokenizer).__name__}" + (
+            f", context {context}" if context else ""
+        )
 
     def __len__(self) -> int:
         return len(self.texts)
 
     def batch(self, start: int, stop: int) -> Batch:
         encoded = self.tokenizer(
-            self.texts[start:stop], padding=True, truncation=True, return_tensors="pt"
+            self.texts[start:stop],
+            padding=True,
+            truncation=True,
+            max_length=self.context,
+            return_tensors="pt",
         )
         ids = [str(i) for i in range(start, stop)]
         return ids, dict(encoded), [True] * (stop - start)
+
+
+class Packed(Source):
+    """Texts tokenized once and joined into one stream of tokens, cut into rows of ``context``
+    tokens (the last one padded; its ``attention_mask`` says where). Each text keeps the
+    special tokens its tokenizer adds (BERT's ``[CLS] .. [SEP]``, Llama's BOS); a tokenizer
+    that adds none (GPT-2's) gets its EOS token after each text, as GPT-2 was trained, so
+    that texts never run into each other unmarked."""
+
+    def __init__(self, texts: Sequence[str], tokenizer: Any, context: int) -> None:
+        if tokenizer is None:
+            raise UsageError("pack=True packs texts: give a list of strings and tokenizer=")
+        self.context = context
+        separator = _separator(tokenizer)
+        parts = []
+        for i in range(0, len(texts), 1024):  # lists of Python ints: a few texts at a time
+            for ids in tokenizer(list(texts[i : i + 1024]))["input_ids"]:
+                parts.append(torch.tensor([*ids, *separator], dtype=torch.int32))
+        self.stream = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None) or 0
+        self.description = (
+            f"{len(texts)} texts packed into rows of {context} tokens, tokenizer "
+            f"{type(tokenizer).__name__}"
+        )
+
+    def __len__(self) -> int:
+        return -(-len(self.stream) // self.context)
+
+    def batch(self, start: int, stop: int) -> Batch:
+        a, b = start * self.context, min(stop * self.context, len(self.stream))
+        ids = torch.full(((stop - start) * self.context,), self.pad, dtype=torch.long)
+        ids[: b - a] = self.stream[a:b]
+        mask = torch.zeros(len(ids), dtype=torch.long)
+        mask[: b - a] = 1
+        shape = (stop - start, self.context)
+        inputs = {"input_ids": ids.view(shape), "attention_mask": mask.view(shape)}
+        return [str(i) for i in range(start, stop)], inputs, [True] * (stop - start)
+
+
+def _separator(tokenizer: Any) -> list[int]:
+    """What goes after each packed text: nothing when the tokenizer marks texts itself."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    marked = len(tokenizer("a")["input_ids"]) > len(
+        tokenizer("a", add_special_tokens=False)["input_ids"]
+    )
+    return [] if marked or eos is None else [int(eos)]
 
 
 def source(
@@ -262,8 +323,20 @@ def source(
     tokenizer: Any = None,
     transform: Callable[[Any], Any] | None = None,
     on_error: str = "raise",
+    context: int | None = None,
+    pack: bool = False,
 ) -> Source:
     """The :class:`Source` for ``data`` (see :func:`hookscope.extract`)."""
+    texts = isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data)
+    if (context or pack) and not texts:
+        raise UsageError(
+            "context= and pack= apply to a list of strings with tokenizer= (tokenize other "
+            "data yourself: a Dataset or DataLoader of tokenizer outputs)"
+        )
+    if pack:
+        if not context:
+            raise UsageError("pack=True needs context=, the length of each packed row")
+        return Packed(data, tokenizer, context)
     if isinstance(data, Source):
         return data
     if isinstance(data, (str, os.PathLike)):
@@ -275,8 +348,8 @@ def source(
         return Tensors(data)
     if _numpy(data) and hasattr(data, "shape"):
         return Arrays(data)
-    if isinstance(data, (list, tuple)) and data and all(isinstance(t, str) for t in data):
-        return Texts(data, tokenizer)
+    if texts:
+        return Texts(data, tokenizer, context)
     if hasattr(data, "__getitem__") and hasattr(data, "__len__") and not isinstance(data, Mapping):
         return Dataset(data)  # a list or tuple too: samples, as a DataLoader reads it
     if isinstance(data, Iterable) and not isinstance(data, Mapping):
@@ -342,6 +415,31 @@ def _collate(items: list[Any], floats: torch.dtype | None, hint: str = "", start
             "shape)"
         )
     return torch.stack(tensors)
+
+
+def _padded(items: list[Any], pad: int) -> dict[str, Tensor]:
+    """Tokenizer outputs of one sample each (mappings of 1-d sequences), padded at the right
+    to the longest: ``input_ids`` with ``pad``, the rest with 0; an ``attention_mask`` is
+    added where there is none and lengths differ (it is what says which tokens are real)."""
+    keys = list(items[0])
+    rows = [{k: torch.as_tensor(item[k]) for k in keys} for item in items]
+    if bad := [k for k in keys if rows[0][k].dim() != 1]:
+        raise UsageError(
+            f"a dataset of tokenizer outputs needs 1-d sequences per sample; {bad[0]!r} has "
+            f"shape {tuple(rows[0][bad[0]].shape)} (tokenize one text at a time, without "
+            "return_tensors, or squeeze the batch dimension)"
+        )
+    lengths = {len(r[keys[0]]) for r in rows}
+    if "attention_mask" not in keys and len(lengths) > 1:
+        for r in rows:
+            r["attention_mask"] = torch.ones(len(r[keys[0]]), dtype=torch.long)
+        keys.append("attention_mask")
+    return {
+        k: torch.nn.utils.rnn.pad_sequence(
+            [r[k] for r in rows], batch_first=True, padding_value=pad if k == "input_ids" else 0
+        )
+        for k in keys
+    }
 
 
 def _numpy(x: Any) -> bool:

@@ -59,15 +59,37 @@ from .._extras import require
 from ..errors import UsageError
 
 __all__ = [
-    "CODECS", "IDENTITY", "META", "Codec", "Store", "check_codec", "open_group", "zarr_module",
-]  # fmt: skip
+    "CODECS",
+    "COLUMNS",
+    "IDENTITY",
+    "META",
+    "Codec",
+    "Store",
+    "check_codec",
+    "open_group",
+    "zarr_module",
+]
 
 META = "hookscope"
-_RESERVED = ("ids", "errors", "done")
+#: a token store's arrays beside its layers' (``unit="token"``): which sample each token
+#: row comes from, its position among the sample's real tokens, its token id
+COLUMNS = ("sample", "position", "token_id")
+_RESERVED = ("ids", "errors", "done", "block_tokens", *COLUMNS)
 #: What must be the same to resume a store (the rest of the metadata may differ).
 IDENTITY = (
-    "model", "fingerprint", "layers", "reduce", "dtype", "chunk", "input", "probe",
-)  # fmt: skip
+    "model",
+    "fingerprint",
+    "layers",
+    "reduce",
+    "dtype",
+    "chunk",
+    "input",
+    "probe",
+    "unit",
+    "token_rule",
+)
+#: what a store made before a setting existed had (a store of samples has no token rule)
+_DEFAULTS: dict[str, Any] = {"unit": "sample"}
 _LABELS = {
     "probe": "the first sample's model input (transform, image size, tokenizer, order)",
     "batch_size": "batch size (texts are padded to each batch's longest)",
@@ -201,9 +223,14 @@ class Store:
     # -- opening ------------------------------------------------------------------------------
     @classmethod
     def open(
-        cls, path: str | os.PathLike[str], meta: dict[str, Any], *, overwrite: bool,
-        resume: bool, same: tuple[str, ...] = IDENTITY,
-    ) -> tuple[Store, set[int]]:  # fmt: skip
+        cls,
+        path: str | os.PathLike[str],
+        meta: dict[str, Any],
+        *,
+        overwrite: bool,
+        resume: bool,
+        same: tuple[str, ...] = IDENTITY,
+    ) -> tuple[Store, set[int]]:
         """The store and the blocks already done; creates, replaces or resumes it. ``same``:
         what must not differ from the stored run to resume it.
 
@@ -313,9 +340,12 @@ class Store:
         def array(name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
             # overwrite: arrays left by a run killed before ``done`` existed hold nothing done
             return create_array(
-                self.group.store_path, name=name, overwrite=True, chunk_key_encoding=_KEYS,
+                self.group.store_path,
+                name=name,
+                overwrite=True,
+                chunk_key_encoding=_KEYS,
                 **kwargs,
-            )  # fmt: skip
+            )
 
         if reserved := [name for name in shapes if name in _RESERVED]:
             raise UsageError(f"a layer may not be called {reserved[0]!r} in a feature store")
@@ -323,28 +353,50 @@ class Store:
         for name, (row, dtype) in shapes.items():
             dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
             made[name] = array(
-                name, shape=(rows, *row), chunks=(chunk, *row), dtype=dtype,
-                fill_value=_fill(dtype), dimension_names=dims, compressors=compressors,
+                name,
+                shape=(rows, *row),
+                chunks=(chunk, *row),
+                dtype=dtype,
+                fill_value=_fill(dtype),
+                dimension_names=dims,
+                compressors=compressors,
                 config={"write_empty_chunks": True},  # see the module's docstring
                 attributes=_COORDINATES,
-            )  # fmt: skip
+            )
         for name in ("ids", "errors"):  # uncompressed, as ``done`` (see the module docstring)
             made[name] = array(
-                name, shape=(rows,), chunks=(chunk,), dtype=str, dimension_names=["sample"],
+                name,
+                shape=(rows,),
+                chunks=(chunk,),
+                dtype=str,
+                dimension_names=["sample"],
                 compressors=None,
-            )  # fmt: skip
+            )
         self._arrays.clear()
         self._writable = dict(zip(made, self._run(list(made.values())), strict=True))
-        (self._writable["done"],) = self._run([array(
-            "done", shape=(max(1, math.ceil(rows / chunk)),), chunks=(1,), dtype=bool,
-            fill_value=False, dimension_names=["block"], compressors=None,
-        )])  # fmt: skip
+        (self._writable["done"],) = self._run(
+            [
+                array(
+                    "done",
+                    shape=(max(1, math.ceil(rows / chunk)),),
+                    chunks=(1,),
+                    dtype=bool,
+                    fill_value=False,
+                    dimension_names=["block"],
+                    compressors=None,
+                )
+            ]
+        )
         self._fresh = True
 
     def write(
-        self, block: int, start: int, features: Mapping[str, Any], ids: list[str],
+        self,
+        block: int,
+        start: int,
+        features: Mapping[str, Any],
+        ids: list[str],
         errors: list[str],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Rows ``start ..`` of every array, then the block's ``done`` entry."""
         import numpy as np
 
@@ -424,10 +476,14 @@ class Store:
             loop.close()
 
     def finish(
-        self, rows: int, meta: dict[str, Any], features: list[str],
+        self,
+        rows: int,
+        meta: dict[str, Any],
+        features: list[str],
         errors: dict[str, str] | None = None,
-    ) -> None:  # fmt: skip
-        """Trim to ``rows`` samples and mark the store complete in its metadata. A source with
+    ) -> None:
+        """Trim to ``rows`` samples and mark the store complete in its metadata (``meta`` over
+        what it holds, but for its creation time, the first run's). A source with
         no samples gives arrays of no rows (of shape ``(0,)``: no sample gave their shape).
         ``errors``: every unreadable sample's reason, where the caller wrote every block (else
         they are read from the store)."""
@@ -435,11 +491,7 @@ class Store:
 
         if not self._ready and "done" not in self.group:
             self._create({n: ((), np.dtype("float32")) for n in features}, 0, 1, "none")
-        if self._async("ids").shape[0] != rows:
-            for name in (*features, "ids", "errors"):
-                array = self._array(name)
-                array.resize((rows, *array.shape[1:]))
-            self._writable.clear()
+        self._trim(rows, features)
         if errors is None and rows:
             reasons = self._array("errors")[:]
             ids = self._array("ids")[:]
@@ -453,11 +505,30 @@ class Store:
             )
         attributes = self.group.attrs.asdict()  # the whole set is replaced: keep the others
         attributes[META] = {
-            **attributes[META], **meta, "samples": rows, "errors": errors, "complete": True,
-            "arrays": {n: {"shape": list(self._async(n).shape), "dtype": str(self._async(n).dtype)}
-                       for n in features},
-        }  # fmt: skip
+            **attributes[META],
+            **{k: v for k, v in meta.items() if k != "created"},  # the first run's creation
+            "samples": rows,
+            "errors": errors,
+            "complete": True,
+            **self._totals(),
+            "arrays": {
+                n: {"shape": list(self._async(n).shape), "dtype": str(self._async(n).dtype)}
+                for n in features
+            },
+        }
         (self.group,) = self._run([self.group.update_attributes_async(attributes)])
+
+    def _trim(self, rows: int, features: list[str]) -> None:
+        """The arrays cut (or grown) to ``rows`` samples, the store's final length."""
+        if self._async("ids").shape[0] != rows:
+            for name in (*features, "ids", "errors"):
+                array = self._array(name)
+                array.resize((rows, *array.shape[1:]))
+            self._writable.clear()
+
+    def _totals(self) -> dict[str, Any]:
+        """What a finished store's metadata says beside its samples (a token store: tokens)."""
+        return {}
 
     def ours(self) -> bool:
         """Whether the store at the path is still the one this object made or resumed (not
@@ -538,10 +609,13 @@ def _remove(path: Path) -> None:
 def _check_same(
     old: Mapping[str, Any], new: Mapping[str, Any], path: Path, same: tuple[str, ...]
 ) -> None:
-    differ = [k for k in same if old.get(k) != new.get(k)]
+    def stored(k: str) -> Any:
+        return old.get(k, _DEFAULTS.get(k))
+
+    differ = [k for k in same if stored(k) != new.get(k)]
     if differ:
         what = "; ".join(
-            f"{_LABELS.get(k, k)}: stored {old.get(k)!r}, now {new.get(k)!r}" for k in differ
+            f"{_LABELS.get(k, k)}: stored {stored(k)!r}, now {new.get(k)!r}" for k in differ
         )
         raise UsageError(
             f"cannot resume {str(path)!r}: the run differs from the one that made it ({what}). "

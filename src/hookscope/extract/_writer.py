@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._store import Store
+from ._store import COLUMNS, Store
 
-__all__ = ["Block", "Writer", "overlap", "pinned"]
+__all__ = ["Block", "TokenBlock", "Writer", "overlap", "pinned"]
 
 _POLL = 0.1  # seconds between looks at the writer thread while waiting for it
 
@@ -71,14 +71,38 @@ class Block:
         return out
 
 
+class TokenBlock(Block):
+    """A block of ``unit="token"``: its samples' ids as a :class:`Block`'s, and the rows of
+    their kept tokens: ``count`` rows per layer (buffers of at least that many), and per token
+    its ``sample``, ``position`` and ``token_id`` (``columns``, a part per batch)."""
+
+    def __init__(self, index: int, start: int, capacity: int, buffers: dict[str, Tensor]) -> None:
+        super().__init__(index, start, capacity, buffers)
+        self.count = 0
+        self.columns: list[tuple[Tensor, Tensor, Tensor]] = []
+
+    def arrays(self) -> dict[str, Any]:
+        out = {name: buffer[: self.count].numpy() for name, buffer in self.buffers.items()}
+        dtypes = (torch.int64, torch.int32, torch.int32)
+        for i, (name, dtype) in enumerate(zip(COLUMNS, dtypes, strict=True)):
+            parts = [c[i] for c in self.columns]
+            out[name] = (torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)).numpy()
+        return out
+
+
 class Writer:
     """Write blocks in order on a background thread (see the module's docstring); use as a
     context manager, which waits for the queued blocks on exit."""
 
     def __init__(
-        self, store: Store, chunk: int, rows: int | None, codec: Any, depth: int = 1,
+        self,
+        store: Store,
+        chunk: int,
+        rows: int | None,
+        codec: Any,
+        depth: int = 1,
         thread: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._store, self._chunk, self._rows, self._codec = store, chunk, rows, codec
         self.thread = thread  # else every block is written in line, by put
         self._queue: queue.Queue[Block | None] = queue.Queue(maxsize=depth)
