@@ -264,12 +264,16 @@ def test_the_trainers_loggers_hold_the_records_and_the_maps(
     wandb = pytest.importorskip("wandb")
     request.addfinalizer(wandb.teardown)  # W&B's service process: none left behind
     pytest.importorskip("mlflow")
+    import mlflow.tracking._tracking_service.utils as tracking
     from mlflow import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    # MLFlowLogger sets MLflow's process-wide tracking URI, which later runs (a Hugging Face
+    # Trainer's MLflowCallback) then use instead of MLFLOW_TRACKING_URI: put it back after
+    monkeypatch.setattr(tracking, "_tracking_uri", tracking._tracking_uri)
     store = (tmp_path / "mlruns").as_uri()
     loggers = [
         L.loggers.TensorBoardLogger(str(tmp_path), name="tb"),
