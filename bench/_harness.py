@@ -30,23 +30,8 @@ Result = dict[str, Any]  # what a worker returns: JSON-ready
 Blocks = Mapping[str, Callable[[], contextlib.AbstractContextManager[Any]]]
 THREADS_ENV = "HOOKSCOPE_BENCH_THREADS"
 #: Versions in every section's header: the library, its peers and what they run on.
-_PACKAGES = (
-    "torch",
-    "transformers",
-    "hookscope",
-    "numpy",
-    "torchlens",
-    "nnsight",
-    "torchinfo",
-    "fvcore",
-    "thop",
-    "grad-cam",
-    "captum",
-    "zarr",
-    "tensorboard",
-    "ray",
-    "torchvision",
-)
+_PACKAGES = ("torch", "transformers", "hookscope", "numpy", "torchlens", "nnsight", "torchinfo")
+_PACKAGES += ("fvcore", "thop", "grad-cam", "captum", "zarr", "tensorboard", "ray", "torchvision")
 
 
 @dataclass(frozen=True)
@@ -73,23 +58,27 @@ class Job:
 
 
 def timing_jobs(
-    module: str, cfg: Config, budgets: dict[str, float], *, rounds: int = 20, min_rounds: int = 5
+    module: str,
+    cfg: Config,
+    budgets: Mapping[str, float],
+    *,
+    rounds: int = 20,
+    min_rounds: int = 5,
+    heavy_rounds: int = 0,
+    env: str = "tuned",
+    **spec: Any,
 ) -> list[Job]:
-    """A malloc-tuned timing process per case (``{case: seconds of rounds}``): a warm-up round,
-    then ``rounds``, never fewer than ``min_rounds`` (--quick: one round, no warm-up)."""
-    plan = {"warmup": 0, "rounds": 1, "min_rounds": min_rounds, "budget_s": 0.0}
+    """A timing process per case (``{case: seconds of rounds}``, job ``timing_<case>``) under
+    malloc setting ``env``: a warm-up round, then ``rounds``, never fewer than ``min_rounds``,
+    the heavy variants only in the first ``heavy_rounds`` (--quick: one round, no warm-up)."""
     out = []
     for case, budget in budgets.items():
+        plan = {"warmup": 0, "rounds": 1, "min_rounds": min_rounds, "budget_s": 0.0}
         if not cfg.quick:
-            plan = {**plan, "warmup": 1, "rounds": rounds, "budget_s": budget}
-        spec = {
-            "kind": "timing",
-            "model": case,
-            "quick": cfg.quick,
-            "plan": plan,
-            "baseline": cfg.baseline,
-        }
-        out.append(Job(module, f"timing_{case}", spec))
+            plan.update(warmup=1, rounds=rounds, budget_s=budget, heavy_rounds=heavy_rounds)
+        base = {"kind": "timing", "model": case, "quick": cfg.quick, "baseline": cfg.baseline}
+        job = Job(module, "timing_" + case.replace("/", "_"), {**base, **spec, "plan": plan}, env)
+        out.append(job)
     return out
 
 
@@ -258,16 +247,10 @@ def timing(
                         continue
                     samples.append({"key": v.key, "round": rnd, "warmup": measured < 0, **got})
     gc.unfreeze()
-    steal = sum(s["steal"] for s in samples if not s["warmup"])
     noise = {"loadavg": [min(loads), max(loads)], "rounds_s": time.perf_counter() - start}
+    noise["steal_ticks"] = sum(s["steal"] for s in samples if not s["warmup"])
     info = {v.key: {"label": v.label, "floor": v.floor} for v in variants}
-    return {
-        "unit": unit,
-        "variants": info,
-        "samples": samples,
-        "errors": errors,
-        "noise": {**noise, "steal_ticks": steal},
-    }
+    return {"unit": unit, "variants": info, "samples": samples, "errors": errors, "noise": noise}
 
 
 @dataclass(frozen=True)

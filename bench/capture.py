@@ -59,16 +59,12 @@ TARGETS = [
         for m in MODELS
     ),
     # DESIGN.md: clone mode <= 1.1x a raw hook that clones; reference mode <= 2x a no-op hook
-    Target(
-        "capture/latency", "hs_clone", "raw_clone", 1.1, SITE.format("capture", "clones"), "site_us"
-    ),
-    Target(
-        "capture/latency",
-        "hs_ref",
-        "raw_noop",
-        2.0,
-        SITE.format("reference", "does nothing"),
-        "site_us",
+    *(
+        Target("capture/latency", a, b, limit, SITE.format(what, raw), "site_us")
+        for a, b, limit, what, raw in (
+            ("hs_clone", "raw_clone", 1.1, "capture", "clones"),
+            ("hs_ref", "raw_noop", 2.0, "reference", "does nothing"),
+        )
     ),
 ]
 
@@ -122,17 +118,9 @@ def build_case(name: str, quick: bool) -> Case:
         batch, side = (1, 64) if quick else (8, 224)
         x = torch.randn(batch, 3, side, side, generator=seeded)
         what = f"ResNetForImageClassification(ResNetConfig({'narrow' * quick})), input "
+        what += f"{batch}x3x{side}x{side}"
         stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-        return Case(
-            name,
-            model.eval(),
-            (x,),
-            {},
-            stages,
-            stages[1],
-            "spatial_mean",
-            f"{what}{batch}x3x{side}x{side}",
-        )
+        return Case(name, model.eval(), (x,), {}, stages, stages[1], "spatial_mean", what)
     config = GPT2Config(n_embd=64, n_head=2, n_layer=10, vocab_size=1000) if quick else GPT2Config()
     batch, tokens = (1, 16) if quick else (4, 128)
     ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=seeded)
@@ -248,8 +236,11 @@ def _nnsight(case: Case, wrapped: Any, names: list[str]) -> Callable[[], dict[st
     return call
 
 
-def torchlens(case: Case, save: Callable[[Any], Any] | None) -> Callable[[], Any]:
-    """``torchlens.trace(copy, x, save=save(tl))`` on a deep copy; ``None``: its default (all)."""
+def torchlens(
+    key: str, label: str, case: Case, save: Callable[[Any], Any] | None, floor: str
+) -> Variant:
+    """``torchlens.trace(copy, x, save=save(tl))`` on a deep copy (``None``: its default, all);
+    seconds a call (heavy), in the ``torchlens`` block (:func:`torchlens_wrapped`)."""
     import torchlens as tl
 
     model, what = copy.deepcopy(case.model), save and save(tl)
@@ -260,7 +251,7 @@ def torchlens(case: Case, save: Callable[[Any], Any] | None) -> Callable[[], Any
             warnings.simplefilter("ignore")
             return tl.trace(model, list(case.args), input_kwargs=case.kwargs, save=what)
 
-    return call
+    return Variant(key, label, call, floor, "torchlens", heavy=True)
 
 
 @contextlib.contextmanager
@@ -290,20 +281,12 @@ def _peer_variants(c: Case, keys: tuple[str, ...]) -> list[Variant]:
         label += f" the {len(ran)} leaves that run (aliases, no copy)"
         out.append(Variant("nnsight_leaves", label, _nnsight(c, wrapped, ran), "hs_leaves_ref"))
     if "torchlens_sel" in keys:
-        label = "torchlens.trace(copy, x"
-        fn = torchlens(c, lambda tl: functools.reduce(operator.or_, map(tl.module, c.selection)))
-        out.append(
-            Variant(
-                "torchlens_sel",
-                f"{label}, save=tl.module(a) | ...), {sel}",
-                fn,
-                "hs_sel",
-                "torchlens",
-                heavy=True,
-            )
-        )
-        fn, label = torchlens(c, None), f"{label}): every op's output (its default)"
-        out.append(Variant("torchlens_all", label, fn, "hs_leaves_clone", "torchlens", heavy=True))
+        label, modules = "torchlens.trace(copy, x", lambda tl: map(tl.module, c.selection)
+        label_sel = f"{label}, save=tl.module(a) | ...), {sel}"
+        save = lambda tl: functools.reduce(operator.or_, modules(tl))  # noqa: E731
+        out.append(torchlens("torchlens_sel", label_sel, c, save, "hs_sel"))
+        label += "): every op's output (its default)"
+        out.append(torchlens("torchlens_all", label, c, None, "hs_leaves_clone"))
     return out
 
 
@@ -339,7 +322,8 @@ def import_baseline(path: str | None) -> tuple[ModuleType | None, str | None]:
 
 
 def _timing(spec: Result) -> Result:
-    case = build_case(spec["model"], spec["quick"])
+    model, setting = spec["model"].split("/")
+    case = build_case(model, spec["quick"])
     baseline, error = import_baseline(spec.get("baseline"))
     keys = CORE + tuple(f"bl_{k}" for k in HS_KINDS if baseline) + PEERS[spec["peers"]]
     variants = [v for v in _own_variants(case, baseline) if v.key in keys]
@@ -347,8 +331,8 @@ def _timing(spec: Result) -> Result:
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": torchlens_wrapped})
     return {
         **result,
-        "case": f"capture/{spec['model']}/{spec['setting']}",
-        "title": f"{MODELS[spec['model']]}, {SETTINGS[spec['setting']]}",
+        "case": f"capture/{spec['model']}",
+        "title": f"{MODELS[model]}, {SETTINGS[setting]}",
         "about": about(case),
         "skipped": {f"bl_{k}": error for k in HS_KINDS if error},
         "checks": _peer_checks(case, {v.key: v for v in variants}),
@@ -439,39 +423,24 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out, quick = [], cfg.quick
+    out, quick, scale = [], cfg.quick, 1.5 if cfg.baseline else 1
     for model, setting in itertools.product(MODELS, cfg.settings):
         # Peers only where the library's own cost is isolated; torchlens (seconds per call)
         # only in the first 5 rounds of a full run, so the fast variants get more rounds.
         peers = "none" if setting != "tuned" else "nnsight" if quick else "all"
-        budget = 0 if quick else BUDGETS[f"{model}/{setting}"] * (1.5 if cfg.baseline else 1)
-        plan = {
-            "warmup": int(not quick),
-            "rounds": 1 if quick else 20,
-            "min_rounds": 5,
-            "budget_s": budget,
-            "heavy_rounds": 0 if quick else 5,
-        }
-        spec = {
-            "kind": "timing",
-            "model": model,
-            "setting": setting,
-            "quick": quick,
-            "peers": peers,
-            "baseline": cfg.baseline,
-            "plan": plan,
-        }
-        out.append(Job("capture", f"timing_{model}_{setting}", spec, setting))
+        budget = {f"{model}/{setting}": BUDGETS[f"{model}/{setting}"] * scale}
+        out += h.timing_jobs("capture", cfg, budget, heavy_rounds=5, env=setting, peers=peers)
     rounds, warmup, calls = (1, 0, 5) if quick else (30, 3, 100)
     spec = {"kind": "latency", "rounds": rounds, "warmup": warmup, "calls": calls}
     out.append(Job("capture", "latency", spec))
+    repeats = 1 if quick else 2
     for model, key in itertools.product(MODELS, ("plain", "hs_leaves_reduce") if quick else MEMORY):
         spec = {
             "kind": "memory",
             "model": model,
             "variant": key,
             "quick": quick,
-            "repeats": 1 if quick else 2,
+            "repeats": repeats,
         }
         out.append(Job("capture", f"memory_{model}_{key}", spec, "memory", alone=False))
     return out

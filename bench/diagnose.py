@@ -197,12 +197,6 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    counts = [
-        Job(
-            "diagnose",
-            f"ops_{m}",
-            {"kind": "ops", "model": m, "quick": cfg.quick, "baseline": cfg.baseline},
-        )
-        for m in TITLES
-    ]
+    spec = {"kind": "ops", "quick": cfg.quick, "baseline": cfg.baseline}
+    counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in TITLES]
     return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(TITLES, 120.0))

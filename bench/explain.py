@@ -18,33 +18,23 @@ from _report import Target
 
 TITLE = "Explain: CAM methods beside the autograd floor, pytorch-grad-cam and Captum"
 LAYER = "resnet.encoder.stages.3"
-LABELS = {
-    "plain": "forward, no_grad (the unit)",
-    "floor": "hand-written: forward hook, autograd.grad to the layer, weighted sum",
-    "hs_gradcam": "hs.GradCAM built once, called on (x, targets list)",
-    "pgc_gradcam": "pytorch-grad-cam GradCAM (full backward)",
-    "captum_gradcam": "Captum LayerGradCam.attribute",
-    "hs_gradcampp": "hs.GradCAMPlusPlus, built once",
-    "pgc_gradcampp": "pytorch-grad-cam GradCAMPlusPlus",
-    "score_plain": "forward, no_grad (the unit)",
-    "hs_scorecam": "hs.ScoreCAM, every channel",
-    "hs_scorecam_topk": "hs.ScoreCAM(top_k=3): 3 of 32 channels",
-    "pgc_scorecam": "pytorch-grad-cam ScoreCAM (every channel)",
-    "hs_ig": "hs.IntegratedGradients: 50 steps, Gauss-Legendre, 10 steps a forward",
-    "captum_ig": "Captum IntegratedGradients, the same (internal_batch_size=80)",
-    "hs_occlusion": "hs.Occlusion: 8x8 windows, stride 4, 64 images a forward",
-    "captum_occlusion": "Captum Occlusion, the same (perturbations_per_eval=8)",
-}
-FLOORS = {
-    "hs_gradcam": "floor",
-    "pgc_gradcam": "hs_gradcam",
-    "captum_gradcam": "hs_gradcam",
-    "hs_gradcampp": "floor",
-    "pgc_gradcampp": "hs_gradcampp",
-    "hs_scorecam_topk": "hs_scorecam",
-    "pgc_scorecam": "hs_scorecam",
-    "captum_ig": "hs_ig",
-    "captum_occlusion": "hs_occlusion",
+#: Each variant's label and floor (the variant it is compared with besides the unit).
+VARIANTS = {
+    "plain": ("forward, no_grad (the unit)", None),
+    "floor": ("hand-written: forward hook, autograd.grad to the layer, weighted sum", None),
+    "hs_gradcam": ("hs.GradCAM built once, called on (x, targets list)", "floor"),
+    "pgc_gradcam": ("pytorch-grad-cam GradCAM (full backward)", "hs_gradcam"),
+    "captum_gradcam": ("Captum LayerGradCam.attribute", "hs_gradcam"),
+    "hs_gradcampp": ("hs.GradCAMPlusPlus, built once", "floor"),
+    "pgc_gradcampp": ("pytorch-grad-cam GradCAMPlusPlus", "hs_gradcampp"),
+    "score_plain": ("forward, no_grad (the unit)", None),
+    "hs_scorecam": ("hs.ScoreCAM, every channel", None),
+    "hs_scorecam_topk": ("hs.ScoreCAM(top_k=3): 3 of 32 channels", "hs_scorecam"),
+    "pgc_scorecam": ("pytorch-grad-cam ScoreCAM (every channel)", "hs_scorecam"),
+    "hs_ig": ("hs.IntegratedGradients: 50 steps, Gauss-Legendre, 10 steps a forward", None),
+    "captum_ig": ("Captum IntegratedGradients, the same (internal_batch_size=80)", "hs_ig"),
+    "hs_occlusion": ("hs.Occlusion: 8x8 windows, stride 4, 64 images a forward", None),
+    "captum_occlusion": ("Captum Occlusion, the same (perturbations_per_eval=8)", "hs_occlusion"),
 }
 TARGETS = [
     Target("explain/resnet50", "hs_gradcam", "floor", 1.05, "Grad-CAM ÷ forward + autograd floor"),
@@ -177,7 +167,7 @@ def work(spec: Result) -> Result:
     warnings.simplefilter("ignore")  # transformers' and peers' warnings are not results
     with torch.enable_grad():
         fns, info = (_gradcam if spec["model"] == "resnet50" else _scorecam)(spec["quick"])
-        variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
+        variants = [Variant(k, VARIANTS[k][0], fn, VARIANTS[k][1]) for k, fn in fns.items()]
         result = h.timing(variants, Plan(**spec["plan"]), unit=info.get("unit", "plain"))
     return {**result, **info}
 

@@ -49,26 +49,16 @@ FLOORS = {
     "hs_ray": "hand_after_ray",
     "shuffled": "zarr",
 }
+TOKENS = "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)"
 TARGETS = [
     *(
-        Target(
-            f"extract/{m}", "hs", "hand", 1 / 0.9, "hs.extract time ÷ hand loop (throughput ≥ 0.9x)"
+        Target(f"extract/{m}", "hs", "hand", limit, what)
+        for cases, limit, what in (
+            (("resnet50", "minilm"), 1 / 0.9, "hs.extract time ÷ hand loop (throughput ≥ 0.9x)"),
+            (("io", "io_large"), 1.10, "hs.extract time ÷ hand loop, IO-bound"),
+            (("tokens_minilm", "tokens_gpt2"), 1 / 0.95, TOKENS),
         )
-        for m in ("resnet50", "minilm")
-    ),
-    *(
-        Target(f"extract/{m}", "hs", "hand", 1.10, "hs.extract time ÷ hand loop, IO-bound")
-        for m in ("io", "io_large")
-    ),
-    *(
-        Target(
-            f"extract/tokens_{m}",
-            "hs",
-            "hand",
-            1 / 0.95,
-            "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)",
-        )
-        for m in ("minilm", "gpt2")
+        for m in cases
     ),
     Target("extract/reader", "shuffled", "zarr", 1.25, "store.shuffled() time ÷ plain zarr"),
 ]
@@ -169,22 +159,12 @@ def _timing(spec: Result) -> Result:
         model, data, layer, reduce, batches, what = _case(spec["model"], spec["quick"])
         texts, tokenizer = data if isinstance(data, tuple) else (data, None)
         unit = {"unit": "token"} if reduce == "tokens" else {"reduce": reduce}
-        size = 8 if reduce == "tokens" and tokenizer is None else 64  # GPT-2's rows: 8 a batch
+        opts = {**unit, "tokenizer": tokenizer, "overwrite": True, "progress": False}
+        opts["batch_size"] = 8 if reduce == "tokens" and tokenizer is None else 64  # GPT-2's rows
 
         def ours(engine: str = "local", codec: str = "none") -> Any:
-            return hs.extract(
-                model,
-                texts,
-                [layer],
-                out=root / f"{engine}_{codec}",
-                batch_size=size,
-                **unit,
-                tokenizer=tokenizer,
-                overwrite=True,
-                progress=False,
-                engine=engine,
-                codec=codec,
-            )
+            out = root / f"{engine}_{codec}"
+            return hs.extract(model, texts, [layer], out=out, engine=engine, codec=codec, **opts)
 
         hand = functools.partial(hand_loop, model, layer, reduce, batches, root / "hand")
         fns = {"hand": hand, "hs": ours}
@@ -221,14 +201,8 @@ def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
     import hookscope as hs
 
     rows, make = 4096 * (1 if quick else 64), nn.Sequential(nn.Embedding(1000, 768))
-    store = hs.extract(
-        make,
-        torch.randint(0, 1000, (rows // 128, 128)),
-        ["0"],
-        out=root / "t",
-        unit="token",
-        progress=False,
-    )
+    ids = torch.randint(0, 1000, (rows // 128, 128))
+    store = hs.extract(make, ids, ["0"], out=root / "t", unit="token", progress=False)
     group = zarr.open_group(str(root / "t"), mode="r")
     arrays, size = [group[n] for n in ("0", "sample", "position", "token_id")], group["0"].chunks[0]
     fns = {

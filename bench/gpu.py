@@ -31,24 +31,17 @@ from _report import Target
 Fn = Callable[[], Any]
 TITLE = "GPU: hookscope beside hand-written floors and peers"
 BASE = ("capture", "edit", "features", "summary", "grads", "nonfinite")
-#: Cases in the table's order, each with its row groups.
-CASES: dict[str, tuple[str, ...]] = {
-    "resnet50/fp32": (*BASE, "anomaly", "monitor", "gradcam", "extract"),
-    "gpt2/fp32": (*BASE, "anomaly", "monitor"),
-    "llama1b/bf16": BASE,
-    "resnet50/bf16": (*BASE, "anomaly", "monitor"),
-    "gpt2/bf16": (*BASE, "anomaly", "monitor"),
-}
 GROUPS = (*BASE, "anomaly", "monitor", "gradcam", "extract")
-MODELS = ("resnet50", "gpt2", "llama1b")
-#: Seconds of rounds per case in a full run: no round starts past it after the third.
-BUDGETS = {
-    "resnet50/fp32": 90,
-    "gpt2/fp32": 80,
-    "llama1b/bf16": 40,
-    "resnet50/bf16": 45,
-    "gpt2/bf16": 40,
+#: Cases in the table's order: seconds of rounds in a full run (no round starts past it after
+#: the third), row groups.
+CASES: dict[str, tuple[float, tuple[str, ...]]] = {
+    "resnet50/fp32": (90, GROUPS),
+    "gpt2/fp32": (80, GROUPS[:-2]),
+    "llama1b/bf16": (40, BASE),
+    "resnet50/bf16": (45, GROUPS[:-2]),
+    "gpt2/bf16": (40, GROUPS[:-2]),
 }
+MODELS = ("resnet50", "gpt2", "llama1b")
 ITERS, ROUNDS = 3, 7
 #: (group, numerator, denominator), in the table's order.
 ROWS = (
@@ -76,20 +69,12 @@ ROWS = (
 )
 TARGETS = [
     Target(f"gpu/{case}", a, b, None, group)
-    for case, groups in CASES.items()
+    for case, (_, groups) in CASES.items()
     for group, a, b in ROWS
     if group in groups
 ]
-TRAIN = {
-    "plain_step",
-    "grads",
-    "hand_grads",
-    "nonfinite",
-    "anomaly",
-    "plain10",
-    "monitor10",
-    "monitor10_tb",
-}
+#: The variants of a training step (the model in train mode).
+TRAIN = {k for g, *keys in ROWS if g in ("grads", "nonfinite", "anomaly", "monitor") for k in keys}
 SLOW = {"plain10", "monitor10", "monitor10_tb", "extract", "hand_loop"}  # one iteration a round
 #: Variants that need a package the GPU machine may lack: skipped with a note.
 NEEDS = {
@@ -136,14 +121,8 @@ def _lm(name: str, quick: bool) -> tuple[nn.Module, list[str], int, str]:
         what = f"GPT2LMHeadModel(GPT2Config({'small' if quick else ''}))"
         return GPT2LMHeadModel(cfg), blocks, cfg.vocab_size, what
     size = (64, 256, 2, 4, 1, 1000) if quick else (2048, 8192, 16, 16, 4, 32000)
-    keys = (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "vocab_size",
-    )
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    keys += ("num_key_value_heads", "vocab_size")
     cfg = LlamaConfig(**dict(zip(keys, size, strict=True)), use_cache=False)
     blocks = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
     what = "LlamaForCausalLM(hidden {}, MLP {}, {} layers, {} heads, {} KV heads)".format(*size)
@@ -333,17 +312,8 @@ def _extract(case: capture.Case, tmp: Path, quick: bool) -> dict[str, Fn]:
     torch.manual_seed(2)  # drawn on the device (fast), kept on the host as a dataset is
     data = torch.randn(128 if quick else 2048, *x.shape[1:], device=x.device).cpu()
     batches = [lambda i=i: data[i : i + 64].to(x.device) for i in range(0, len(data), 64)]
-    ours = functools.partial(
-        hs.extract,
-        model,
-        data,
-        [name],
-        out=tmp / "hs",
-        batch_size=64,
-        reduce="spatial_mean",
-        overwrite=True,
-        progress=False,
-    )
+    opts = {"batch_size": 64, "reduce": "spatial_mean", "overwrite": True, "progress": False}
+    ours = functools.partial(hs.extract, model, data, [name], out=tmp / "hs", **opts)
     hand = functools.partial(extract.hand_loop, model, name, "spatial_mean", batches, tmp / "h")
     return {"extract": ours, "hand_loop": hand}
 
@@ -360,22 +330,16 @@ def variants(
         fns.update(_extract(case, tmp, quick))
     wanted = {k for g, a, b in ROWS if g in groups for k in (a, b)}
     skipped |= {k: why for k in sorted(wanted) if (why := _missing(k))}
-    model = case.model
-    return [
-        Variant(
-            k,
-            "",
-            fn,
-            before=functools.partial(model.train, k in TRAIN),
-            iters=1 if k in SLOW else None,
-        )
-        for k, fn in fns.items()
-        if k in wanted and k not in skipped
-    ], skipped
+
+    def variant(key: str, fn: Fn) -> Variant:
+        train = functools.partial(case.model.train, key in TRAIN)
+        return Variant(key, "", fn, before=train, iters=1 if key in SLOW else None)
+
+    return [variant(k, fn) for k, fn in fns.items() if k in wanted and k not in skipped], skipped
 
 
 def _timing(spec: Result, device: torch.device) -> Result:
-    case, labels = build(spec["case"], device, spec["quick"])
+    case, labels = build(spec["model"], device, spec["quick"])
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with tempfile.TemporaryDirectory() as tmp:
         vs, skipped = variants(case, labels, tuple(spec["groups"]), Path(tmp), spec["quick"])
@@ -384,8 +348,8 @@ def _timing(spec: Result, device: torch.device) -> Result:
     case.model.eval()
     return {
         **result,
-        "case": f"gpu/{spec['case']}",
-        "title": spec["case"],
+        "case": f"gpu/{spec['model']}",
+        "title": spec["model"],
         "about": case.description,
         "skipped": skipped,
     }
@@ -401,31 +365,13 @@ def work(spec: Result) -> Result:
     return _timing(spec, torch.device(spec["device"]))
 
 
-def _picked(case: str, models: tuple[str, ...]) -> bool:
-    return not models or case in models or case.split("/")[0] in models
-
-
 def jobs(cfg: Config) -> list[Job]:
     """One process per case, in the table's order."""
-    out, quick = [], cfg.quick
-    for case, all_groups in CASES.items():
+    out, iters = [], 1 if cfg.quick else ITERS
+    opts = {"rounds": ROUNDS, "min_rounds": 3, "env": "defaults", "device": cfg.device}
+    for case, (budget, all_groups) in CASES.items():
         groups = [g for g in all_groups if not cfg.rows or g in cfg.rows]
-        if not groups or not _picked(case, cfg.models):
-            continue
-        plan = {
-            "warmup": 0 if quick else 1,
-            "rounds": 1 if quick else ROUNDS,
-            "min_rounds": 3,
-            "budget_s": 0 if quick else BUDGETS[case],
-        }
-        spec = {
-            "kind": "timing",
-            "case": case,
-            "groups": groups,
-            "device": cfg.device,
-            "quick": quick,
-            "iters": 1 if quick else ITERS,
-            "plan": plan,
-        }
-        out.append(Job("gpu", f"timing_{case.replace('/', '_')}", spec, "defaults"))
+        picked = not cfg.models or case in cfg.models or case.split("/")[0] in cfg.models
+        if groups and picked:
+            out += h.timing_jobs("gpu", cfg, {case: budget}, groups=groups, iters=iters, **opts)
     return out

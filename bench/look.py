@@ -38,40 +38,25 @@ LABELS = {
     "flopcounter": "with no_grad(), FlopCounterMode(display=False): model(x)",
     "bl": "the baseline revision's hs.summary (--baseline)",
 }
-LLAMA_FLOPS = "hs FLOPs: |÷ analytic - 1|, %"
+LLAMA_FLOPS, FIRST, PEAK = "hs FLOPs: |÷ analytic - 1|, %", "first call, s", "peak RSS, GB"
 TARGETS = [
     *(
-        t
+        Target(f"look/{m}", "hs", den, limit, what)
         for m in ("resnet50", "gpt2", *HOST_BOUND)
-        for t in (
-            Target(
-                f"look/{m}", "hs", "plain", 1.15, "summary with FLOPs: hs.summary ÷ plain forward"
-            ),
-            Target(f"look/{m}", "hs", "torchinfo", 1.0, "hs.summary ÷ torchinfo.summary"),
-            Target(f"look/{m}", "hs", "bl", 1.0, "hs.summary ÷ the baseline's (--baseline)"),
+        for den, limit, what in (
+            ("plain", 1.15, "summary with FLOPs: hs.summary ÷ plain forward"),
+            ("torchinfo", 1.0, "hs.summary ÷ torchinfo.summary"),
+            ("bl", 1.0, "hs.summary ÷ the baseline's (--baseline)"),
         )
     ),
     # DESIGN.md: a 7B Llama on meta in under 5 s and 1 GB, FLOPs within 1%
-    Target(
-        "look/llama_rss",
-        "first call, s",
-        None,
-        5.0,
-        "meta Llama: hs.summary, first call in a fresh process, seconds",
-    ),
-    Target(
-        "look/llama_rss",
-        "peak RSS, GB",
-        None,
-        1.0,
-        "meta Llama: that process's peak RSS (ru_maxrss), GB",
-    ),
-    Target(
-        "look/llama",
-        LLAMA_FLOPS,
-        None,
-        1.0,
-        "meta Llama: hs FLOPs against the analytic count, % off",
+    *(
+        Target(f"look/{case}", value, None, limit, f"meta Llama: {what}")
+        for case, value, limit, what in (
+            ("llama_rss", FIRST, 5.0, "hs.summary, first call in a fresh process, seconds"),
+            ("llama_rss", PEAK, 1.0, "that process's peak RSS (ru_maxrss), GB"),
+            ("llama", LLAMA_FLOPS, 1.0, "hs FLOPs against the analytic count, % off"),
+        )
     ),
 ]
 
@@ -248,10 +233,10 @@ def _rss(spec: Result) -> Result:
         hs.summary(case.model, input_size=shape, dtypes=[torch.long])
         times.append(time.perf_counter() - t0)
     values = {
-        "first call, s": times[0],
+        FIRST: times[0],
         "later, median s": statistics.median(times[1:] or times),
         "RSS before the first summary (torch, transformers, the meta model), MiB": before,
-        "peak RSS, GB": h.peak_rss_mib() * 2**20 / 1e9,
+        PEAK: h.peak_rss_mib() * 2**20 / 1e9,
     }
     about = (
         f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"

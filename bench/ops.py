@@ -39,16 +39,13 @@ FLOORS = {
     "nnsight_sdpa": "hs_sdpa",
     "torchlens_sdpa": "hs_sdpa",
 }
+ONE = "one operation in each of 12 blocks"
 #: issue 17's performance section, of wall time and of the process's CPU time
 TARGETS = [
     Target("ops/gpt2", num, den, 1.05, what, t)
     for what, num, den in (
-        ("one operation in each of 12 blocks: hs.capture ÷ plain forward", "hs_sdpa", "plain"),
-        (
-            "one operation in each of 12 blocks ÷ hand module hooks, same bytes copied",
-            "hs_sdpa",
-            "hand_attn",
-        ),
+        (f"{ONE}: hs.capture ÷ plain forward", "hs_sdpa", "plain"),
+        (f"{ONE} ÷ hand module hooks, same bytes copied", "hs_sdpa", "hand_attn"),
         (
             "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand",
             "hs_weights2",
@@ -141,18 +138,9 @@ def build_variants(case: capture.Case) -> list[Variant]:
         "nnsight_sdpa": _nnsight(case),
     }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
-    fn = capture.torchlens(case, lambda tl: tl.func("scaled_dot_product_attention"))
-    return [
-        *out,
-        Variant(
-            "torchlens_sdpa",
-            LABELS["torchlens_sdpa"],
-            fn,
-            FLOORS["torchlens_sdpa"],
-            "torchlens",
-            heavy=True,
-        ),
-    ]
+    save = lambda tl: tl.func("scaled_dot_product_attention")  # noqa: E731
+    key = "torchlens_sdpa"
+    return [*out, capture.torchlens(key, LABELS[key], case, save, FLOORS[key])]
 
 
 def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
@@ -174,7 +162,7 @@ def work(spec: Result) -> Result:
 
     h.set_threads()
     warnings.simplefilter("ignore")  # transformers' warnings are not results
-    case = capture.build_case("gpt2", spec["quick"])
+    case = capture.build_case(spec["model"], spec["quick"])
     variants = build_variants(case)
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": capture.torchlens_wrapped})
     listed = hs.names(case.model, ops=True, inputs=case.args[0])
@@ -191,12 +179,5 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    plan = {
-        "warmup": 0 if cfg.quick else 1,
-        "rounds": 1 if cfg.quick else 40,
-        "min_rounds": 5,
-        "budget_s": 0 if cfg.quick else 900,
-        "heavy_rounds": 0 if cfg.quick else 3,
-    }
     # many rounds: other tenants of the VM make single rounds noisy
-    return [Job("ops", "timing_gpt2", {"kind": "timing", "quick": cfg.quick, "plan": plan})]
+    return h.timing_jobs("ops", cfg, {"gpt2": 900}, rounds=40, heavy_rounds=3)

@@ -124,16 +124,8 @@ def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
             job = pending.pop(0)
             path = out / f"{job.module}_{job.name}.json"
             log = path.with_suffix(".log").open("w")
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                job.module,
-                "--json",
-                str(path),
-                "--spec",
-                json.dumps(job.spec),
-            ]
+            cmd = [sys.executable, __file__, "--worker", job.module, "--json", str(path)]
+            cmd += ["--spec", json.dumps(job.spec)]
             proc = subprocess.Popen(cmd, env=_env(job.env), stderr=log, text=True)
             running.append((job, path, log, proc, time.perf_counter()))
         while not (ended := [r for r in running if r[3].poll() is not None]):
