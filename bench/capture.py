@@ -97,36 +97,51 @@ class Case:
 
 
 #: ``ResNetConfig`` arguments of --quick's small ResNet-50: its four stages and their names,
-#: one bottleneck each, fewer channels (here and in gpu.py)
-NARROW_RESNET: dict[str, Any] = {
-    "embedding_size": 16,
-    "hidden_sizes": [32, 64, 128, 256],
-    "depths": [1, 1, 1, 1],
-}
+#: one bottleneck each, fewer channels
+NARROW_RESNET: dict[str, Any] = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]}
+NARROW_RESNET["depths"] = [1, 1, 1, 1]
+LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+LLAMA_KEYS += ("num_key_value_heads", "vocab_size")
+#: ``LlamaConfig`` arguments of --quick's small Llama (2 layers, grouped-query attention)
+SMALL_LLAMA = dict(zip(LLAMA_KEYS, (64, 256, 2, 4, 1, 1000), strict=True))
+
+
+def hf_model(name: str, quick: bool, llama: dict[str, int] | None = None) -> tuple[Any, list[str]]:
+    """The model every module times, from its transformers config with random weights (seed 0),
+    in eval mode, and its blocks' names: ResNet-50, GPT-2 small, or a Llama (``llama``: its
+    ``LlamaConfig`` arguments, none: Llama-7B); ``quick`` keeps the blocks' names, with fewer
+    channels and blocks."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "resnet50":
+        config = tf.ResNetConfig(num_labels=1000, **(NARROW_RESNET if quick else {}))
+        blocks = [f"resnet.encoder.stages.{i}" for i in range(4)]
+        return tf.ResNetForImageClassification(config).eval(), blocks
+    if name == "gpt2":
+        small = {"n_embd": 64, "n_head": 2, "n_layer": 10, "vocab_size": 1000}
+        config = tf.GPT2Config(**(small if quick else {}))
+        blocks = [f"transformer.h.{i}" for i in range(config.n_layer)]
+        return tf.GPT2LMHeadModel(config).eval(), blocks
+    config = tf.LlamaConfig(**(SMALL_LLAMA if quick else llama or {}))
+    blocks = [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
+    return tf.LlamaForCausalLM(config).eval(), blocks
 
 
 def build_case(name: str, quick: bool) -> Case:
-    """ResNet-50 (batch 8, 3x224x224) or GPT-2 small (4 x 128 tokens); ``quick`` keeps the names
-    of the selections (stages, blocks), with fewer channels and blocks, on a small input."""
-    from transformers import GPT2Config, GPT2LMHeadModel, ResNetConfig
-    from transformers import ResNetForImageClassification as ResNet
-
-    torch.manual_seed(0)
+    """ResNet-50 (batch 8, 3x224x224) or GPT-2 small (4 x 128 tokens); ``quick``: the small
+    models (:func:`hf_model`) on a small input."""
+    model, blocks = hf_model(name, quick)
     seeded = torch.Generator().manual_seed(1)
     if name == "resnet50":
-        model = ResNet(ResNetConfig(num_labels=1000, **(NARROW_RESNET if quick else {})))
         batch, side = (1, 64) if quick else (8, 224)
         x = torch.randn(batch, 3, side, side, generator=seeded)
         what = f"ResNetForImageClassification(ResNetConfig({'narrow' * quick})), input "
         what += f"{batch}x3x{side}x{side}"
-        stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-        return Case(name, model.eval(), (x,), {}, stages, stages[1], "spatial_mean", what)
-    config = GPT2Config(n_embd=64, n_head=2, n_layer=10, vocab_size=1000) if quick else GPT2Config()
+        return Case(name, model, (x,), {}, blocks, blocks[1], "spatial_mean", what)
     batch, tokens = (1, 16) if quick else (4, 128)
-    ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=seeded)
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=seeded)
     what = f"GPT2LMHeadModel({'small' if quick else 'GPT-2 small'}), ids {batch}x{tokens}"
-    blocks = [f"transformer.h.{i}" for i in range(config.n_layer)]
-    model = GPT2LMHeadModel(config).eval()
     return Case(name, model, (ids,), {"use_cache": False}, blocks, blocks[5], "token_mean", what)
 
 

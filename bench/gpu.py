@@ -92,65 +92,49 @@ def _missing(key: str) -> str | None:
     return f"{need} not installed" if need and importlib.util.find_spec(need) is None else None
 
 
-def _resnet(quick: bool) -> tuple[nn.Module, list[str], str]:
-    """torchvision's ResNet-50 where it works, else HF's; with ``quick``, HF's with the same
-    16 bottleneck blocks narrowed (a smoke run)."""
-    if not quick:
+#: ``LlamaConfig`` arguments of the 1B Llama
+LLAMA_1B = dict(zip(capture.LLAMA_KEYS, (2048, 8192, 16, 16, 4, 32000), strict=True))
+
+
+def _model(name: str, quick: bool) -> tuple[nn.Module, list[str], str]:
+    """torchvision's ResNet-50 where it works (a full run), else the transformers model of
+    :func:`capture.hf_model` (--quick: the small one), without a KV cache."""
+    if name == "resnet50" and not quick:
         try:
             import torchvision
 
+            torch.manual_seed(0)
             model: nn.Module = torchvision.models.resnet50()
             return model, [f"layer{i}" for i in range(1, 5)], "torchvision resnet50"
         except Exception:  # missing, or a build whose operators do not load
             pass
-    from transformers import ResNetConfig, ResNetForImageClassification
-
-    stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-    config = ResNetConfig(num_labels=1000, **(capture.NARROW_RESNET if quick else {}))
-    what = f"HF ResNetForImageClassification(ResNetConfig({'narrow' if quick else ''}))"
-    return ResNetForImageClassification(config), stages, what
-
-
-def _lm(name: str, quick: bool) -> tuple[nn.Module, list[str], int, str]:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    if name == "gpt2":
-        cfg = GPT2Config(n_embd=64, n_head=2, n_layer=4, vocab_size=1000) if quick else GPT2Config()
-        cfg.use_cache = False
-        blocks = [f"transformer.h.{i}" for i in range(cfg.n_layer)]
-        what = f"GPT2LMHeadModel(GPT2Config({'small' if quick else ''}))"
-        return GPT2LMHeadModel(cfg), blocks, cfg.vocab_size, what
-    size = (64, 256, 2, 4, 1, 1000) if quick else (2048, 8192, 16, 16, 4, 32000)
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    keys += ("num_key_value_heads", "vocab_size")
-    cfg = LlamaConfig(**dict(zip(keys, size, strict=True)), use_cache=False)
-    blocks = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
-    what = "LlamaForCausalLM(hidden {}, MLP {}, {} layers, {} heads, {} KV heads)".format(*size)
-    return LlamaForCausalLM(cfg), blocks, cfg.vocab_size, what
+    model, blocks = capture.hf_model(name, quick, LLAMA_1B)
+    model.config.use_cache = False
+    what = f"HF {type(model).__name__}({type(model.config).__name__}({'small' * quick}))"
+    if name == "llama1b":
+        what = "LlamaForCausalLM(hidden {}, MLP {}, {} layers, {} heads, {} KV heads)"
+        what = what.format(*(getattr(model.config, k) for k in capture.LLAMA_KEYS))
+    return model, blocks, what
 
 
 def build(case: str, device: torch.device, quick: bool) -> tuple[capture.Case, Tensor]:
     """The case on ``device`` in its dtype (selection: the blocks; stop_layer: the middle one)
     and labels for its training step."""
     name, dtype = case.split("/")
-    torch.manual_seed(0)
     with torch.device(device):
-        if name == "resnet50":
-            model, blocks, what = _resnet(quick)
-            classes, reduce, middle = 1000, "spatial_mean", blocks[2]
-        else:
-            model, blocks, classes, what = _lm(name, quick)
-            reduce, middle = "token_mean", blocks[len(blocks) // 2 - 1]
+        model, blocks, what = _model(name, quick)
     model = model.to(DTYPES[dtype]).eval()
     if name == "resnet50":
         b, side = (2, 32) if quick else (64, 224)
         shape: tuple[int, ...] = (b, 3, side, side)
         x = torch.randn(shape).to(device, DTYPES[dtype])
-        labels = torch.randint(0, classes, (b,))
+        labels = torch.randint(0, 1000, (b,))
+        reduce, middle = "spatial_mean", blocks[2]
     else:
         shape = (2, 16) if quick else (8, 512) if name == "gpt2" else (4, 1024)
-        x = torch.randint(0, classes, shape).to(device)
-        labels = torch.randint(0, classes, shape)
+        x = torch.randint(0, model.config.vocab_size, shape).to(device)
+        labels = torch.randint(0, model.config.vocab_size, shape)
+        reduce, middle = "token_mean", blocks[len(blocks) // 2 - 1]
     params = sum(p.numel() for p in model.parameters()) / 1e6
     what += f", {params:.1f} M parameters, input {'x'.join(map(str, shape))}, {dtype}"
     return capture.Case(case, model, (x,), {}, blocks, middle, reduce, what), labels.to(device)

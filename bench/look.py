@@ -71,18 +71,8 @@ def build_case(name: str, quick: bool) -> capture.Case:
         return dataclasses.replace(case, name=name, args=(x,), description=what)
     if name != "llama":
         return capture.build_case(name, quick)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    small = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(small if quick else LlamaConfig()).eval()
+        model, _ = capture.hf_model("llama", quick)  # LlamaConfig(): Llama-7B
     tokens = 16 if quick else 128
     # Default use_cache: with use_cache=False and no cache, transformers looks for packed
     # sequences with .item(), which no tool can run on meta.
