@@ -1,7 +1,5 @@
-"""The one timing harness of every benchmark module: :class:`Variant` s (a timed call each,
-peers beside hookscope beside its floors) run once per round, shuffled, after dropped warm-up
-rounds (:func:`timing`); ratios are per round, summarised as median and q1-q3 (:func:`paired`).
-"""
+"""The one timing harness of every benchmark module: :class:`Variant` s timed in shuffled, paired
+rounds (:func:`timing`), summarised as same-round ratios (:func:`paired`). Method: README.md."""
 
 from __future__ import annotations
 
@@ -225,11 +223,7 @@ def timing(
 ) -> Result:
     """Every variant once per round, freshly shuffled, as a result _report.py renders for any
     module: the variants, their samples, the noise, and the error of any variant that raised
-    (dropped from later rounds; the other variants go on).
-
-    Paired rounds are what make ratios meaningful on a noisy machine: a burst of load from
-    another tenant hits the variant and its baseline of the same round alike.
-    """
+    (dropped from later rounds; the other variants go on)."""
     rng, samples, loads, errors = random.Random(0), [], [], {}
     start = time.perf_counter()
     gc.freeze()  # what exists now (imports, models) stays out of every call's gc.collect()
@@ -263,23 +257,19 @@ class Ratio:
     n: int
 
 
-def ratio(a: dict[int, float], b: dict[int, float]) -> Ratio | None:
-    """Per-round ``a / b`` over the rounds both have (``b`` > 0 there)."""
+def per_round(samples: list[Result], key: str, field: str = "seconds") -> dict[int, float]:
+    measured = (s for s in samples if s["key"] == key and not s["warmup"] and field in s)
+    return {s["round"]: s[field] for s in measured}
+
+
+def paired(samples: list[Result], key: str, base: str, field: str = "seconds") -> Ratio | None:
+    """Per-round ``key / base`` over the rounds both ran (``base`` > 0 there)."""
+    a, b = per_round(samples, key, field), per_round(samples, base, field)
     xs = [a[r] / b[r] for r in sorted(set(a) & set(b)) if b[r] > 0]
     if len(xs) < 2:
         return Ratio(xs[0], xs[0], xs[0], 1) if xs else None
     q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     return Ratio(med, q1, q3, len(xs))
-
-
-def per_round(samples: list[Result], key: str, field: str = "seconds") -> dict[int, float]:
-    return {
-        s["round"]: s[field] for s in samples if s["key"] == key and not s["warmup"] and field in s
-    }
-
-
-def paired(samples: list[Result], key: str, base: str, field: str = "seconds") -> Ratio | None:
-    return ratio(per_round(samples, key, field), per_round(samples, base, field))
 
 
 def median(samples: list[Result], key: str, field: str = "seconds") -> float | None:
@@ -300,11 +290,9 @@ def measure_rss(fn: Callable[[], Any]) -> dict[str, float]:
     Path("/proc/self/clear_refs").write_text("5")  # reset the kernel's peak counter (VmHWM)
     result = fn()
     during = rss_kib()
+    peak, retained = (during[k] - base for k in ("VmHWM", "VmRSS"))
     del result
-    return {
-        "peak_mib": (during["VmHWM"] - base) / 1024,
-        "retained_mib": (during["VmRSS"] - base) / 1024,
-    }
+    return {"peak_mib": peak / 1024, "retained_mib": retained / 1024}
 
 
 def peak_rss_mib() -> float:

@@ -380,12 +380,8 @@ LATENCY = {
     "hs_clone": "hs.capture(model, sites)",
     "hs_ref": "hs.capture(model, sites, copy='reference')",
 }
-LATENCY.update(
-    {
-        f"{k}_percall": v + ", set up and torn down around every forward"
-        for k, v in list(LATENCY.items())[1:]
-    }
-)
+PER_CALL = ", set up and torn down around every forward"
+LATENCY.update({f"{k}_percall": v + PER_CALL for k, v in list(LATENCY.items())[1:]})
 #: The raw hook each hookscope latency variant is compared with (per-site cost above plain).
 LATENCY_FLOORS = {"hs_clone": "raw_clone", "hs_ref": "raw_noop"}
 LATENCY_FLOORS.update({f"{k}_percall": f"{b}_percall" for k, b in LATENCY_FLOORS.items()})

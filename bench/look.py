@@ -1,6 +1,5 @@
-"""Look: ``hs.summary`` beside a plain forward, torchinfo and ``FlopCounterMode`` on capture's
-cases, a 7B Llama on ``meta`` and two host-bound cases; every tool's FLOPs (fvcore and thop
-too) against an analytic count; the meta Llama alone in a fresh process. Method: README.md."""
+"""Look: ``hs.summary`` beside a plain forward, torchinfo and ``FlopCounterMode``; every tool's
+FLOPs (fvcore and thop too) against an analytic count; the meta Llama alone. README.md."""
 
 from __future__ import annotations
 

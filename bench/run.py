@@ -1,8 +1,4 @@
-"""hookscope benchmarks: ``python bench/run.py`` (``--quick`` for a smoke run); see README.md.
-
-Runs every module's worker processes, each writing its results as JSON, then renders
-RESULTS.md from that JSON and each module's ``TARGETS`` (_report.py).
-"""
+"""hookscope benchmarks: ``python bench/run.py`` (``--quick`` for a smoke run); see README.md."""
 
 from __future__ import annotations
 
