@@ -429,7 +429,6 @@ def _latency(spec: Result) -> Result:
 
 def work(spec: Result) -> Result:
     """Worker entry (one process): ``spec["kind"]`` is timing, memory or latency."""
-    h.set_threads()
     return {"timing": _timing, "memory": _memory, "latency": _latency}[spec["kind"]](spec)
 
 
@@ -444,14 +443,8 @@ def jobs(cfg: Config) -> list[Job]:
     rounds, warmup, calls = (1, 0, 5) if quick else (30, 3, 100)
     spec = {"kind": "latency", "rounds": rounds, "warmup": warmup, "calls": calls}
     out.append(Job("capture", "latency", spec))
-    repeats = 1 if quick else 2
+    reps = 1 if quick else 2
     for model, key in itertools.product(MODELS, ("plain", "hs_leaves_reduce") if quick else MEMORY):
-        spec = {
-            "kind": "memory",
-            "model": model,
-            "variant": key,
-            "quick": quick,
-            "repeats": repeats,
-        }
+        spec = {"kind": "memory", "model": model, "variant": key, "quick": quick, "repeats": reps}
         out.append(Job("capture", f"memory_{model}_{key}", spec, "memory", alone=False))
     return out

@@ -171,8 +171,6 @@ def _counts(spec: Result) -> Result:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' warnings are not results
     if spec["kind"] == "ops":
         return _counts(spec)
     case = capture.build_case(spec["model"], spec["quick"])

@@ -163,8 +163,6 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and peers' warnings are not results
     with torch.enable_grad():
         fns, info = (_gradcam if spec["model"] == "resnet50" else _scorecam)(spec["quick"])
         variants = [Variant(k, VARIANTS[k][0], fn, VARIANTS[k][1]) for k, fn in fns.items()]

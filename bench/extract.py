@@ -7,7 +7,6 @@ import contextlib
 import functools
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -225,8 +224,6 @@ def _memory(spec: Result) -> Result:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and Ray's warnings are not results
     return _memory(spec) if spec["kind"] == "memory" else _timing(spec)
 
 

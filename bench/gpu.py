@@ -6,9 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,13 +72,8 @@ TARGETS = [
 TRAIN = {k for g, *keys in ROWS if g in ("grads", "nonfinite", "anomaly", "monitor") for k in keys}
 SLOW = {"plain10", "monitor10", "monitor10_tb", "extract", "hand_loop"}  # one iteration a round
 #: Variants that need a package the GPU machine may lack: skipped with a note.
-NEEDS = {
-    "torchinfo": "torchinfo",
-    "pgc": "pytorch_grad_cam",
-    "captum": "captum",
-    "extract": "zarr",
-    "monitor10_tb": "tensorboard",
-}
+NEEDS = {"torchinfo": "torchinfo", "pgc": "pytorch_grad_cam", "captum": "captum", "extract": "zarr"}
+NEEDS["monitor10_tb"] = "tensorboard"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -325,9 +318,6 @@ def _timing(spec: Result, device: torch.device) -> Result:
 
 def work(spec: Result) -> Result:
     """Worker entry (one process): a case's timing rounds."""
-    if os.environ.get(h.THREADS_ENV):
-        h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and peers' warnings are not results
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
     return _timing(spec, torch.device(spec["device"]))

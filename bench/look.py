@@ -8,7 +8,6 @@ import dataclasses
 import functools
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -240,8 +239,6 @@ def _rss(spec: Result) -> Result:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and fvcore's warnings are not results
     return {"timing": _timing, "rss": _rss}[spec["kind"]](spec)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,15 +113,13 @@ def build_variants(case: capture.Case) -> list[Variant]:
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
 
-    def hs_sdpa() -> list[Tensor]:
-        with torch.no_grad(), hs.capture(case.model, SDPA) as cap:
-            case.forward()
-        return [cap[n].output for n in cap]
+    def captured(sites: str | list[str]) -> Callable[[], list[Tensor]]:
+        def run() -> list[Tensor]:  # every .output read, in the timed call
+            with torch.no_grad(), hs.capture(case.model, sites) as cap:
+                case.forward()
+            return [cap[n].output for n in cap]
 
-    def hs_weights2() -> Any:
-        with torch.no_grad(), hs.capture(case.model, WEIGHTS) as cap:
-            case.forward()
-        return [cap[w].output for w in WEIGHTS]
+        return run
 
     def eager_all() -> Any:
         with torch.no_grad():
@@ -131,8 +128,8 @@ def build_variants(case: capture.Case) -> list[Variant]:
     fns: dict[str, Callable[[], Any]] = {
         "plain": case.plain,
         "hand_attn": _hand_attn(case),
-        "hs_sdpa": hs_sdpa,
-        "hs_weights2": hs_weights2,
+        "hs_sdpa": captured(SDPA),
+        "hs_weights2": captured(WEIGHTS),
         "floor_weights2": lambda: (case.plain(), _explicit(qk)),
         "eager_all": eager_all,
         "nnsight_sdpa": _nnsight(case),
@@ -160,8 +157,6 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
 def work(spec: Result) -> Result:
     import hookscope as hs
 
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' warnings are not results
     case = capture.build_case(spec["model"], spec["quick"])
     variants = build_variants(case)
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": capture.torchlens_wrapped})

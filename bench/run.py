@@ -14,6 +14,7 @@ import sys
 import tarfile
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,12 @@ def extract_baseline(rev: str) -> dict[str, Any]:
 
 
 def run_worker(module: str, spec: dict[str, Any], path: Path) -> None:
-    """One job: its result, with the machine it ran on, as JSON at ``path``."""
+    """One job: its result, with the machine it ran on, as JSON at ``path``. Torch's threads
+    are pinned (on a GPU only where $HOOKSCOPE_BENCH_THREADS asks); warnings (transformers',
+    peers') are not results."""
+    if module != "gpu" or os.environ.get(h.THREADS_ENV):
+        h.set_threads()
+    warnings.simplefilter("ignore")
     result = importlib.import_module(module).work(spec)
     result["machine"] = h.machine_info()
     path.write_text(json.dumps({**result, "job": path.stem, "spec": spec}, indent=1, default=str))
