@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import _harness as h
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -206,8 +207,6 @@ def lib_capture(lib: ModuleType, case: Case, names: list[str], **options: Any) -
 def _own_variants(c: Case, lib: ModuleType | None) -> list[Variant]:
     """The plain forward, the hand-written floors, and hookscope's five variants for the
     library under test (``hs_*``) and the ``--baseline`` revision (``bl_*``, with ``lib``)."""
-    import hookscope as hs
-
     every, copied, sel = f"all {len(c.leaves)} leaves", "out.detach().clone()", c.selection
     out = [Variant("plain", "model(x) under no_grad", c.plain)]
     for key, names, where, what, store in (
@@ -389,8 +388,6 @@ LATENCY_FLOORS.update({f"{k}_percall": f"{b}_percall" for k, b in LATENCY_FLOORS
 
 def _block(model: nn.Module, x: Tensor, sites: list[str], key: str, n: int) -> Any:
     """``n`` forwards, with hooks around the block (steady state) or around every call."""
-    import hookscope as hs
-
     kind, store = key.removesuffix("_percall"), {}
     keep = lambda name: lambda m, a, o: store.__setitem__(name, o.detach().clone())  # noqa: E731
     make = keep if kind == "raw_clone" else lambda name: lambda m, a, o: None

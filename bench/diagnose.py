@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -68,8 +69,6 @@ def _trainer(case: capture.Case) -> tuple[Any, Any, Callable[[], None]]:
 
 def _variants(case: capture.Case, logdir: str) -> list[Variant]:
     from torch.utils.tensorboard import SummaryWriter
-
-    import hookscope as hs
 
     model, _, step = _trainer(case)
     writer, ours = SummaryWriter(log_dir=f"{logdir}/hand"), SummaryWriter(log_dir=f"{logdir}/hs")
@@ -149,8 +148,6 @@ def _count(case: capture.Case, hs: Any) -> Result:
 
 
 def _counts(spec: Result) -> Result:
-    import hookscope as hs
-
     case = capture.build_case(spec["model"], spec["quick"])
     values = _count(case, hs)
     baseline, error = capture.import_baseline(spec.get("baseline"))

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 import _harness as h
 import _peers
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -89,8 +90,6 @@ def pgc_run(cam: Any, model: nn.Module, x: Tensor, targets: Any) -> Any:
 def _gradcam(quick: bool) -> tuple[dict[str, Any], Result]:
     from captum.attr import LayerGradCam
 
-    import hookscope as hs
-
     pgc, _ = _peers.pytorch_grad_cam()
     case = capture.build_case("resnet50", quick)
     model, x = case.model, case.args[0]
@@ -123,7 +122,6 @@ def _spearman(a: Tensor, b: Tensor) -> float:
 def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
     from captum.attr import IntegratedGradients, Occlusion
 
-    import hookscope as hs
     from hookscope.show import shapes, train
 
     pgc, _ = _peers.pytorch_grad_cam()

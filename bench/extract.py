@@ -16,6 +16,7 @@ from torch import nn
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -144,8 +145,6 @@ def hand_loop(
 
 
 def _timing(spec: Result) -> Result:
-    import hookscope as hs
-
     root = Path(tempfile.mkdtemp(dir=_MEMORY if spec["model"] == "io_large" else None))
     if spec["model"] == "reader":
         fns, what = _reader(root, spec["quick"])
@@ -192,8 +191,6 @@ def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
     """A token store of 768-wide float32 rows (256 MiB; 4 MiB quick), read whole each call."""
     import zarr
 
-    import hookscope as hs
-
     rows, make = 4096 * (1 if quick else 64), nn.Sequential(nn.Embedding(1000, 768))
     ids = torch.randint(0, 1000, (rows // 128, 128))
     store = hs.extract(make, ids, ["0"], out=root / "t", unit="token", progress=False)
@@ -208,8 +205,6 @@ def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
 
 def _memory(spec: Result) -> Result:
     """Peak RSS of one extraction of ``n`` samples (2 KiB of features each) in this process."""
-    import hookscope as hs
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 512), nn.ReLU())
     data = torch.utils.data.TensorDataset(torch.randn(spec["n"], 16))

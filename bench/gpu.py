@@ -20,6 +20,7 @@ import _peers
 import capture
 import explain
 import extract
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -157,8 +158,6 @@ def _hand_grads(case: capture.Case, step: Fn) -> dict[Any, Any]:
 
 def _inference(case: capture.Case) -> dict[str, Fn]:
     """Every inference row's calls (building one costs nothing; variants() keeps the rows')."""
-    import hookscope as hs
-
     model, x, few, leaves = case.model, case.args[0], case.selection, case.leaves
 
     def lib(names: list[str], **options: Any) -> Fn:
@@ -194,8 +193,6 @@ def _inference(case: capture.Case) -> dict[str, Fn]:
 
 def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dict[str, Fn]:
     """A training step, alone and inside each tool; 10 steps for the Monitor (--quick: 2)."""
-    import hookscope as hs
-
     model, x, steps = case.model, case.args[0], 2 if quick else 10
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
 
@@ -237,8 +234,6 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
 
 def _gradcam(case: capture.Case, skipped: dict[str, str]) -> dict[str, Fn]:
     """Grad-CAM of each image's top class, batch 32, at the last stage."""
-    import hookscope as hs
-
     model, name, x = case.model, case.selection[3], case.args[0][:32]
     layer = dict(model.named_modules())[name]
     with torch.no_grad():
@@ -268,8 +263,6 @@ def _gradcam(case: capture.Case, skipped: dict[str, str]) -> dict[str, Fn]:
 
 def _extract(case: capture.Case, tmp: Path, quick: bool) -> dict[str, Fn]:
     """2,048 random images from a CPU tensor, the middle stage's spatial mean, batch 64."""
-    import hookscope as hs
-
     model, name, x = case.model, case.stop_layer, case.args[0]
     torch.manual_seed(2)  # drawn on the device (fast), kept on the host as a dataset is
     data = torch.randn(128 if quick else 2048, *x.shape[1:], device=x.device).cpu()

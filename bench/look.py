@@ -16,6 +16,7 @@ from torch import nn
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -109,8 +110,6 @@ class _Positional(nn.Module):
 
 
 def _hs(case: capture.Case) -> Any:
-    import hookscope as hs
-
     return hs.summary(case.model, case.args, forward_kwargs=case.kwargs)
 
 
@@ -212,8 +211,6 @@ def _timing(spec: Result) -> Result:
 
 def _rss(spec: Result) -> Result:
     """Build the meta Llama and summarise it, nothing else: the process's peak RSS."""
-    import hookscope as hs
-
     case = build_case("llama", spec["quick"])
     shape, before, times = list(case.args[0].shape), h.rss_kib()["VmRSS"] / 1024, []
     for _ in range(spec["repeats"]):

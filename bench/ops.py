@@ -14,6 +14,7 @@ from torch import Tensor
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -107,8 +108,6 @@ def _nnsight(case: capture.Case) -> Callable[[], list[Any]]:
 
 
 def build_variants(case: capture.Case) -> list[Variant]:
-    import hookscope as hs
-
     qk = _qk(case, (3, 9))
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
@@ -155,8 +154,6 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
 
 
 def work(spec: Result) -> Result:
-    import hookscope as hs
-
     case = capture.build_case(spec["model"], spec["quick"])
     variants = build_variants(case)
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": capture.torchlens_wrapped})
