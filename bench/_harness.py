@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 Result = dict[str, Any]  # what a worker returns: JSON-ready
-Blocks = Mapping[str, Callable[[], contextlib.AbstractContextManager[Any]]]
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
+Blocks = Mapping[str, Context]
 THREADS_ENV = "HOOKSCOPE_BENCH_THREADS"
 #: Versions in every section's header: the library, its peers and what they run on.
 _PACKAGES = ("torch", "transformers", "hookscope", "numpy", "torchlens", "nnsight", "torchinfo")
@@ -110,6 +111,17 @@ def set_threads() -> None:
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # already set in this process
         torch.set_num_interop_threads(threads)
+
+
+def inside(make: Context, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """A call of ``fn()`` inside a fresh ``make()``, returning what the context gave."""
+
+    def call() -> Any:
+        with make() as got:
+            fn()
+        return got
+
+    return call
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj: Any) -> Any:

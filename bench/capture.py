@@ -11,7 +11,6 @@ import importlib
 import itertools
 import operator
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -260,9 +259,7 @@ def torchlens(
     model, what = copy.deepcopy(case.model), save and save(tl)
 
     def call() -> Any:
-        # torchlens warns on every GPT-2 trace (transformers' masking code), not about us.
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch.no_grad():
             return tl.trace(model, list(case.args), input_kwargs=case.kwargs, save=what)
 
     return Variant(key, label, call, floor, "torchlens", heavy=True)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import tempfile
-import warnings
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -73,14 +72,6 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
     model, _, step = _trainer(case)
     writer, ours = SummaryWriter(log_dir=f"{logdir}/hand"), SummaryWriter(log_dir=f"{logdir}/hs")
 
-    def inside(make: Callable[[], contextlib.AbstractContextManager[Any]]) -> Callable[[], None]:
-        def run() -> None:
-            with warnings.catch_warnings(), make():
-                warnings.simplefilter("ignore")  # detect_anomaly warns that it is on
-                step()
-
-        return run
-
     def monitor(logging: bool) -> Callable[[], None]:
         def run() -> None:
             with hs.Monitor(model, every=10, sinks=[ours]) as mon:
@@ -99,8 +90,8 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
 
     fns = {
         "plain": step,
-        "nonfinite": inside(lambda: hs.nonfinite(model)),
-        "anomaly": inside(torch.autograd.detect_anomaly),
+        "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
+        "anomaly": h.inside(torch.autograd.detect_anomaly, step),
         "monitor_log": monitor(True),
         "monitor_quiet": monitor(False),
         "hand_log": lambda: step(histograms),
@@ -130,8 +121,7 @@ def _count(case: capture.Case, hs: Any) -> Result:
             c["quiet"] = h.count_ops(lambda: (step(), mon.step()))
         with hs.Monitor(model, chosen[: len(chosen) // 2], every=2) as mon:
             c["half"] = h.count_ops(lambda: (step(), mon.step(), mon.records))  # the slope
-        with warnings.catch_warnings(), torch.autograd.detect_anomaly():
-            warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly():
             c["anomaly"] = h.count_ops(step)
     per_layer = (c["log"] - c["half"]) / (len(chosen) - len(chosen) // 2)
     extra = {k: c[k] - c["plain"] for k in ("nonfinite", "log", "quiet", "anomaly")}

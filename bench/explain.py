@@ -3,7 +3,6 @@ on the shapes CNN, Score-CAM beside pytorch-grad-cam's, IG and occlusion beside 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -78,9 +77,7 @@ def pgc_run(cam: Any, model: nn.Module, x: Tensor, targets: Any) -> Any:
     wanted = [model_targets.ClassifierOutputTarget(int(k)) for k in targets]
 
     def run() -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            maps = cam(input_tensor=x, targets=wanted)
+        maps = cam(input_tensor=x, targets=wanted)
         model.zero_grad(set_to_none=True)
         return maps
 

@@ -3,7 +3,6 @@ hookscope beside hand-written floors and peers on a GPU. Rows, cases: README.md,
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.util
 import tempfile
@@ -202,14 +201,6 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def inside(ctx: Callable[[], contextlib.AbstractContextManager[Any]]) -> Fn:
-        def run() -> Any:
-            with ctx() as got:
-                step()
-            return got
-
-        return run
-
     def monitored(sinks: list[Any]) -> Fn:
         def run() -> Any:
             with hs.Monitor(model, every=steps, sinks=sinks) as mon:
@@ -222,10 +213,10 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
 
     return {
         "plain_step": step,
-        "grads": inside(lambda: hs.capture(model, case.selection, grads=True)),
+        "grads": h.inside(lambda: hs.capture(model, case.selection, grads=True), step),
         "hand_grads": lambda: _hand_grads(case, step),
-        "nonfinite": inside(lambda: hs.nonfinite(model)),
-        "anomaly": inside(torch.autograd.detect_anomaly),
+        "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
+        "anomaly": h.inside(torch.autograd.detect_anomaly, step),
         "plain10": lambda: [step() for _ in range(steps)],
         "monitor10": monitored([]),
         "monitor10_tb": monitored([("tensorboard", str(tmp / "tb"))]),
