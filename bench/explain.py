@@ -46,14 +46,15 @@ TARGETS = [
 
 
 class Logits(nn.Module):
-    """The model's logits as a tensor (HF models return dicts), for peers and floors."""
+    """The model's logits as a tensor (HF models return dicts), from positional tensors only
+    (``kwargs``: fixed keyword arguments), for peers, floors and fvcore's and thop's traces."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.kwargs = model, kwargs
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.model(x)
+    def forward(self, *args: Tensor) -> Tensor:
+        out = self.model(*args, **self.kwargs)
         return out if isinstance(out, Tensor) else out.logits
 
 

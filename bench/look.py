@@ -12,10 +12,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 import _harness as h
 import capture
+import explain
 import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
@@ -95,18 +95,6 @@ def analytic_flops(config: Any, batch: int, tokens: int) -> tuple[int, int]:
     return 2 * weights * batch * tokens + attention, attention
 
 
-class _Positional(nn.Module):
-    """The model's first output tensor: fvcore's JIT trace and thop take positional tensors
-    only, and HF models return dicts."""
-
-    def __init__(self, model: nn.Module, kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.model, self.kwargs = model, kwargs
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        return h.tensors(self.model(*args, **self.kwargs))[0]
-
-
 def _hs(case: capture.Case) -> Any:
     return hs.summary(case.model, case.args, forward_kwargs=case.kwargs)
 
@@ -128,7 +116,7 @@ def _flopcounter(case: capture.Case) -> Any:
 def _fvcore(case: capture.Case) -> tuple[int, str]:
     from fvcore.nn import FlopCountAnalysis
 
-    analysis = FlopCountAnalysis(_Positional(case.model, case.kwargs), case.args)
+    analysis = FlopCountAnalysis(explain.Logits(case.model, **case.kwargs), case.args)
     analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     total = analysis.total()  # before unsupported_ops(), which needs the analysis run
     skipped = analysis.unsupported_ops()
@@ -140,7 +128,7 @@ def _thop(case: capture.Case) -> tuple[int, str]:
     import thop
 
     # thop leaves total_ops / total_params buffers on every module: count a copy
-    model = _Positional(copy.deepcopy(case.model), case.kwargs)
+    model = explain.Logits(copy.deepcopy(case.model), **case.kwargs)
     return 2 * int(thop.profile(model, case.args, verbose=False)[0]), "on a deep copy"
 
 
