@@ -5,6 +5,7 @@ HF GPT-2 small, beside a plain forward, the module-hook floor, eager attention, 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -56,20 +57,6 @@ TARGETS = [
 ]
 
 
-def _hand_attn(case: capture.Case) -> Callable[[], Any]:
-    """The module-hook floor: hooks on the 12 attention modules keeping a copy of each output
-    (as many bytes as the SDPA outputs)."""
-    names = [n for n, _ in case.model.named_modules() if n.endswith(".attn")]
-
-    def run() -> list[Tensor]:
-        kept: list[Tensor] = []
-        keep = lambda n: lambda m, a, out: kept.append(out[0].detach().clone())  # noqa: E731
-        capture.hooked(case.model, names, keep, case.plain)
-        return kept
-
-    return run
-
-
 def _qk(case: capture.Case, layers: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
     """Q and K of ``layers`` as GPT-2 computes them (c_attn's output split into heads), untimed."""
     config, kept = case.model.config, {}
@@ -109,6 +96,7 @@ def _nnsight(case: capture.Case) -> Callable[[], list[Any]]:
 
 def build_variants(case: capture.Case) -> list[Variant]:
     qk = _qk(case, (3, 9))
+    attn = [n for n, _ in case.model.named_modules() if n.endswith(".attn")]
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
 
@@ -126,7 +114,8 @@ def build_variants(case: capture.Case) -> list[Variant]:
 
     fns: dict[str, Callable[[], Any]] = {
         "plain": case.plain,
-        "hand_attn": _hand_attn(case),
+        # the module-hook floor: a copy of each attention output (the SDPA outputs' bytes)
+        "hand_attn": functools.partial(capture.hand_capture, case, attn, capture.clone),
         "hs_sdpa": captured(SDPA),
         "hs_weights2": captured(WEIGHTS),
         "floor_weights2": lambda: (case.plain(), _explicit(qk)),
