@@ -106,11 +106,8 @@ def case_section(r: Result) -> list[str]:
     if r["variants"]:
         rows = []
         for key, v in r["variants"].items():
-            got = [median(s, key, f) for f in fields]
-            cells = [
-                DASH if x is None else number(x * FIELDS[f][1], f)
-                for f, x in zip(fields, got, strict=True)
-            ]
+            got = {f: median(s, key, f) for f in fields}
+            cells = [DASH if x is None else number(x * FIELDS[f][1], f) for f, x in got.items()]
             base = (fields or ["seconds"])[0]
             vs = f"{cell(paired(s, key, v['floor'], base))} `{v['floor']}`" if v["floor"] else DASH
             rows.append([f"`{key}`", v["label"], *cells, cell(paired(s, key, unit, base)), vs])
@@ -162,10 +159,9 @@ def section(
     rows = [row for t in targets if (row := evaluate(t, cases)) is not None]
     machine = next((r["machine"] for r in cases.values() if "machine" in r), {})
     lines = [f"## {title}", "", *run_lines(meta, machine)]
+    failed = [r for r in results if r.get("kind") == "error"]
     lines += [
-        f"**Worker failed** `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n"
-        for r in results
-        if r.get("kind") == "error"
+        f"**Worker failed** `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n" for r in failed
     ]
     lines += targets_table(rows) if rows else []
     return rows, lines + [line for r in cases.values() for line in case_section(r)]
