@@ -309,13 +309,8 @@ def _peer_checks(case: Case, variants: dict[str, Variant]) -> list[Result]:
         with torchlens_wrapped():
             trace = variants["torchlens_sel"].fn()
             got["torchlens_sel"] = {n: trace.modules[n].out for n in case.selection}
-    return [
-        {
-            "what": f"`{k}` equals `hs_sel`",
-            "ok": all(h.trees_equal(v[n], cap[n].output) for n in case.selection),
-        }
-        for k, v in got.items()
-    ]
+    same = {k: all(h.trees_equal(v[n], cap[n].output) for n in v) for k, v in got.items()}
+    return [{"what": f"`{k}` equals `hs_sel`", "ok": ok} for k, ok in same.items()]
 
 
 def import_baseline(path: str | None) -> tuple[ModuleType | None, str | None]:

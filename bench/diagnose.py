@@ -144,10 +144,8 @@ def _counts(spec: Result) -> Result:
     if baseline is not None:
         counts = _count(capture.build_case(spec["model"], spec["quick"]), baseline)
         values.update({f"the baseline: {k}": v for k, v in counts.items()})
-    about = (
-        f"{case.description}: operators dispatched by one training step, counted with a "
-        "TorchDispatchMode on the CPU (the Monitor's statistics as a GPU computes them)"
-    )
+    about = f"{case.description}: operators dispatched by one training step, counted with a "
+    about += "TorchDispatchMode on the CPU (the Monitor's statistics as a GPU computes them)"
     return {
         "case": f"diagnose/{spec['model']}/ops",
         "about": about,

@@ -204,10 +204,8 @@ def _memory(spec: Result) -> Result:
     data = torch.utils.data.TensorDataset(torch.randn(spec["n"], 16))
     with tempfile.TemporaryDirectory() as root:
         hs.extract(model, data, ["1"], out=f"{root}/f", batch_size=100, chunk=100, progress=False)
-    about = (
-        "a fresh process (glibc defaults) extracting a Linear(16, 512) + ReLU's features "
-        "(2 KiB a sample, chunk 100); holding every feature would add 2 KiB a sample"
-    )
+    about = "a fresh process (glibc defaults) extracting a Linear(16, 512) + ReLU's features "
+    about += "(2 KiB a sample, chunk 100); holding every feature would add 2 KiB a sample"
     peak = {f"peak RSS of the process, {spec['n']:,} samples, MiB": h.peak_rss_mib()}
     return {"case": "extract/memory", "title": "peak RSS", "about": about, "values": peak}
 

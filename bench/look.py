@@ -208,10 +208,8 @@ def _rss(spec: Result) -> Result:
         "RSS before the first summary (torch, transformers, the meta model), MiB": before,
         PEAK: h.peak_rss_mib() * 2**20 / 1e9,
     }
-    about = (
-        f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
-        f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
-    )
+    about = f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
+    about += f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
     return {
         "case": "look/llama_rss",
         "title": "Llama-7B (meta) alone",
