@@ -219,13 +219,6 @@ def rounds(plan: Plan) -> Iterator[tuple[int, int]]:
         last = time.perf_counter() - t0
 
 
-def _sample(v: Variant, plan: Plan, sync: Callable[[], Any]) -> dict[str, float]:
-    if v.before is not None:
-        v.before()
-    calls = [timed_call(v.fn, sync) for _ in range(v.iters or plan.iters)]
-    return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
-
-
 def timing(
     variants: list[Variant],
     plan: Plan,
@@ -247,10 +240,13 @@ def timing(
             with (blocks or {})[block[0].block]() if block[0].block else contextlib.nullcontext():
                 for v in block:
                     try:
-                        got = _sample(v, plan, sync)
+                        if v.before is not None:
+                            v.before()
+                        calls = [timed_call(v.fn, sync) for _ in range(v.iters or plan.iters)]
                     except Exception as e:
                         errors[v.key] = error_text(e)
                         continue
+                    got = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
                     samples.append({"key": v.key, "round": rnd, "warmup": measured < 0, **got})
     gc.unfreeze()
     noise = {"loadavg": [min(loads), max(loads)], "rounds_s": time.perf_counter() - start}

@@ -284,20 +284,16 @@ def variants(
 
 
 def _timing(spec: Result, device: torch.device) -> Result:
-    case, labels = build(spec["model"], device, spec["quick"])
+    name = spec["model"]
+    case, labels = build(name, device, spec["quick"])
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with tempfile.TemporaryDirectory() as tmp:
         vs, skipped = variants(case, labels, tuple(spec["groups"]), Path(tmp), spec["quick"])
         plan = Plan(**spec["plan"], iters=spec["iters"])
         result = h.timing(vs, plan, sync=sync)
     case.model.eval()
-    return {
-        **result,
-        "case": f"gpu/{spec['model']}",
-        "title": spec["model"],
-        "about": case.description,
-        "skipped": skipped,
-    }
+    info = {"case": f"gpu/{name}", "title": name, "about": case.description, "skipped": skipped}
+    return {**result, **info}
 
 
 def work(spec: Result) -> Result:
