@@ -26,7 +26,6 @@ from torch import Tensor
 
 Result = dict[str, Any]  # what a worker returns: JSON-ready
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
-Blocks = Mapping[str, Context]
 THREADS_ENV = "HOOKSCOPE_BENCH_THREADS"
 #: Versions in every section's header: the library, its peers and what they run on.
 _PACKAGES = ("torch", "transformers", "hookscope", "numpy", "torchlens", "nnsight", "torchinfo")
@@ -222,7 +221,7 @@ def rounds(plan: Plan) -> Iterator[tuple[int, int]]:
 def timing(
     variants: list[Variant],
     plan: Plan,
-    blocks: Blocks | None = None,
+    blocks: Mapping[str, Context] | None = None,
     sync: Callable[[], Any] = lambda: None,
     unit: str = "plain",
 ) -> Result:

@@ -421,8 +421,7 @@ def work(spec: Result) -> Result:
 def jobs(cfg: Config) -> list[Job]:
     out, quick, scale = [], cfg.quick, 1.5 if cfg.baseline else 1
     for model, setting in itertools.product(MODELS, cfg.settings):
-        # Peers only where the library's own cost is isolated; torchlens (seconds per call)
-        # only in the first 5 rounds of a full run, so the fast variants get more rounds.
+        # peers only malloc tuned, torchlens only in 5 rounds (README.md, "Capture")
         peers = "none" if setting != "tuned" else "nnsight" if quick else "all"
         budget = {f"{model}/{setting}": BUDGETS[f"{model}/{setting}"] * scale}
         out += h.timing_jobs("capture", cfg, budget, heavy_rounds=5, env=setting, peers=peers)

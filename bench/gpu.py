@@ -25,8 +25,28 @@ from _report import Target
 
 Fn = Callable[[], Any]
 TITLE = "GPU: hookscope beside hand-written floors and peers"
-BASE = ("capture", "edit", "features", "summary", "grads", "nonfinite")
-GROUPS = (*BASE, "anomaly", "monitor", "gradcam", "extract")
+#: Each row group's rows (numerator, denominator), in the table's order.
+ROWS: dict[str, tuple[tuple[str, str], ...]] = {
+    "capture": (
+        ("few", "plain"),
+        ("hand_few", "plain"),
+        ("every", "hand_every"),
+        ("ref_every", "hand_noop"),
+        ("offload", "hand_offload"),
+        ("offload", "plain"),
+    ),
+    "edit": (("edit", "hand_edit"),),
+    "features": (("features", "plain"),),
+    "summary": (("summary", "plain"), ("torchinfo", "plain")),
+    "grads": (("grads", "hand_grads"), ("grads", "plain_step"), ("hand_grads", "plain_step")),
+    "nonfinite": (("nonfinite", "plain_step"),),
+    "anomaly": (("anomaly", "plain_step"),),
+    "monitor": (("monitor10", "plain10"), ("monitor10_tb", "plain10")),
+    "gradcam": (("gradcam", "hand_floor"), ("pgc", "gradcam"), ("captum", "gradcam")),
+    "extract": (("extract", "hand_loop"),),
+}
+GROUPS = tuple(ROWS)
+BASE = GROUPS[:6]  # every case's: inference rows, grads, nonfinite
 #: Cases in the table's order: seconds of rounds in a full run (no round starts past it after
 #: the third), row groups.
 CASES: dict[str, tuple[float, tuple[str, ...]]] = {
@@ -38,38 +58,14 @@ CASES: dict[str, tuple[float, tuple[str, ...]]] = {
 }
 MODELS = ("resnet50", "gpt2", "llama1b")
 ITERS, ROUNDS = 3, 7
-#: (group, numerator, denominator), in the table's order.
-ROWS = (
-    ("capture", "few", "plain"),
-    ("capture", "hand_few", "plain"),
-    ("capture", "every", "hand_every"),
-    ("capture", "ref_every", "hand_noop"),
-    ("capture", "offload", "hand_offload"),
-    ("capture", "offload", "plain"),
-    ("edit", "edit", "hand_edit"),
-    ("features", "features", "plain"),
-    ("summary", "summary", "plain"),
-    ("summary", "torchinfo", "plain"),
-    ("grads", "grads", "hand_grads"),
-    ("grads", "grads", "plain_step"),
-    ("grads", "hand_grads", "plain_step"),
-    ("nonfinite", "nonfinite", "plain_step"),
-    ("anomaly", "anomaly", "plain_step"),
-    ("monitor", "monitor10", "plain10"),
-    ("monitor", "monitor10_tb", "plain10"),
-    ("gradcam", "gradcam", "hand_floor"),
-    ("gradcam", "pgc", "gradcam"),
-    ("gradcam", "captum", "gradcam"),
-    ("extract", "extract", "hand_loop"),
-)
 TARGETS = [
     Target(f"gpu/{case}", a, b, None, group)
     for case, (_, groups) in CASES.items()
-    for group, a, b in ROWS
-    if group in groups
+    for group in groups
+    for a, b in ROWS[group]
 ]
 #: The variants of a training step (the model in train mode).
-TRAIN = {k for g, *keys in ROWS if g in ("grads", "nonfinite", "anomaly", "monitor") for k in keys}
+TRAIN = {k for g in ("grads", "nonfinite", "anomaly", "monitor") for row in ROWS[g] for k in row}
 SLOW = {"plain10", "monitor10", "monitor10_tb", "extract", "hand_loop"}  # one iteration a round
 #: Variants that need a package the GPU machine may lack: skipped with a note.
 NEEDS = {"torchinfo": "torchinfo", "pgc": "pytorch_grad_cam", "captum": "captum", "extract": "zarr"}
@@ -273,7 +269,7 @@ def variants(
         fns.update(_gradcam(case, skipped))
     if "extract" in groups and not _missing("extract"):
         fns.update(_extract(case, tmp, quick))
-    wanted = {k for g, a, b in ROWS if g in groups for k in (a, b)}
+    wanted = {k for g in groups for row in ROWS[g] for k in row}
     skipped |= {k: why for k in sorted(wanted) if (why := _missing(k))}
 
     def variant(key: str, fn: Fn) -> Variant:

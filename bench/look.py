@@ -72,8 +72,7 @@ def build_case(name: str, quick: bool) -> capture.Case:
     with torch.device("meta"):
         model, _ = capture.hf_model("llama", quick)  # LlamaConfig(): Llama-7B
     tokens = 16 if quick else 128
-    # Default use_cache: with use_cache=False and no cache, transformers looks for packed
-    # sequences with .item(), which no tool can run on meta.
+    # the default use_cache, as on meta use_cache=False cannot run (README.md, "Look")
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     what = f"LlamaForCausalLM({'small' if quick else 'LlamaConfig()'}) on meta, ids 1x{tokens}"
     return capture.Case("llama", model, (ids,), {}, [], "", "", what)

@@ -30,13 +30,11 @@ from _harness import Config, Job  # noqa: E402
 #: Modules of the CPU run. Each has ``TITLE``, ``TARGETS``, ``jobs(cfg) -> list[Job]`` and
 #: ``work(spec) -> dict`` (run in a worker process); gpu.py is what ``--device`` runs instead.
 MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
-#: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
+#: Worker environments (README.md, "Allocator"): freed memory stays resident (the library's
+#: own cost, isolated), what users get, every buffer above 128 KiB its own mapping (for RSS).
 MALLOC_ENV: dict[str, dict[str, str]] = {
-    # Freed memory stays in the heap (no trim below 16 GiB, no mmap below glibc's 32 MiB
-    # ceiling), so calls after warm-up reuse resident pages: the library's own cost, isolated.
     "tuned": {"MALLOC_TRIM_THRESHOLD_": str(16 * 2**30), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
-    "defaults": {},  # what users get, page faults included
-    # Every buffer above 128 KiB is its own mapping, returned when freed: RSS tracks tensors.
+    "defaults": {},
     "memory": {"MALLOC_MMAP_THRESHOLD_": "131072"},
 }
 BASELINE_DIR = HERE / "_out" / "baseline"
