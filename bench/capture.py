@@ -1,6 +1,5 @@
-"""Capture: ``hs.capture`` beside a plain forward, hand-written hooks, nnsight and TorchLens on
-HF ResNet-50 and GPT-2; peak and retained memory; per-site cost on a tiny MLP. The other
-modules build their cases here too. Method: bench/README.md."""
+"""Capture: ``hs.capture`` beside a plain forward, hand-written hooks, nnsight and TorchLens; its
+memory; per-site cost. Every module builds its models here too. Method: bench/README.md."""
 
 from __future__ import annotations
 

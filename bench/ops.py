@@ -1,6 +1,5 @@
 """Ops: ``hs.capture`` of ``"layer::op"`` selectors and attention weights of fused attention on
-HF GPT-2 small, beside a plain forward, the module-hook floor, eager attention, nnsight's
-``.source`` and TorchLens' ``tl.func`` on the same selections. Method: bench/README.md."""
+GPT-2 beside hooks, eager attention, nnsight and TorchLens. Method: bench/README.md."""
 
 from __future__ import annotations
 
@@ -41,17 +40,14 @@ FLOORS = {
     "torchlens_sdpa": "hs_sdpa",
 }
 ONE = "one operation in each of 12 blocks"
+TWO = "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand"
 #: issue 17's performance section, of wall time and of the process's CPU time
 TARGETS = [
     Target("ops/gpt2", num, den, 1.05, what, t)
     for what, num, den in (
         (f"{ONE}: hs.capture ÷ plain forward", "hs_sdpa", "plain"),
         (f"{ONE} ÷ hand module hooks, same bytes copied", "hs_sdpa", "hand_attn"),
-        (
-            "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand",
-            "hs_weights2",
-            "floor_weights2",
-        ),
+        (TWO, "hs_weights2", "floor_weights2"),
     )
     for t in ("seconds", "cpu")
 ]
