@@ -220,31 +220,27 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
 
 
 def _gradcam(case: capture.Case, skipped: dict[str, str]) -> dict[str, Fn]:
-    """Grad-CAM of each image's top class, batch 32, at the last stage."""
+    """Grad-CAM of each image's top class, batch 32, at the last stage; a peer whose own
+    dependencies are missing is skipped with its error, the other rows go on."""
     model, name, x = case.model, case.selection[3], case.args[0][:32]
-    layer = dict(model.named_modules())[name]
+    layer, logits = dict(model.named_modules())[name], explain.Logits(model)
     with torch.no_grad():
-        targets = explain.Logits(model)(x).argmax(1)
+        targets = logits(x).argmax(1)
     fns: dict[str, Fn] = {
         "hand_floor": lambda: explain.cam_floor(model, layer, x, targets),
         "gradcam": lambda: hs.GradCAM(model, name)(x, targets=targets).maps,
     }
-
-    def pgc() -> Fn:
-        cam = _peers.pytorch_grad_cam()[0].GradCAM(explain.Logits(model), [layer])
-        return explain.pgc_run(cam, model, x, targets)
-
-    def captum() -> Fn:
+    try:
+        cam = _peers.pytorch_grad_cam()[0].GradCAM(logits, [layer])
+        fns["pgc"] = explain.pgc_run(cam, model, x, targets)
+    except Exception as e:
+        skipped["pgc"] = f"could not be set up: {h.error_text(e)}"
+    try:
         from captum.attr import LayerGradCam
 
-        cam = LayerGradCam(explain.Logits(model), layer)
-        return functools.partial(cam.attribute, x, target=targets)
-
-    for key, make in (("pgc", pgc), ("captum", captum)):
-        try:  # a peer whose own dependencies are missing: its rows say so, the others go on
-            fns[key] = make()
-        except Exception as e:
-            skipped[key] = f"could not be set up: {h.error_text(e)}"
+        fns["captum"] = functools.partial(LayerGradCam(logits, layer).attribute, x, target=targets)
+    except Exception as e:
+        skipped["captum"] = f"could not be set up: {h.error_text(e)}"
     return fns
 
 
