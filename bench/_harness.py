@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 Result = dict[str, Any]  # what a worker returns: JSON-ready
 Context = Callable[[], contextlib.AbstractContextManager[Any]]
@@ -66,9 +67,8 @@ def timing_jobs(
     env: str = "tuned",
     **spec: Any,
 ) -> list[Job]:
-    """A timing process per case (``{case: seconds of rounds}``, job ``timing_<case>``) under
-    malloc setting ``env``: a warm-up round, then ``rounds``, never fewer than ``min_rounds``,
-    the heavy variants only in the first ``heavy_rounds`` (--quick: one round, no warm-up)."""
+    """A timing process per case (``{case: seconds of rounds}``) under malloc setting ``env``:
+    its :class:`Plan` (``warmup`` 1) in a full run, one round without warm-up in --quick."""
     out = []
     for case, budget in budgets.items():
         plan = {"warmup": 0, "rounds": 1, "min_rounds": min_rounds, "budget_s": 0.0}
@@ -148,7 +148,6 @@ def trees_equal(a: Any, b: Any) -> bool:
 
 def count_ops(fn: Callable[[], Any]) -> int:
     """How many aten operators ``fn()`` dispatches (exact and repeatable, unlike times)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):  # type: ignore[misc]
         count = 0
@@ -177,9 +176,8 @@ def _steal_ticks() -> int:
 
 
 def timed_call(fn: Callable[[], Any], sync: Callable[[], Any] = lambda: None) -> dict[str, float]:
-    """Wall time, CPU time of the process (all its threads: less disturbed than wall time when
-    other tenants load the machine), minor faults and steal of one call; gc, ``sync()`` before
-    it and dropping the result stay untimed; ``sync()`` after it is timed (a GPU's work)."""
+    """Wall and process CPU time, minor faults and steal of one call; gc, ``sync()`` before it
+    and dropping the result stay untimed; ``sync()`` after it is timed (a GPU's work)."""
     gc.collect()
     sync()
     f0, s0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _steal_ticks()
@@ -204,9 +202,8 @@ def _round_order(variants: list[Variant], rng: random.Random) -> list[list[Varia
 
 
 def rounds(plan: Plan) -> Iterator[tuple[int, int]]:
-    """``(round, measured round)`` (negative while warming up) for every round of ``plan``;
-    once ``min_rounds`` are measured, a round starts only if a round as long as the last one
-    still fits in ``budget_s``."""
+    """``(round, measured round)`` (negative while warming up) of ``plan``; past ``min_rounds``,
+    a round starts only if one as long as the last still fits in ``budget_s``."""
     start, last = time.perf_counter(), 0.0
     for rnd in range(plan.warmup + plan.rounds):
         measured = rnd - plan.warmup
@@ -225,9 +222,8 @@ def timing(
     sync: Callable[[], Any] = lambda: None,
     unit: str = "plain",
 ) -> Result:
-    """Every variant once per round, freshly shuffled, as a result _report.py renders for any
-    module: the variants, their samples, the noise, and the error of any variant that raised
-    (dropped from later rounds; the other variants go on)."""
+    """Every variant once per round, freshly shuffled: the variants, their samples, the noise,
+    and the error of any variant that raised (dropped from later rounds; the others go on)."""
     rng, samples, loads, errors = random.Random(0), [], [], {}
     start = time.perf_counter()
     gc.freeze()  # what exists now (imports, models) stays out of every call's gc.collect()

@@ -1,6 +1,5 @@
 """The one renderer: RESULTS.md (or gpu.md) from the workers' JSON and each module's
-declarative list of :class:`Target` s. Nothing here knows a module: every result is rendered
-the same way (its variants' medians and ratios, its values, its noise, skips and errors)."""
+:class:`Target` s; every result is rendered the same way, whatever its module."""
 
 from __future__ import annotations
 
@@ -23,10 +22,8 @@ FIELDS = {
 
 @dataclass(frozen=True)
 class Target:
-    """One row of a targets table: ``numerator ÷ denominator`` of one case (same rounds).
-
-    Without a denominator, ``numerator`` names one of the case's ``values`` (a count, a time
-    in seconds, a peak in GB). ``limit`` None: a row to read, not a target."""
+    """One row of a targets table: ``numerator ÷ denominator`` of one case (same rounds), or
+    without a denominator one of its ``values``; ``limit`` None: a row to read, not a target."""
 
     case: str
     numerator: str

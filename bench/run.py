@@ -102,9 +102,8 @@ def _failed(path: Path, job: Job, stderr: str, t0: float) -> None:
 
 
 def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
-    """Each job in a worker process of its own, ``parallel`` at a time (the next starts as
-    soon as any one ends), or with ``parallel`` 0 all in this process one after another (the
-    smoke run: no isolation to pay for, one import of torch and transformers). A failure
+    """Each job in a worker process of its own, ``parallel`` at a time, or with ``parallel`` 0
+    all in this process (the smoke run: one import of torch and transformers). A failure
     leaves an error record."""
     pending, running = list(jobs), []
     while pending and not parallel:
