@@ -104,14 +104,6 @@ class Variant:
     iters: int | None = None  # overrides Plan.iters (a 10-step variant: 1)
 
 
-def set_threads() -> None:
-    """Pin torch's thread pools to 2 (the machine's cores), or $HOOKSCOPE_BENCH_THREADS."""
-    threads = int(os.environ.get(THREADS_ENV, "2"))
-    torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # already set in this process
-        torch.set_num_interop_threads(threads)
-
-
 def inside(make: Context, fn: Callable[[], Any]) -> Callable[[], Any]:
     """A call of ``fn()`` inside a fresh ``make()``, returning what the context gave."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import json
@@ -18,6 +19,8 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -81,10 +84,13 @@ def extract_baseline(rev: str) -> dict[str, Any]:
 
 def run_worker(module: str, spec: dict[str, Any], path: Path) -> None:
     """One job: its result, with the machine it ran on, as JSON at ``path``. Torch's threads
-    are pinned (on a GPU only where $HOOKSCOPE_BENCH_THREADS asks); warnings (transformers',
-    peers') are not results."""
+    are pinned to 2, the machine's cores, or $HOOKSCOPE_BENCH_THREADS (on a GPU only where it
+    asks); warnings (transformers', peers') are not results."""
     if module != "gpu" or os.environ.get(h.THREADS_ENV):
-        h.set_threads()
+        threads = int(os.environ.get(h.THREADS_ENV, "2"))
+        torch.set_num_threads(threads)
+        with contextlib.suppress(RuntimeError):  # already set in this process
+            torch.set_num_interop_threads(threads)
     warnings.simplefilter("ignore")
     result = importlib.import_module(module).work(spec)
     result["machine"] = h.machine_info()
