@@ -130,8 +130,7 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
     with capture.torchlens_wrapped():
         trace = variants["torchlens_sdpa"].fn()
         sdpa = [x.out for x in trace.layers if x.func_name == "scaled_dot_product_attention"]
-    theirs = {"torchlens_sdpa": sdpa}
-    theirs["nnsight_sdpa"] = variants["nnsight_sdpa"].fn()
+    theirs = {"torchlens_sdpa": sdpa, "nnsight_sdpa": variants["nnsight_sdpa"].fn()}
     return [
         {"what": f"`{k}` equals `hs_sdpa`", "ok": h.trees_equal(list(v), want)}
         for k, v in theirs.items()

@@ -236,10 +236,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         while os.getloadavg()[0] >= 0.5 and time.monotonic() < deadline:
             time.sleep(10)
         baseline = extract_baseline(args.baseline) if args.baseline else None
-        path = baseline and not baseline.get("error") and str(BASELINE_DIR)
+        path = (baseline and not baseline.get("error") and str(BASELINE_DIR)) or None
         settings = ("tuned",) if args.quick else ("tuned", "defaults")
-        device, rows = args.device or "cpu", args.rows
-        cfg = Config(args.quick, settings, path or None, device, args.models, rows)
+        cfg = Config(args.quick, settings, path, args.device or "cpu", args.models, args.rows)
         meta = {
             "command": " ".join(["python bench/run.py", *argv]),
             "quick": args.quick,
