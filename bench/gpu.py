@@ -3,6 +3,7 @@ hookscope beside hand-written floors and peers on a GPU. Rows, cases: README.md,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import tempfile
@@ -86,14 +87,12 @@ def _model(name: str, quick: bool) -> tuple[nn.Module, list[str], str]:
     """torchvision's ResNet-50 where it works (a full run), else the transformers model of
     :func:`capture.hf_model` (--quick: the small one), without a KV cache."""
     if name == "resnet50" and not quick:
-        try:
+        with contextlib.suppress(Exception):  # missing, or a build whose operators do not load
             import torchvision
 
             torch.manual_seed(0)
             model: nn.Module = torchvision.models.resnet50()
             return model, [f"layer{i}" for i in range(1, 5)], "torchvision resnet50"
-        except Exception:  # missing, or a build whose operators do not load
-            pass
     model, blocks = capture.hf_model(name, quick, LLAMA_1B)
     model.config.use_cache = False
     what = f"HF {type(model).__name__}({type(model.config).__name__}({'small' * quick}))"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 import _harness as h
 import capture
@@ -105,8 +106,6 @@ def _torchinfo(case: capture.Case) -> Any:
 
 
 def _flopcounter(case: capture.Case) -> Any:
-    from torch.utils.flop_counter import FlopCounterMode
-
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         case.forward()
     return counter
