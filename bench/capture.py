@@ -348,10 +348,8 @@ def _memory(spec: Result) -> Result:
     v = next(v for v in _own_variants(case, None) if v.key == spec["variant"])
     for warm in (case.plain, case.plain, v.fn):  # lazy initialisation stays out of the figures
         warm()
-    samples = [
-        {"key": v.key, "round": i, "warmup": False, **h.measure_rss(v.fn)}
-        for i in range(spec["repeats"])
-    ]
+    rss = [h.measure_rss(v.fn) for _ in range(spec["repeats"])]
+    samples = [{"key": v.key, "round": i, "warmup": False, **got} for i, got in enumerate(rss)]
     return {
         "case": f"capture/{spec['model']}/memory",
         "samples": samples,
