@@ -99,11 +99,9 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(words, rng.integers(4, 40))) for _ in range(n)]
 
-    def tokenized(i: int) -> dict[str, Any]:  # tokenized inside the hand loop, as hs does
-        chunk = texts[i : i + 64]
-        return dict(tokenizer(chunk, padding=True, truncation=True, return_tensors="pt"))
-
-    batches = [lambda i=i: tokenized(i) for i in range(0, n, 64)]
+    tokenize = functools.partial(tokenizer, padding=True, truncation=True, return_tensors="pt")
+    # tokenized inside the hand loop, as hs does
+    batches = [lambda i=i: dict(tokenize(texts[i : i + 64])) for i in range(0, n, 64)]
     what = f"real all-MiniLM-L6-v2, {n} sentences of 4-40 words, `encoder.layer.5`, batch 64"
     reduce = "tokens" if name == "tokens_minilm" else "token_mean"
     return model, (texts, tokenizer), "encoder.layer.5", reduce, batches, what

@@ -130,8 +130,11 @@ def _thop(case: capture.Case) -> tuple[int, str]:
     return 2 * int(thop.profile(model, case.args, verbose=False)[0]), "on a deep copy"
 
 
-def _flops(case: capture.Case, analytic: int | None, attention: int) -> Result:
+def _flops(case: capture.Case) -> Result:
     """Each tool's GFLOPs (2 per multiply-add) against the analytic count, or why it fails."""
+    analytic, attention = None, 0
+    if not case.name.startswith("resnet50"):
+        analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
     summary, counter = _hs(case), _flopcounter(case).get_flop_counts()["Global"]
     top = ", ".join(f"{k} x{n}" for k, n in list(summary.uncounted.items())[:3])
     tools: dict[str, Callable[[], tuple[int, str]]] = {
@@ -177,17 +180,13 @@ def _timing(spec: Result) -> Result:
         except Exception as e:
             skipped[key] = h.error_text(e)
     result = h.timing(variants, Plan(**spec["plan"]))
-    analytic, attention = None, 0
-    if not spec["model"].startswith("resnet50"):
-        analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
-    values = _flops(case, analytic, attention)
     params = sum(p.numel() for p in case.model.parameters()) / 1e6
     return {
         **result,
         "case": f"look/{spec['model']}",
         "title": TITLES[spec["model"]],
         "about": f"{case.description}; {params:.1f} M parameters",
-        "values": values,
+        "values": _flops(case),
         "skipped": skipped,
     }
 
