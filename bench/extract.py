@@ -60,8 +60,7 @@ TARGETS = [
     ),
     Target("extract/reader", "shuffled", "zarr", 1.25, "store.shuffled() time ÷ plain zarr"),
 ]
-#: Where the 4,096-image case writes (it runs only where there is one): a memory file system.
-#: 1 GiB a call on disk is timed by the kernel's writeback more than by either loop.
+#: Where the 4,096-image case writes, where it exists: memory, not disk (README.md, "Extract").
 _MEMORY = Path("/dev/shm")
 
 
@@ -214,8 +213,7 @@ def work(spec: Result) -> Result:
 
 def jobs(cfg: Config) -> list[Job]:
     out = h.timing_jobs("extract", cfg, {"resnet50": 240, "minilm": 240}, rounds=7, min_rounds=3)
-    # the IO-bound calls take 0.1-1 s, and the kernel's writeback of what they wrote stalls
-    # either side in some rounds: more rounds
+    # more rounds for the IO-bound calls: the kernel's writeback stalls either side in some
     io = {"io": 150.0, **({"io_large": 150.0} if _MEMORY.is_dir() else {})}
     out += h.timing_jobs("extract", cfg, io, rounds=30, min_rounds=10)
     tokens = {"tokens_minilm": 180.0, "tokens_gpt2": 180.0, "reader": 90.0}

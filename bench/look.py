@@ -146,9 +146,8 @@ def _flops(case: capture.Case) -> Result:
     }
     out: Result = {}
     if analytic:
-        out["GFLOPs: analytic"] = (
-            f"{analytic / 1e9:.2f}, of which attention products {attention / 1e9:.2f}"
-        )
+        share = f"of which attention products {attention / 1e9:.2f}"
+        out["GFLOPs: analytic"] = f"{analytic / 1e9:.2f}, {share}"
     for tool, fn in tools.items():
         try:
             flops, note = fn()

@@ -227,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker:
         run_worker(args.worker, json.loads(args.spec), Path(args.json))
         return
-    name = args.device + ("-quick" if args.quick else "") if args.device else None
-    name = name or ("quick" if args.quick else "full")
+    name = "-".join(filter(None, [args.device, "quick" if args.quick else ""])) or "full"
     out = Path(args.out) if args.out else HERE / "_out" / name
     modules = ("gpu",) if args.device else (args.only,) if args.only else MODULES
     if not args.report_only:
