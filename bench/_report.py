@@ -47,8 +47,7 @@ def merge(results: Iterable[Result]) -> dict[str, Result]:
 def evaluate(t: Target, cases: dict[str, Result]) -> Result | None:
     """The target's row as data, or None where its case or variants did not run (a module
     left out by --only, a peer the run did not ask for, the baseline without --baseline)."""
-    r = cases.get(t.case)
-    if r is None:
+    if (r := cases.get(t.case)) is None:
         return None
     row: Result = {**asdict(t), "title": r.get("title", t.case)}
     if t.denominator is None:

@@ -131,10 +131,8 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
         trace = variants["torchlens_sdpa"].fn()
         sdpa = [x.out for x in trace.layers if x.func_name == "scaled_dot_product_attention"]
     theirs = {"torchlens_sdpa": sdpa, "nnsight_sdpa": variants["nnsight_sdpa"].fn()}
-    return [
-        {"what": f"`{k}` equals `hs_sdpa`", "ok": h.trees_equal(list(v), want)}
-        for k, v in theirs.items()
-    ]
+    same = {k: h.trees_equal(list(v), want) for k, v in theirs.items()}
+    return [{"what": f"`{k}` equals `hs_sdpa`", "ok": ok} for k, ok in same.items()]
 
 
 def work(spec: Result) -> Result:

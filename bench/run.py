@@ -75,8 +75,7 @@ def extract_baseline(rev: str) -> dict[str, Any]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
     absolute = re.compile(r"^\s*(from|import)\s+hookscope\b", re.MULTILINE)
-    bad = [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]
-    if bad:
+    if bad := [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]:
         shutil.rmtree(BASELINE_DIR)
         return {**info, "error": f"absolute imports of hookscope in {bad}; cannot rename"}
     return {**info, "sha1": h.source_hash(package)}
