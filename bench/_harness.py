@@ -1,7 +1,5 @@
-"""The one timing harness of every benchmark module: :class:`Variant` s (a timed call each,
-peers beside hookscope beside its floors) run once per round, shuffled, after dropped warm-up
-rounds (:func:`timing`); ratios are per round, summarised as median and q1-q3 (:func:`paired`).
-"""
+"""The one timing harness of every benchmark module: :class:`Variant` s timed in shuffled, paired
+rounds (:func:`timing`), summarised as same-round ratios (:func:`paired`). Method: README.md."""
 
 from __future__ import annotations
 
@@ -25,28 +23,14 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 Result = dict[str, Any]  # what a worker returns: JSON-ready
-Blocks = Mapping[str, Callable[[], contextlib.AbstractContextManager[Any]]]
+Context = Callable[[], contextlib.AbstractContextManager[Any]]
 THREADS_ENV = "HOOKSCOPE_BENCH_THREADS"
 #: Versions in every section's header: the library, its peers and what they run on.
-_PACKAGES = (
-    "torch",
-    "transformers",
-    "hookscope",
-    "numpy",
-    "torchlens",
-    "nnsight",
-    "torchinfo",
-    "fvcore",
-    "thop",
-    "grad-cam",
-    "captum",
-    "zarr",
-    "tensorboard",
-    "ray",
-    "torchvision",
-)
+_PACKAGES = ("torch", "transformers", "hookscope", "numpy", "torchlens", "nnsight", "torchinfo")
+_PACKAGES += ("fvcore", "thop", "grad-cam", "captum", "zarr", "tensorboard", "ray", "torchvision")
 
 
 @dataclass(frozen=True)
@@ -73,23 +57,26 @@ class Job:
 
 
 def timing_jobs(
-    module: str, cfg: Config, budgets: dict[str, float], *, rounds: int = 20, min_rounds: int = 5
+    module: str,
+    cfg: Config,
+    budgets: Mapping[str, float],
+    *,
+    rounds: int = 20,
+    min_rounds: int = 5,
+    heavy_rounds: int = 0,
+    env: str = "tuned",
+    **spec: Any,
 ) -> list[Job]:
-    """A malloc-tuned timing process per case (``{case: seconds of rounds}``): a warm-up round,
-    then ``rounds``, never fewer than ``min_rounds`` (--quick: one round, no warm-up)."""
-    plan = {"warmup": 0, "rounds": 1, "min_rounds": min_rounds, "budget_s": 0.0}
+    """A timing process per case (``{case: seconds of rounds}``) under malloc setting ``env``:
+    its :class:`Plan` (``warmup`` 1) in a full run, one round without warm-up in --quick."""
     out = []
     for case, budget in budgets.items():
+        plan = {"warmup": 0, "rounds": 1, "min_rounds": min_rounds, "budget_s": 0.0}
         if not cfg.quick:
-            plan = {**plan, "warmup": 1, "rounds": rounds, "budget_s": budget}
-        spec = {
-            "kind": "timing",
-            "model": case,
-            "quick": cfg.quick,
-            "plan": plan,
-            "baseline": cfg.baseline,
-        }
-        out.append(Job(module, f"timing_{case}", spec))
+            plan.update(warmup=1, rounds=rounds, budget_s=budget, heavy_rounds=heavy_rounds)
+        base = {"kind": "timing", "model": case, "quick": cfg.quick, "baseline": cfg.baseline}
+        job = Job(module, "timing_" + case.replace("/", "_"), {**base, **spec, "plan": plan}, env)
+        out.append(job)
     return out
 
 
@@ -117,12 +104,15 @@ class Variant:
     iters: int | None = None  # overrides Plan.iters (a 10-step variant: 1)
 
 
-def set_threads() -> None:
-    """Pin torch's thread pools to 2 (the machine's cores), or $HOOKSCOPE_BENCH_THREADS."""
-    threads = int(os.environ.get(THREADS_ENV, "2"))
-    torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # already set in this process
-        torch.set_num_interop_threads(threads)
+def inside(make: Context, fn: Callable[[], Any]) -> Callable[[], Any]:
+    """A call of ``fn()`` inside a fresh ``make()``, returning what the context gave."""
+
+    def call() -> Any:
+        with make() as got:
+            fn()
+        return got
+
+    return call
 
 
 def map_tensors(fn: Callable[[Tensor], Any], obj: Any) -> Any:
@@ -150,7 +140,6 @@ def trees_equal(a: Any, b: Any) -> bool:
 
 def count_ops(fn: Callable[[], Any]) -> int:
     """How many aten operators ``fn()`` dispatches (exact and repeatable, unlike times)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Counter(TorchDispatchMode):  # type: ignore[misc]
         count = 0
@@ -179,9 +168,8 @@ def _steal_ticks() -> int:
 
 
 def timed_call(fn: Callable[[], Any], sync: Callable[[], Any] = lambda: None) -> dict[str, float]:
-    """Wall time, CPU time of the process (all its threads: less disturbed than wall time when
-    other tenants load the machine), minor faults and steal of one call; gc, ``sync()`` before
-    it and dropping the result stay untimed; ``sync()`` after it is timed (a GPU's work)."""
+    """Wall and process CPU time, minor faults and steal of one call; gc, ``sync()`` before it
+    and dropping the result stay untimed; ``sync()`` after it is timed (a GPU's work)."""
     gc.collect()
     sync()
     f0, s0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, _steal_ticks()
@@ -206,9 +194,8 @@ def _round_order(variants: list[Variant], rng: random.Random) -> list[list[Varia
 
 
 def rounds(plan: Plan) -> Iterator[tuple[int, int]]:
-    """``(round, measured round)`` (negative while warming up) for every round of ``plan``;
-    once ``min_rounds`` are measured, a round starts only if a round as long as the last one
-    still fits in ``budget_s``."""
+    """``(round, measured round)`` (negative while warming up) of ``plan``; past ``min_rounds``,
+    a round starts only if one as long as the last still fits in ``budget_s``."""
     start, last = time.perf_counter(), 0.0
     for rnd in range(plan.warmup + plan.rounds):
         measured = rnd - plan.warmup
@@ -220,27 +207,15 @@ def rounds(plan: Plan) -> Iterator[tuple[int, int]]:
         last = time.perf_counter() - t0
 
 
-def _sample(v: Variant, plan: Plan, sync: Callable[[], Any]) -> dict[str, float]:
-    if v.before is not None:
-        v.before()
-    calls = [timed_call(v.fn, sync) for _ in range(v.iters or plan.iters)]
-    return {k: statistics.median(c[k] for c in calls) for k in calls[0]}
-
-
 def timing(
     variants: list[Variant],
     plan: Plan,
-    blocks: Blocks | None = None,
+    blocks: Mapping[str, Context] | None = None,
     sync: Callable[[], Any] = lambda: None,
     unit: str = "plain",
 ) -> Result:
-    """Every variant once per round, freshly shuffled, as a result _report.py renders for any
-    module: the variants, their samples, the noise, and the error of any variant that raised
-    (dropped from later rounds; the other variants go on).
-
-    Paired rounds are what make ratios meaningful on a noisy machine: a burst of load from
-    another tenant hits the variant and its baseline of the same round alike.
-    """
+    """Every variant once per round, freshly shuffled: the variants, their samples, the noise,
+    and the error of any variant that raised (dropped from later rounds; the others go on)."""
     rng, samples, loads, errors = random.Random(0), [], [], {}
     start = time.perf_counter()
     gc.freeze()  # what exists now (imports, models) stays out of every call's gc.collect()
@@ -252,22 +227,19 @@ def timing(
             with (blocks or {})[block[0].block]() if block[0].block else contextlib.nullcontext():
                 for v in block:
                     try:
-                        got = _sample(v, plan, sync)
+                        if v.before is not None:
+                            v.before()
+                        calls = [timed_call(v.fn, sync) for _ in range(v.iters or plan.iters)]
                     except Exception as e:
                         errors[v.key] = error_text(e)
                         continue
+                    got = {k: statistics.median(c[k] for c in calls) for k in calls[0]}
                     samples.append({"key": v.key, "round": rnd, "warmup": measured < 0, **got})
     gc.unfreeze()
-    steal = sum(s["steal"] for s in samples if not s["warmup"])
     noise = {"loadavg": [min(loads), max(loads)], "rounds_s": time.perf_counter() - start}
+    noise["steal_ticks"] = sum(s["steal"] for s in samples if not s["warmup"])
     info = {v.key: {"label": v.label, "floor": v.floor} for v in variants}
-    return {
-        "unit": unit,
-        "variants": info,
-        "samples": samples,
-        "errors": errors,
-        "noise": {**noise, "steal_ticks": steal},
-    }
+    return {"unit": unit, "variants": info, "samples": samples, "errors": errors, "noise": noise}
 
 
 @dataclass(frozen=True)
@@ -280,23 +252,19 @@ class Ratio:
     n: int
 
 
-def ratio(a: dict[int, float], b: dict[int, float]) -> Ratio | None:
-    """Per-round ``a / b`` over the rounds both have (``b`` > 0 there)."""
+def per_round(samples: list[Result], key: str, field: str = "seconds") -> dict[int, float]:
+    measured = (s for s in samples if s["key"] == key and not s["warmup"] and field in s)
+    return {s["round"]: s[field] for s in measured}
+
+
+def paired(samples: list[Result], key: str, base: str, field: str = "seconds") -> Ratio | None:
+    """Per-round ``key / base`` over the rounds both ran (``base`` > 0 there)."""
+    a, b = per_round(samples, key, field), per_round(samples, base, field)
     xs = [a[r] / b[r] for r in sorted(set(a) & set(b)) if b[r] > 0]
     if len(xs) < 2:
         return Ratio(xs[0], xs[0], xs[0], 1) if xs else None
     q1, med, q3 = statistics.quantiles(xs, n=4, method="inclusive")
     return Ratio(med, q1, q3, len(xs))
-
-
-def per_round(samples: list[Result], key: str, field: str = "seconds") -> dict[int, float]:
-    return {
-        s["round"]: s[field] for s in samples if s["key"] == key and not s["warmup"] and field in s
-    }
-
-
-def paired(samples: list[Result], key: str, base: str, field: str = "seconds") -> Ratio | None:
-    return ratio(per_round(samples, key, field), per_round(samples, base, field))
 
 
 def median(samples: list[Result], key: str, field: str = "seconds") -> float | None:
@@ -317,11 +285,9 @@ def measure_rss(fn: Callable[[], Any]) -> dict[str, float]:
     Path("/proc/self/clear_refs").write_text("5")  # reset the kernel's peak counter (VmHWM)
     result = fn()
     during = rss_kib()
+    peak, retained = (during[k] - base for k in ("VmHWM", "VmRSS"))
     del result
-    return {
-        "peak_mib": (during["VmHWM"] - base) / 1024,
-        "retained_mib": (during["VmRSS"] - base) / 1024,
-    }
+    return {"peak_mib": peak / 1024, "retained_mib": retained / 1024}
 
 
 def peak_rss_mib() -> float:

@@ -1,6 +1,5 @@
 """The one renderer: RESULTS.md (or gpu.md) from the workers' JSON and each module's
-declarative list of :class:`Target` s. Nothing here knows a module: every result is rendered
-the same way (its variants' medians and ratios, its values, its noise, skips and errors)."""
+:class:`Target` s; every result is rendered the same way, whatever its module."""
 
 from __future__ import annotations
 
@@ -23,10 +22,8 @@ FIELDS = {
 
 @dataclass(frozen=True)
 class Target:
-    """One row of a targets table: ``numerator ÷ denominator`` of one case (same rounds).
-
-    Without a denominator, ``numerator`` names one of the case's ``values`` (a count, a time
-    in seconds, a peak in GB). ``limit`` None: a row to read, not a target."""
+    """One row of a targets table: ``numerator ÷ denominator`` of one case (same rounds), or
+    without a denominator one of its ``values``; ``limit`` None: a row to read, not a target."""
 
     case: str
     numerator: str
@@ -50,8 +47,7 @@ def merge(results: Iterable[Result]) -> dict[str, Result]:
 def evaluate(t: Target, cases: dict[str, Result]) -> Result | None:
     """The target's row as data, or None where its case or variants did not run (a module
     left out by --only, a peer the run did not ask for, the baseline without --baseline)."""
-    r = cases.get(t.case)
-    if r is None:
+    if (r := cases.get(t.case)) is None:
         return None
     row: Result = {**asdict(t), "title": r.get("title", t.case)}
     if t.denominator is None:
@@ -106,11 +102,8 @@ def case_section(r: Result) -> list[str]:
     if r["variants"]:
         rows = []
         for key, v in r["variants"].items():
-            got = [median(s, key, f) for f in fields]
-            cells = [
-                DASH if x is None else number(x * FIELDS[f][1], f)
-                for f, x in zip(fields, got, strict=True)
-            ]
+            got = {f: median(s, key, f) for f in fields}
+            cells = [DASH if x is None else number(x * FIELDS[f][1], f) for f, x in got.items()]
             base = (fields or ["seconds"])[0]
             vs = f"{cell(paired(s, key, v['floor'], base))} `{v['floor']}`" if v["floor"] else DASH
             rows.append([f"`{key}`", v["label"], *cells, cell(paired(s, key, unit, base)), vs])
@@ -162,10 +155,9 @@ def section(
     rows = [row for t in targets if (row := evaluate(t, cases)) is not None]
     machine = next((r["machine"] for r in cases.values() if "machine" in r), {})
     lines = [f"## {title}", "", *run_lines(meta, machine)]
+    failed = [r for r in results if r.get("kind") == "error"]
     lines += [
-        f"**Worker failed** `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n"
-        for r in results
-        if r.get("kind") == "error"
+        f"**Worker failed** `{r['job']}`:\n\n```\n{r['stderr'][-1500:]}\n```\n" for r in failed
     ]
     lines += targets_table(rows) if rows else []
     return rows, lines + [line for r in cases.values() for line in case_section(r)]

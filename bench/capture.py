@@ -1,6 +1,5 @@
-"""Capture: ``hs.capture`` beside a plain forward, hand-written hooks, nnsight and TorchLens on
-HF ResNet-50 and GPT-2; peak and retained memory; per-site cost on a tiny MLP. The other
-modules build their cases here too. Method: bench/README.md."""
+"""Capture: ``hs.capture`` beside a plain forward, hand-written hooks, nnsight and TorchLens; its
+memory; per-site cost. Every module builds its models here too. Method: bench/README.md."""
 
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import importlib
 import itertools
 import operator
 import sys
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -21,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 import _harness as h
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -59,16 +58,12 @@ TARGETS = [
         for m in MODELS
     ),
     # DESIGN.md: clone mode <= 1.1x a raw hook that clones; reference mode <= 2x a no-op hook
-    Target(
-        "capture/latency", "hs_clone", "raw_clone", 1.1, SITE.format("capture", "clones"), "site_us"
-    ),
-    Target(
-        "capture/latency",
-        "hs_ref",
-        "raw_noop",
-        2.0,
-        SITE.format("reference", "does nothing"),
-        "site_us",
+    *(
+        Target("capture/latency", a, b, limit, SITE.format(what, raw), "site_us")
+        for a, b, limit, what, raw in (
+            ("hs_clone", "raw_clone", 1.1, "capture", "clones"),
+            ("hs_ref", "raw_noop", 2.0, "reference", "does nothing"),
+        )
     ),
 ]
 
@@ -101,44 +96,50 @@ class Case:
 
 
 #: ``ResNetConfig`` arguments of --quick's small ResNet-50: its four stages and their names,
-#: one bottleneck each, fewer channels (here and in gpu.py)
-NARROW_RESNET: dict[str, Any] = {
-    "embedding_size": 16,
-    "hidden_sizes": [32, 64, 128, 256],
-    "depths": [1, 1, 1, 1],
-}
+#: one bottleneck each, fewer channels
+NARROW_RESNET: dict[str, Any] = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]}
+NARROW_RESNET["depths"] = [1, 1, 1, 1]
+LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+LLAMA_KEYS += ("num_key_value_heads", "vocab_size")
+#: ``LlamaConfig`` arguments of --quick's small Llama (2 layers, grouped-query attention)
+SMALL_LLAMA = dict(zip(LLAMA_KEYS, (64, 256, 2, 4, 1, 1000), strict=True))
+
+
+def hf_model(name: str, quick: bool, llama: dict[str, int] | None = None) -> tuple[Any, list[str]]:
+    """A model every module times (random weights, seed 0, eval mode) and its blocks' names:
+    ResNet-50, GPT-2 small, or a Llama (``llama``: its ``LlamaConfig`` arguments, none: 7B);
+    ``quick`` keeps the blocks' names, with fewer channels and blocks."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    if name == "resnet50":
+        config = tf.ResNetConfig(num_labels=1000, **(NARROW_RESNET if quick else {}))
+        blocks = [f"resnet.encoder.stages.{i}" for i in range(4)]
+        return tf.ResNetForImageClassification(config).eval(), blocks
+    if name == "gpt2":
+        small = {"n_embd": 64, "n_head": 2, "n_layer": 10, "vocab_size": 1000}
+        config = tf.GPT2Config(**(small if quick else {}))
+        blocks = [f"transformer.h.{i}" for i in range(config.n_layer)]
+        return tf.GPT2LMHeadModel(config).eval(), blocks
+    config = tf.LlamaConfig(**(SMALL_LLAMA if quick else llama or {}))
+    blocks = [f"model.layers.{i}" for i in range(config.num_hidden_layers)]
+    return tf.LlamaForCausalLM(config).eval(), blocks
 
 
 def build_case(name: str, quick: bool) -> Case:
-    """ResNet-50 (batch 8, 3x224x224) or GPT-2 small (4 x 128 tokens); ``quick`` keeps the names
-    of the selections (stages, blocks), with fewer channels and blocks, on a small input."""
-    from transformers import GPT2Config, GPT2LMHeadModel, ResNetConfig
-    from transformers import ResNetForImageClassification as ResNet
-
-    torch.manual_seed(0)
+    """ResNet-50 (batch 8, 3x224x224) or GPT-2 small (4 x 128 tokens); ``quick``: the small
+    models (:func:`hf_model`) on a small input."""
+    model, blocks = hf_model(name, quick)
     seeded = torch.Generator().manual_seed(1)
     if name == "resnet50":
-        model = ResNet(ResNetConfig(num_labels=1000, **(NARROW_RESNET if quick else {})))
         batch, side = (1, 64) if quick else (8, 224)
         x = torch.randn(batch, 3, side, side, generator=seeded)
         what = f"ResNetForImageClassification(ResNetConfig({'narrow' * quick})), input "
-        stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-        return Case(
-            name,
-            model.eval(),
-            (x,),
-            {},
-            stages,
-            stages[1],
-            "spatial_mean",
-            f"{what}{batch}x3x{side}x{side}",
-        )
-    config = GPT2Config(n_embd=64, n_head=2, n_layer=10, vocab_size=1000) if quick else GPT2Config()
+        what += f"{batch}x3x{side}x{side}"
+        return Case(name, model, (x,), {}, blocks, blocks[1], "spatial_mean", what)
     batch, tokens = (1, 16) if quick else (4, 128)
-    ids = torch.randint(0, config.vocab_size, (batch, tokens), generator=seeded)
+    ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=seeded)
     what = f"GPT2LMHeadModel({'small' if quick else 'GPT-2 small'}), ids {batch}x{tokens}"
-    blocks = [f"transformer.h.{i}" for i in range(config.n_layer)]
-    model = GPT2LMHeadModel(config).eval()
     return Case(name, model, (ids,), {"use_cache": False}, blocks, blocks[5], "token_mean", what)
 
 
@@ -203,8 +204,6 @@ def lib_capture(lib: ModuleType, case: Case, names: list[str], **options: Any) -
 def _own_variants(c: Case, lib: ModuleType | None) -> list[Variant]:
     """The plain forward, the hand-written floors, and hookscope's five variants for the
     library under test (``hs_*``) and the ``--baseline`` revision (``bl_*``, with ``lib``)."""
-    import hookscope as hs
-
     every, copied, sel = f"all {len(c.leaves)} leaves", "out.detach().clone()", c.selection
     out = [Variant("plain", "model(x) under no_grad", c.plain)]
     for key, names, where, what, store in (
@@ -248,19 +247,20 @@ def _nnsight(case: Case, wrapped: Any, names: list[str]) -> Callable[[], dict[st
     return call
 
 
-def torchlens(case: Case, save: Callable[[Any], Any] | None) -> Callable[[], Any]:
-    """``torchlens.trace(copy, x, save=save(tl))`` on a deep copy; ``None``: its default (all)."""
+def torchlens(
+    key: str, label: str, case: Case, save: Callable[[Any], Any] | None, floor: str
+) -> Variant:
+    """``torchlens.trace(copy, x, save=save(tl))`` on a deep copy (``None``: its default, all);
+    seconds a call (heavy), in the ``torchlens`` block (:func:`torchlens_wrapped`)."""
     import torchlens as tl
 
     model, what = copy.deepcopy(case.model), save and save(tl)
 
     def call() -> Any:
-        # torchlens warns on every GPT-2 trace (transformers' masking code), not about us.
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with torch.no_grad():
             return tl.trace(model, list(case.args), input_kwargs=case.kwargs, save=what)
 
-    return call
+    return Variant(key, label, call, floor, "torchlens", heavy=True)
 
 
 @contextlib.contextmanager
@@ -290,26 +290,17 @@ def _peer_variants(c: Case, keys: tuple[str, ...]) -> list[Variant]:
         label += f" the {len(ran)} leaves that run (aliases, no copy)"
         out.append(Variant("nnsight_leaves", label, _nnsight(c, wrapped, ran), "hs_leaves_ref"))
     if "torchlens_sel" in keys:
-        label = "torchlens.trace(copy, x"
-        fn = torchlens(c, lambda tl: functools.reduce(operator.or_, map(tl.module, c.selection)))
-        out.append(
-            Variant(
-                "torchlens_sel",
-                f"{label}, save=tl.module(a) | ...), {sel}",
-                fn,
-                "hs_sel",
-                "torchlens",
-                heavy=True,
-            )
-        )
-        fn, label = torchlens(c, None), f"{label}): every op's output (its default)"
-        out.append(Variant("torchlens_all", label, fn, "hs_leaves_clone", "torchlens", heavy=True))
+        label, modules = "torchlens.trace(copy, x", lambda tl: map(tl.module, c.selection)
+        label_sel = f"{label}, save=tl.module(a) | ...), {sel}"
+        save = lambda tl: functools.reduce(operator.or_, modules(tl))  # noqa: E731
+        out.append(torchlens("torchlens_sel", label_sel, c, save, "hs_sel"))
+        label += "): every op's output (its default)"
+        out.append(torchlens("torchlens_all", label, c, None, "hs_leaves_clone"))
     return out
 
 
 def _peer_checks(case: Case, variants: dict[str, Variant]) -> list[Result]:
-    """The peers kept what hookscope kept on the selection: hookscope's values are the tests'
-    (tests/test_hf.py), the peers' are not, and a ratio to a peer doing less would flatter."""
+    """The peers kept what hookscope kept on the selection (README.md, "Correctness")."""
     cap, got = variants["hs_sel"].fn()[1], {}
     if "nnsight_sel" in variants:
         got["nnsight_sel"] = variants["nnsight_sel"].fn()
@@ -317,13 +308,8 @@ def _peer_checks(case: Case, variants: dict[str, Variant]) -> list[Result]:
         with torchlens_wrapped():
             trace = variants["torchlens_sel"].fn()
             got["torchlens_sel"] = {n: trace.modules[n].out for n in case.selection}
-    return [
-        {
-            "what": f"`{k}` equals `hs_sel`",
-            "ok": all(h.trees_equal(v[n], cap[n].output) for n in case.selection),
-        }
-        for k, v in got.items()
-    ]
+    same = {k: all(h.trees_equal(v[n], cap[n].output) for n in v) for k, v in got.items()}
+    return [{"what": f"`{k}` equals `hs_sel`", "ok": ok} for k, ok in same.items()]
 
 
 def import_baseline(path: str | None) -> tuple[ModuleType | None, str | None]:
@@ -339,7 +325,8 @@ def import_baseline(path: str | None) -> tuple[ModuleType | None, str | None]:
 
 
 def _timing(spec: Result) -> Result:
-    case = build_case(spec["model"], spec["quick"])
+    model, setting = spec["model"].split("/")
+    case = build_case(model, spec["quick"])
     baseline, error = import_baseline(spec.get("baseline"))
     keys = CORE + tuple(f"bl_{k}" for k in HS_KINDS if baseline) + PEERS[spec["peers"]]
     variants = [v for v in _own_variants(case, baseline) if v.key in keys]
@@ -347,8 +334,8 @@ def _timing(spec: Result) -> Result:
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": torchlens_wrapped})
     return {
         **result,
-        "case": f"capture/{spec['model']}/{spec['setting']}",
-        "title": f"{MODELS[spec['model']]}, {SETTINGS[spec['setting']]}",
+        "case": f"capture/{spec['model']}",
+        "title": f"{MODELS[model]}, {SETTINGS[setting]}",
         "about": about(case),
         "skipped": {f"bl_{k}": error for k in HS_KINDS if error},
         "checks": _peer_checks(case, {v.key: v for v in variants}),
@@ -361,10 +348,8 @@ def _memory(spec: Result) -> Result:
     v = next(v for v in _own_variants(case, None) if v.key == spec["variant"])
     for warm in (case.plain, case.plain, v.fn):  # lazy initialisation stays out of the figures
         warm()
-    samples = [
-        {"key": v.key, "round": i, "warmup": False, **h.measure_rss(v.fn)}
-        for i in range(spec["repeats"])
-    ]
+    rss = [h.measure_rss(v.fn) for _ in range(spec["repeats"])]
+    samples = [{"key": v.key, "round": i, "warmup": False, **got} for i, got in enumerate(rss)]
     return {
         "case": f"capture/{spec['model']}/memory",
         "samples": samples,
@@ -381,12 +366,8 @@ LATENCY = {
     "hs_clone": "hs.capture(model, sites)",
     "hs_ref": "hs.capture(model, sites, copy='reference')",
 }
-LATENCY.update(
-    {
-        f"{k}_percall": v + ", set up and torn down around every forward"
-        for k, v in list(LATENCY.items())[1:]
-    }
-)
+PER_CALL = ", set up and torn down around every forward"
+LATENCY.update({f"{k}_percall": v + PER_CALL for k, v in list(LATENCY.items())[1:]})
 #: The raw hook each hookscope latency variant is compared with (per-site cost above plain).
 LATENCY_FLOORS = {"hs_clone": "raw_clone", "hs_ref": "raw_noop"}
 LATENCY_FLOORS.update({f"{k}_percall": f"{b}_percall" for k, b in LATENCY_FLOORS.items()})
@@ -394,8 +375,6 @@ LATENCY_FLOORS.update({f"{k}_percall": f"{b}_percall" for k, b in LATENCY_FLOORS
 
 def _block(model: nn.Module, x: Tensor, sites: list[str], key: str, n: int) -> Any:
     """``n`` forwards, with hooks around the block (steady state) or around every call."""
-    import hookscope as hs
-
     kind, store = key.removesuffix("_percall"), {}
     keep = lambda name: lambda m, a, o: store.__setitem__(name, o.detach().clone())  # noqa: E731
     make = keep if kind == "raw_clone" else lambda name: lambda m, a, o: None
@@ -413,8 +392,7 @@ def _block(model: nn.Module, x: Tensor, sites: list[str], key: str, n: int) -> A
 
 
 def _latency(spec: Result) -> Result:
-    """25 x (Linear(32, 32), ReLU) = 50 sites at batch 1: Python overhead dominates. A sample
-    is a block of forwards; per-site cost = (variant - plain of the same round) / sites."""
+    """Per-site cost on a tiny MLP (README.md, "Latency"): a sample is a block of forwards."""
     torch.manual_seed(0)
     model = nn.Sequential(*(m for _ in range(25) for m in (nn.Linear(32, 32), nn.ReLU()))).eval()
     x, sites, n = torch.randn(1, 32), leaf_names(model), spec["calls"]
@@ -434,44 +412,21 @@ def _latency(spec: Result) -> Result:
 
 def work(spec: Result) -> Result:
     """Worker entry (one process): ``spec["kind"]`` is timing, memory or latency."""
-    h.set_threads()
     return {"timing": _timing, "memory": _memory, "latency": _latency}[spec["kind"]](spec)
 
 
 def jobs(cfg: Config) -> list[Job]:
-    out, quick = [], cfg.quick
+    out, quick, scale = [], cfg.quick, 1.5 if cfg.baseline else 1
     for model, setting in itertools.product(MODELS, cfg.settings):
-        # Peers only where the library's own cost is isolated; torchlens (seconds per call)
-        # only in the first 5 rounds of a full run, so the fast variants get more rounds.
+        # peers only malloc tuned, torchlens only in 5 rounds (README.md, "Capture")
         peers = "none" if setting != "tuned" else "nnsight" if quick else "all"
-        budget = 0 if quick else BUDGETS[f"{model}/{setting}"] * (1.5 if cfg.baseline else 1)
-        plan = {
-            "warmup": int(not quick),
-            "rounds": 1 if quick else 20,
-            "min_rounds": 5,
-            "budget_s": budget,
-            "heavy_rounds": 0 if quick else 5,
-        }
-        spec = {
-            "kind": "timing",
-            "model": model,
-            "setting": setting,
-            "quick": quick,
-            "peers": peers,
-            "baseline": cfg.baseline,
-            "plan": plan,
-        }
-        out.append(Job("capture", f"timing_{model}_{setting}", spec, setting))
+        budget = {f"{model}/{setting}": BUDGETS[f"{model}/{setting}"] * scale}
+        out += h.timing_jobs("capture", cfg, budget, heavy_rounds=5, env=setting, peers=peers)
     rounds, warmup, calls = (1, 0, 5) if quick else (30, 3, 100)
     spec = {"kind": "latency", "rounds": rounds, "warmup": warmup, "calls": calls}
     out.append(Job("capture", "latency", spec))
+    reps = 1 if quick else 2
     for model, key in itertools.product(MODELS, ("plain", "hs_leaves_reduce") if quick else MEMORY):
-        spec = {
-            "kind": "memory",
-            "model": model,
-            "variant": key,
-            "quick": quick,
-            "repeats": 1 if quick else 2,
-        }
+        spec = {"kind": "memory", "model": model, "variant": key, "quick": quick, "repeats": reps}
         out.append(Job("capture", f"memory_{model}_{key}", spec, "memory", alone=False))
     return out

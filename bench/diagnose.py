@@ -1,14 +1,11 @@
-"""Diagnose: a training step inside ``hs.nonfinite`` beside ``detect_anomaly``; ``hs.Monitor``
-logging every 10 steps beside hand-written TensorBoard histograms (a logging and a quiet step
-timed apart, combined per round as ``(logging + 9 quiet) / 10``); the operators each adds to a
-step, counted exactly on the CPU (what a GPU pays a launch for). Method: bench/README.md."""
+"""Diagnose: a training step in ``hs.nonfinite`` beside ``detect_anomaly``, ``hs.Monitor`` beside
+hand-written histograms, and the operators each adds. Method: bench/README.md."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
 import tempfile
-import warnings
 from collections.abc import Callable
 from typing import Any
 from unittest import mock
@@ -18,6 +15,7 @@ import torch.nn.functional as F
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -71,18 +69,8 @@ def _trainer(case: capture.Case) -> tuple[Any, Any, Callable[[], None]]:
 def _variants(case: capture.Case, logdir: str) -> list[Variant]:
     from torch.utils.tensorboard import SummaryWriter
 
-    import hookscope as hs
-
     model, _, step = _trainer(case)
     writer, ours = SummaryWriter(log_dir=f"{logdir}/hand"), SummaryWriter(log_dir=f"{logdir}/hs")
-
-    def inside(make: Callable[[], contextlib.AbstractContextManager[Any]]) -> Callable[[], None]:
-        def run() -> None:
-            with warnings.catch_warnings(), make():
-                warnings.simplefilter("ignore")  # detect_anomaly warns that it is on
-                step()
-
-        return run
 
     def monitor(logging: bool) -> Callable[[], None]:
         def run() -> None:
@@ -102,8 +90,8 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
 
     fns = {
         "plain": step,
-        "nonfinite": inside(lambda: hs.nonfinite(model)),
-        "anomaly": inside(torch.autograd.detect_anomaly),
+        "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
+        "anomaly": h.inside(torch.autograd.detect_anomaly, step),
         "monitor_log": monitor(True),
         "monitor_quiet": monitor(False),
         "hand_log": lambda: step(histograms),
@@ -133,8 +121,7 @@ def _count(case: capture.Case, hs: Any) -> Result:
             c["quiet"] = h.count_ops(lambda: (step(), mon.step()))
         with hs.Monitor(model, chosen[: len(chosen) // 2], every=2) as mon:
             c["half"] = h.count_ops(lambda: (step(), mon.step(), mon.records))  # the slope
-        with warnings.catch_warnings(), torch.autograd.detect_anomaly():
-            warnings.simplefilter("ignore")
+        with torch.autograd.detect_anomaly():
             c["anomaly"] = h.count_ops(step)
     per_layer = (c["log"] - c["half"]) / (len(chosen) - len(chosen) // 2)
     extra = {k: c[k] - c["plain"] for k in ("nonfinite", "log", "quiet", "anomaly")}
@@ -151,18 +138,14 @@ def _count(case: capture.Case, hs: Any) -> Result:
 
 
 def _counts(spec: Result) -> Result:
-    import hookscope as hs
-
     case = capture.build_case(spec["model"], spec["quick"])
     values = _count(case, hs)
     baseline, error = capture.import_baseline(spec.get("baseline"))
     if baseline is not None:
         counts = _count(capture.build_case(spec["model"], spec["quick"]), baseline)
         values.update({f"the baseline: {k}": v for k, v in counts.items()})
-    about = (
-        f"{case.description}: operators dispatched by one training step, counted with a "
-        "TorchDispatchMode on the CPU (the Monitor's statistics as a GPU computes them)"
-    )
+    about = f"{case.description}: operators dispatched by one training step, counted with a "
+    about += "TorchDispatchMode on the CPU (the Monitor's statistics as a GPU computes them)"
     return {
         "case": f"diagnose/{spec['model']}/ops",
         "about": about,
@@ -173,8 +156,6 @@ def _counts(spec: Result) -> Result:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' warnings are not results
     if spec["kind"] == "ops":
         return _counts(spec)
     case = capture.build_case(spec["model"], spec["quick"])
@@ -197,12 +178,6 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    counts = [
-        Job(
-            "diagnose",
-            f"ops_{m}",
-            {"kind": "ops", "model": m, "quick": cfg.quick, "baseline": cfg.baseline},
-        )
-        for m in TITLES
-    ]
+    spec = {"kind": "ops", "quick": cfg.quick, "baseline": cfg.baseline}
+    counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in TITLES]
     return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(TITLES, 120.0))

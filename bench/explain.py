@@ -3,7 +3,6 @@ on the shapes CNN, Score-CAM beside pytorch-grad-cam's, IG and occlusion beside 
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -13,38 +12,29 @@ from torch import Tensor, nn
 import _harness as h
 import _peers
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
 TITLE = "Explain: CAM methods beside the autograd floor, pytorch-grad-cam and Captum"
 LAYER = "resnet.encoder.stages.3"
-LABELS = {
-    "plain": "forward, no_grad (the unit)",
-    "floor": "hand-written: forward hook, autograd.grad to the layer, weighted sum",
-    "hs_gradcam": "hs.GradCAM built once, called on (x, targets list)",
-    "pgc_gradcam": "pytorch-grad-cam GradCAM (full backward)",
-    "captum_gradcam": "Captum LayerGradCam.attribute",
-    "hs_gradcampp": "hs.GradCAMPlusPlus, built once",
-    "pgc_gradcampp": "pytorch-grad-cam GradCAMPlusPlus",
-    "score_plain": "forward, no_grad (the unit)",
-    "hs_scorecam": "hs.ScoreCAM, every channel",
-    "hs_scorecam_topk": "hs.ScoreCAM(top_k=3): 3 of 32 channels",
-    "pgc_scorecam": "pytorch-grad-cam ScoreCAM (every channel)",
-    "hs_ig": "hs.IntegratedGradients: 50 steps, Gauss-Legendre, 10 steps a forward",
-    "captum_ig": "Captum IntegratedGradients, the same (internal_batch_size=80)",
-    "hs_occlusion": "hs.Occlusion: 8x8 windows, stride 4, 64 images a forward",
-    "captum_occlusion": "Captum Occlusion, the same (perturbations_per_eval=8)",
-}
-FLOORS = {
-    "hs_gradcam": "floor",
-    "pgc_gradcam": "hs_gradcam",
-    "captum_gradcam": "hs_gradcam",
-    "hs_gradcampp": "floor",
-    "pgc_gradcampp": "hs_gradcampp",
-    "hs_scorecam_topk": "hs_scorecam",
-    "pgc_scorecam": "hs_scorecam",
-    "captum_ig": "hs_ig",
-    "captum_occlusion": "hs_occlusion",
+#: Each variant's label and floor (the variant it is compared with besides the unit).
+VARIANTS = {
+    "plain": ("forward, no_grad (the unit)", None),
+    "floor": ("hand-written: forward hook, autograd.grad to the layer, weighted sum", None),
+    "hs_gradcam": ("hs.GradCAM built once, called on (x, targets list)", "floor"),
+    "pgc_gradcam": ("pytorch-grad-cam GradCAM (full backward)", "hs_gradcam"),
+    "captum_gradcam": ("Captum LayerGradCam.attribute", "hs_gradcam"),
+    "hs_gradcampp": ("hs.GradCAMPlusPlus, built once", "floor"),
+    "pgc_gradcampp": ("pytorch-grad-cam GradCAMPlusPlus", "hs_gradcampp"),
+    "score_plain": ("forward, no_grad (the unit)", None),
+    "hs_scorecam": ("hs.ScoreCAM, every channel", None),
+    "hs_scorecam_topk": ("hs.ScoreCAM(top_k=3): 3 of 32 channels", "hs_scorecam"),
+    "pgc_scorecam": ("pytorch-grad-cam ScoreCAM (every channel)", "hs_scorecam"),
+    "hs_ig": ("hs.IntegratedGradients: 50 steps, Gauss-Legendre, 10 steps a forward", None),
+    "captum_ig": ("Captum IntegratedGradients, the same (internal_batch_size=80)", "hs_ig"),
+    "hs_occlusion": ("hs.Occlusion: 8x8 windows, stride 4, 64 images a forward", None),
+    "captum_occlusion": ("Captum Occlusion, the same (perturbations_per_eval=8)", "hs_occlusion"),
 }
 TARGETS = [
     Target("explain/resnet50", "hs_gradcam", "floor", 1.05, "Grad-CAM ÷ forward + autograd floor"),
@@ -56,14 +46,15 @@ TARGETS = [
 
 
 class Logits(nn.Module):
-    """The model's logits as a tensor (HF models return dicts), for peers and floors."""
+    """The model's logits as a tensor (HF models return dicts), from positional tensors only
+    (``kwargs``: fixed keyword arguments), for peers, floors and fvcore's and thop's traces."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, **kwargs: Any) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.kwargs = model, kwargs
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.model(x)
+    def forward(self, *args: Tensor) -> Tensor:
+        out = self.model(*args, **self.kwargs)
         return out if isinstance(out, Tensor) else out.logits
 
 
@@ -87,9 +78,7 @@ def pgc_run(cam: Any, model: nn.Module, x: Tensor, targets: Any) -> Any:
     wanted = [model_targets.ClassifierOutputTarget(int(k)) for k in targets]
 
     def run() -> Any:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            maps = cam(input_tensor=x, targets=wanted)
+        maps = cam(input_tensor=x, targets=wanted)
         model.zero_grad(set_to_none=True)
         return maps
 
@@ -98,8 +87,6 @@ def pgc_run(cam: Any, model: nn.Module, x: Tensor, targets: Any) -> Any:
 
 def _gradcam(quick: bool) -> tuple[dict[str, Any], Result]:
     from captum.attr import LayerGradCam
-
-    import hookscope as hs
 
     pgc, _ = _peers.pytorch_grad_cam()
     case = capture.build_case("resnet50", quick)
@@ -133,7 +120,6 @@ def _spearman(a: Tensor, b: Tensor) -> float:
 def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
     from captum.attr import IntegratedGradients, Occlusion
 
-    import hookscope as hs
     from hookscope.show import shapes, train
 
     pgc, _ = _peers.pytorch_grad_cam()
@@ -173,11 +159,9 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and peers' warnings are not results
     with torch.enable_grad():
         fns, info = (_gradcam if spec["model"] == "resnet50" else _scorecam)(spec["quick"])
-        variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
+        variants = [Variant(k, VARIANTS[k][0], fn, VARIANTS[k][1]) for k, fn in fns.items()]
         result = h.timing(variants, Plan(**spec["plan"]), unit=info.get("unit", "plain"))
     return {**result, **info}
 

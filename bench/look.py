@@ -1,6 +1,5 @@
-"""Look: ``hs.summary`` beside a plain forward, torchinfo and ``FlopCounterMode`` on capture's
-cases, a 7B Llama on ``meta`` and two host-bound cases; every tool's FLOPs (fvcore and thop
-too) against an analytic count; the meta Llama alone in a fresh process. Method: README.md."""
+"""Look: ``hs.summary`` beside a plain forward, torchinfo and ``FlopCounterMode``; every tool's
+FLOPs (fvcore and thop too) against an analytic count; the meta Llama alone. README.md."""
 
 from __future__ import annotations
 
@@ -9,15 +8,16 @@ import dataclasses
 import functools
 import statistics
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import _harness as h
 import capture
+import explain
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -38,47 +38,31 @@ LABELS = {
     "flopcounter": "with no_grad(), FlopCounterMode(display=False): model(x)",
     "bl": "the baseline revision's hs.summary (--baseline)",
 }
-LLAMA_FLOPS = "hs FLOPs: |÷ analytic - 1|, %"
+LLAMA_FLOPS, FIRST, PEAK = "hs FLOPs: |÷ analytic - 1|, %", "first call, s", "peak RSS, GB"
 TARGETS = [
     *(
-        t
+        Target(f"look/{m}", "hs", den, limit, what)
         for m in ("resnet50", "gpt2", *HOST_BOUND)
-        for t in (
-            Target(
-                f"look/{m}", "hs", "plain", 1.15, "summary with FLOPs: hs.summary ÷ plain forward"
-            ),
-            Target(f"look/{m}", "hs", "torchinfo", 1.0, "hs.summary ÷ torchinfo.summary"),
-            Target(f"look/{m}", "hs", "bl", 1.0, "hs.summary ÷ the baseline's (--baseline)"),
+        for den, limit, what in (
+            ("plain", 1.15, "summary with FLOPs: hs.summary ÷ plain forward"),
+            ("torchinfo", 1.0, "hs.summary ÷ torchinfo.summary"),
+            ("bl", 1.0, "hs.summary ÷ the baseline's (--baseline)"),
         )
     ),
     # DESIGN.md: a 7B Llama on meta in under 5 s and 1 GB, FLOPs within 1%
-    Target(
-        "look/llama_rss",
-        "first call, s",
-        None,
-        5.0,
-        "meta Llama: hs.summary, first call in a fresh process, seconds",
-    ),
-    Target(
-        "look/llama_rss",
-        "peak RSS, GB",
-        None,
-        1.0,
-        "meta Llama: that process's peak RSS (ru_maxrss), GB",
-    ),
-    Target(
-        "look/llama",
-        LLAMA_FLOPS,
-        None,
-        1.0,
-        "meta Llama: hs FLOPs against the analytic count, % off",
+    *(
+        Target(f"look/{case}", value, None, limit, f"meta Llama: {what}")
+        for case, value, limit, what in (
+            ("llama_rss", FIRST, 5.0, "hs.summary, first call in a fresh process, seconds"),
+            ("llama_rss", PEAK, 1.0, "that process's peak RSS (ru_maxrss), GB"),
+            ("llama", LLAMA_FLOPS, 1.0, "hs FLOPs against the analytic count, % off"),
+        )
     ),
 ]
 
 
 def build_case(name: str, quick: bool) -> capture.Case:
-    """The host-bound cases are the full models on one small input: the forward costs little
-    beside its Python, the nearest a CPU gets to a GPU's host."""
+    """Capture's case, its host-bound version (README.md, "Look"), or the meta Llama."""
     if name in HOST_BOUND:
         case = capture.build_case(name.removesuffix("_host"), False)
         x = case.args[0][:1, :16] if name == "gpt2_host" else case.args[0][:1, :, :64, :64]
@@ -86,29 +70,17 @@ def build_case(name: str, quick: bool) -> capture.Case:
         return dataclasses.replace(case, name=name, args=(x,), description=what)
     if name != "llama":
         return capture.build_case(name, quick)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    small = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
     with torch.device("meta"):
-        model = LlamaForCausalLM(small if quick else LlamaConfig()).eval()
+        model, _ = capture.hf_model("llama", quick)  # LlamaConfig(): Llama-7B
     tokens = 16 if quick else 128
-    # Default use_cache: with use_cache=False and no cache, transformers looks for packed
-    # sequences with .item(), which no tool can run on meta.
+    # the default use_cache, as on meta use_cache=False cannot run (README.md, "Look")
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     what = f"LlamaForCausalLM({'small' if quick else 'LlamaConfig()'}) on meta, ids 1x{tokens}"
     return capture.Case("llama", model, (ids,), {}, [], "", "", what)
 
 
 def analytic_flops(config: Any, batch: int, tokens: int) -> tuple[int, int]:
-    """(FLOPs, of which attention): 2 x every matmul weight (LM head included) x tokens, plus
-    Q·Kᵀ and A·V over the full T x T, 4·B·T²·d·L. GPT-2 or Llama configs."""
+    """(FLOPs, of which attention) of a GPT-2 or Llama config, counted as README.md says."""
     h_, layers = config.hidden_size, config.num_hidden_layers
     if config.model_type == "gpt2":
         q = kv = h_
@@ -123,21 +95,7 @@ def analytic_flops(config: Any, batch: int, tokens: int) -> tuple[int, int]:
     return 2 * weights * batch * tokens + attention, attention
 
 
-class _Positional(nn.Module):
-    """The model's first output tensor: fvcore's JIT trace and thop take positional tensors
-    only, and HF models return dicts."""
-
-    def __init__(self, model: nn.Module, kwargs: dict[str, Any]) -> None:
-        super().__init__()
-        self.model, self.kwargs = model, kwargs
-
-    def forward(self, *args: Any) -> torch.Tensor:
-        return h.tensors(self.model(*args, **self.kwargs))[0]
-
-
 def _hs(case: capture.Case) -> Any:
-    import hookscope as hs
-
     return hs.summary(case.model, case.args, forward_kwargs=case.kwargs)
 
 
@@ -148,8 +106,6 @@ def _torchinfo(case: capture.Case) -> Any:
 
 
 def _flopcounter(case: capture.Case) -> Any:
-    from torch.utils.flop_counter import FlopCounterMode
-
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         case.forward()
     return counter
@@ -158,7 +114,7 @@ def _flopcounter(case: capture.Case) -> Any:
 def _fvcore(case: capture.Case) -> tuple[int, str]:
     from fvcore.nn import FlopCountAnalysis
 
-    analysis = FlopCountAnalysis(_Positional(case.model, case.kwargs), case.args)
+    analysis = FlopCountAnalysis(explain.Logits(case.model, **case.kwargs), case.args)
     analysis.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
     total = analysis.total()  # before unsupported_ops(), which needs the analysis run
     skipped = analysis.unsupported_ops()
@@ -170,13 +126,15 @@ def _thop(case: capture.Case) -> tuple[int, str]:
     import thop
 
     # thop leaves total_ops / total_params buffers on every module: count a copy
-    model = _Positional(copy.deepcopy(case.model), case.kwargs)
+    model = explain.Logits(copy.deepcopy(case.model), **case.kwargs)
     return 2 * int(thop.profile(model, case.args, verbose=False)[0]), "on a deep copy"
 
 
-def _flops(case: capture.Case, analytic: int | None, attention: int) -> Result:
-    """Each tool's GFLOPs (2 per multiply-add: torchinfo's mult-adds and fvcore's and thop's
-    MACs doubled) and their ratio to the analytic count; a tool that fails says why."""
+def _flops(case: capture.Case) -> Result:
+    """Each tool's GFLOPs (2 per multiply-add) against the analytic count, or why it fails."""
+    analytic, attention = None, 0
+    if not case.name.startswith("resnet50"):
+        analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
     summary, counter = _hs(case), _flopcounter(case).get_flop_counts()["Global"]
     top = ", ".join(f"{k} x{n}" for k, n in list(summary.uncounted.items())[:3])
     tools: dict[str, Callable[[], tuple[int, str]]] = {
@@ -188,9 +146,8 @@ def _flops(case: capture.Case, analytic: int | None, attention: int) -> Result:
     }
     out: Result = {}
     if analytic:
-        out["GFLOPs: analytic"] = (
-            f"{analytic / 1e9:.2f}, of which attention products {attention / 1e9:.2f}"
-        )
+        share = f"of which attention products {attention / 1e9:.2f}"
+        out["GFLOPs: analytic"] = f"{analytic / 1e9:.2f}, {share}"
     for tool, fn in tools.items():
         try:
             flops, note = fn()
@@ -222,25 +179,19 @@ def _timing(spec: Result) -> Result:
         except Exception as e:
             skipped[key] = h.error_text(e)
     result = h.timing(variants, Plan(**spec["plan"]))
-    analytic, attention = None, 0
-    if not spec["model"].startswith("resnet50"):
-        analytic, attention = analytic_flops(case.model.config, *case.args[0].shape)
-    values = _flops(case, analytic, attention)
     params = sum(p.numel() for p in case.model.parameters()) / 1e6
     return {
         **result,
         "case": f"look/{spec['model']}",
         "title": TITLES[spec["model"]],
         "about": f"{case.description}; {params:.1f} M parameters",
-        "values": values,
+        "values": _flops(case),
         "skipped": skipped,
     }
 
 
 def _rss(spec: Result) -> Result:
     """Build the meta Llama and summarise it, nothing else: the process's peak RSS."""
-    import hookscope as hs
-
     case = build_case("llama", spec["quick"])
     shape, before, times = list(case.args[0].shape), h.rss_kib()["VmRSS"] / 1024, []
     for _ in range(spec["repeats"]):
@@ -248,15 +199,13 @@ def _rss(spec: Result) -> Result:
         hs.summary(case.model, input_size=shape, dtypes=[torch.long])
         times.append(time.perf_counter() - t0)
     values = {
-        "first call, s": times[0],
+        FIRST: times[0],
         "later, median s": statistics.median(times[1:] or times),
         "RSS before the first summary (torch, transformers, the meta model), MiB": before,
-        "peak RSS, GB": h.peak_rss_mib() * 2**20 / 1e9,
+        PEAK: h.peak_rss_mib() * 2**20 / 1e9,
     }
-    about = (
-        f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
-        f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
-    )
+    about = f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
+    about += f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
     return {
         "case": "look/llama_rss",
         "title": "Llama-7B (meta) alone",
@@ -266,8 +215,6 @@ def _rss(spec: Result) -> Result:
 
 
 def work(spec: Result) -> Result:
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' and fvcore's warnings are not results
     return {"timing": _timing, "rss": _rss}[spec["kind"]](spec)
 
 

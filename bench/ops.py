@@ -1,12 +1,11 @@
 """Ops: ``hs.capture`` of ``"layer::op"`` selectors and attention weights of fused attention on
-HF GPT-2 small, beside a plain forward, the module-hook floor, eager attention, nnsight's
-``.source`` and TorchLens' ``tl.func`` on the same selections. Method: bench/README.md."""
+GPT-2 beside hooks, eager attention, nnsight and TorchLens. Method: bench/README.md."""
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ from torch import Tensor
 
 import _harness as h
 import capture
+import hookscope as hs
 from _harness import Config, Job, Plan, Result, Variant
 from _report import Target
 
@@ -39,38 +39,18 @@ FLOORS = {
     "nnsight_sdpa": "hs_sdpa",
     "torchlens_sdpa": "hs_sdpa",
 }
+ONE = "one operation in each of 12 blocks"
+TWO = "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand"
 #: issue 17's performance section, of wall time and of the process's CPU time
 TARGETS = [
     Target("ops/gpt2", num, den, 1.05, what, t)
     for what, num, den in (
-        ("one operation in each of 12 blocks: hs.capture ÷ plain forward", "hs_sdpa", "plain"),
-        (
-            "one operation in each of 12 blocks ÷ hand module hooks, same bytes copied",
-            "hs_sdpa",
-            "hand_attn",
-        ),
-        (
-            "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand",
-            "hs_weights2",
-            "floor_weights2",
-        ),
+        (f"{ONE}: hs.capture ÷ plain forward", "hs_sdpa", "plain"),
+        (f"{ONE} ÷ hand module hooks, same bytes copied", "hs_sdpa", "hand_attn"),
+        (TWO, "hs_weights2", "floor_weights2"),
     )
     for t in ("seconds", "cpu")
 ]
-
-
-def _hand_attn(case: capture.Case) -> Callable[[], Any]:
-    """The module-hook floor: hooks on the 12 attention modules keeping a copy of each output
-    (as many bytes as the SDPA outputs)."""
-    names = [n for n, _ in case.model.named_modules() if n.endswith(".attn")]
-
-    def run() -> list[Tensor]:
-        kept: list[Tensor] = []
-        keep = lambda n: lambda m, a, out: kept.append(out[0].detach().clone())  # noqa: E731
-        capture.hooked(case.model, names, keep, case.plain)
-        return kept
-
-    return run
 
 
 def _qk(case: capture.Case, layers: tuple[int, ...]) -> list[tuple[Tensor, Tensor]]:
@@ -111,21 +91,18 @@ def _nnsight(case: capture.Case) -> Callable[[], list[Any]]:
 
 
 def build_variants(case: capture.Case) -> list[Variant]:
-    import hookscope as hs
-
     qk = _qk(case, (3, 9))
+    attn = [n for n, _ in case.model.named_modules() if n.endswith(".attn")]
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
 
-    def hs_sdpa() -> list[Tensor]:
-        with torch.no_grad(), hs.capture(case.model, SDPA) as cap:
-            case.forward()
-        return [cap[n].output for n in cap]
+    def captured(sites: str | list[str]) -> Callable[[], list[Tensor]]:
+        def run() -> list[Tensor]:  # every .output read, in the timed call
+            with torch.no_grad(), hs.capture(case.model, sites) as cap:
+                case.forward()
+            return [cap[n].output for n in cap]
 
-    def hs_weights2() -> Any:
-        with torch.no_grad(), hs.capture(case.model, WEIGHTS) as cap:
-            case.forward()
-        return [cap[w].output for w in WEIGHTS]
+        return run
 
     def eager_all() -> Any:
         with torch.no_grad():
@@ -133,26 +110,18 @@ def build_variants(case: capture.Case) -> list[Variant]:
 
     fns: dict[str, Callable[[], Any]] = {
         "plain": case.plain,
-        "hand_attn": _hand_attn(case),
-        "hs_sdpa": hs_sdpa,
-        "hs_weights2": hs_weights2,
+        # the module-hook floor: a copy of each attention output (the SDPA outputs' bytes)
+        "hand_attn": functools.partial(capture.hand_capture, case, attn, capture.clone),
+        "hs_sdpa": captured(SDPA),
+        "hs_weights2": captured(WEIGHTS),
         "floor_weights2": lambda: (case.plain(), _explicit(qk)),
         "eager_all": eager_all,
         "nnsight_sdpa": _nnsight(case),
     }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
-    fn = capture.torchlens(case, lambda tl: tl.func("scaled_dot_product_attention"))
-    return [
-        *out,
-        Variant(
-            "torchlens_sdpa",
-            LABELS["torchlens_sdpa"],
-            fn,
-            FLOORS["torchlens_sdpa"],
-            "torchlens",
-            heavy=True,
-        ),
-    ]
+    save = lambda tl: tl.func("scaled_dot_product_attention")  # noqa: E731
+    key = "torchlens_sdpa"
+    return [*out, capture.torchlens(key, LABELS[key], case, save, FLOORS[key])]
 
 
 def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
@@ -161,20 +130,13 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
     with capture.torchlens_wrapped():
         trace = variants["torchlens_sdpa"].fn()
         sdpa = [x.out for x in trace.layers if x.func_name == "scaled_dot_product_attention"]
-    theirs = {"torchlens_sdpa": sdpa}
-    theirs["nnsight_sdpa"] = variants["nnsight_sdpa"].fn()
-    return [
-        {"what": f"`{k}` equals `hs_sdpa`", "ok": h.trees_equal(list(v), want)}
-        for k, v in theirs.items()
-    ]
+    theirs = {"torchlens_sdpa": sdpa, "nnsight_sdpa": variants["nnsight_sdpa"].fn()}
+    same = {k: h.trees_equal(list(v), want) for k, v in theirs.items()}
+    return [{"what": f"`{k}` equals `hs_sdpa`", "ok": ok} for k, ok in same.items()]
 
 
 def work(spec: Result) -> Result:
-    import hookscope as hs
-
-    h.set_threads()
-    warnings.simplefilter("ignore")  # transformers' warnings are not results
-    case = capture.build_case("gpt2", spec["quick"])
+    case = capture.build_case(spec["model"], spec["quick"])
     variants = build_variants(case)
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": capture.torchlens_wrapped})
     listed = hs.names(case.model, ops=True, inputs=case.args[0])
@@ -191,12 +153,5 @@ def work(spec: Result) -> Result:
 
 
 def jobs(cfg: Config) -> list[Job]:
-    plan = {
-        "warmup": 0 if cfg.quick else 1,
-        "rounds": 1 if cfg.quick else 40,
-        "min_rounds": 5,
-        "budget_s": 0 if cfg.quick else 900,
-        "heavy_rounds": 0 if cfg.quick else 3,
-    }
     # many rounds: other tenants of the VM make single rounds noisy
-    return [Job("ops", "timing_gpt2", {"kind": "timing", "quick": cfg.quick, "plan": plan})]
+    return h.timing_jobs("ops", cfg, {"gpt2": 900}, rounds=40, heavy_rounds=3)

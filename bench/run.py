@@ -1,12 +1,9 @@
-"""hookscope benchmarks: ``python bench/run.py`` (``--quick`` for a smoke run); see README.md.
-
-Runs every module's worker processes, each writing its results as JSON, then renders
-RESULTS.md from that JSON and each module's ``TARGETS`` (_report.py).
-"""
+"""hookscope benchmarks: ``python bench/run.py`` (``--quick`` for a smoke run); see README.md."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import io
 import json
@@ -18,9 +15,12 @@ import sys
 import tarfile
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -33,13 +33,11 @@ from _harness import Config, Job  # noqa: E402
 #: Modules of the CPU run. Each has ``TITLE``, ``TARGETS``, ``jobs(cfg) -> list[Job]`` and
 #: ``work(spec) -> dict`` (run in a worker process); gpu.py is what ``--device`` runs instead.
 MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
-#: Worker environments (see README.md, "Allocator"). Timing runs once per malloc setting.
+#: Worker environments (README.md, "Allocator"): freed memory stays resident (the library's
+#: own cost, isolated), what users get, every buffer above 128 KiB its own mapping (for RSS).
 MALLOC_ENV: dict[str, dict[str, str]] = {
-    # Freed memory stays in the heap (no trim below 16 GiB, no mmap below glibc's 32 MiB
-    # ceiling), so calls after warm-up reuse resident pages: the library's own cost, isolated.
     "tuned": {"MALLOC_TRIM_THRESHOLD_": str(16 * 2**30), "MALLOC_MMAP_THRESHOLD_": str(32 * 2**20)},
-    "defaults": {},  # what users get, page faults included
-    # Every buffer above 128 KiB is its own mapping, returned when freed: RSS tracks tensors.
+    "defaults": {},
     "memory": {"MALLOC_MMAP_THRESHOLD_": "131072"},
 }
 BASELINE_DIR = HERE / "_out" / "baseline"
@@ -60,11 +58,7 @@ def _git(*args: str) -> bytes:
 
 
 def extract_baseline(rev: str) -> dict[str, Any]:
-    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` under bench/_out/baseline.
-
-    Renaming the folder is enough because the package imports itself only relatively; an
-    absolute ``import hookscope`` would mix in the code under test, so it is refused.
-    """
+    """``src/hookscope`` at ``rev`` as package ``hookscope_baseline`` (README.md, "Baseline")."""
     info: dict[str, Any] = {"rev": rev, "path": str(BASELINE_DIR)}
     try:
         info["commit"] = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
@@ -81,15 +75,22 @@ def extract_baseline(rev: str) -> dict[str, Any]:
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
     absolute = re.compile(r"^\s*(from|import)\s+hookscope\b", re.MULTILINE)
-    bad = [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]
-    if bad:
+    if bad := [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]:
         shutil.rmtree(BASELINE_DIR)
         return {**info, "error": f"absolute imports of hookscope in {bad}; cannot rename"}
     return {**info, "sha1": h.source_hash(package)}
 
 
 def run_worker(module: str, spec: dict[str, Any], path: Path) -> None:
-    """One job: its result, with the machine it ran on, as JSON at ``path``."""
+    """One job: its result, with the machine it ran on, as JSON at ``path``. Torch's threads
+    are pinned to 2, the machine's cores, or $HOOKSCOPE_BENCH_THREADS (on a GPU only where it
+    asks); warnings (transformers', peers') are not results."""
+    if module != "gpu" or os.environ.get(h.THREADS_ENV):
+        threads = int(os.environ.get(h.THREADS_ENV, "2"))
+        torch.set_num_threads(threads)
+        with contextlib.suppress(RuntimeError):  # already set in this process
+            torch.set_num_interop_threads(threads)
+    warnings.simplefilter("ignore")
     result = importlib.import_module(module).work(spec)
     result["machine"] = h.machine_info()
     path.write_text(json.dumps({**result, "job": path.stem, "spec": spec}, indent=1, default=str))
@@ -106,9 +107,8 @@ def _failed(path: Path, job: Job, stderr: str, t0: float) -> None:
 
 
 def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
-    """Each job in a worker process of its own, ``parallel`` at a time (the next starts as
-    soon as any one ends), or with ``parallel`` 0 all in this process one after another (the
-    smoke run: no isolation to pay for, one import of torch and transformers). A failure
+    """Each job in a worker process of its own, ``parallel`` at a time, or with ``parallel`` 0
+    all in this process (the smoke run: one import of torch and transformers). A failure
     leaves an error record."""
     pending, running = list(jobs), []
     while pending and not parallel:
@@ -124,16 +124,8 @@ def run_jobs(jobs: list[Job], out: Path, parallel: int, t0: float) -> None:
             job = pending.pop(0)
             path = out / f"{job.module}_{job.name}.json"
             log = path.with_suffix(".log").open("w")
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                job.module,
-                "--json",
-                str(path),
-                "--spec",
-                json.dumps(job.spec),
-            ]
+            cmd = [sys.executable, __file__, "--worker", job.module, "--json", str(path)]
+            cmd += ["--spec", json.dumps(job.spec)]
             proc = subprocess.Popen(cmd, env=_env(job.env), stderr=log, text=True)
             running.append((job, path, log, proc, time.perf_counter()))
         while not (ended := [r for r in running if r[3].poll() is not None]):
@@ -234,8 +226,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.worker:
         run_worker(args.worker, json.loads(args.spec), Path(args.json))
         return
-    name = args.device + ("-quick" if args.quick else "") if args.device else None
-    name = name or ("quick" if args.quick else "full")
+    name = "-".join(filter(None, [args.device, "quick" if args.quick else ""])) or "full"
     out = Path(args.out) if args.out else HERE / "_out" / name
     modules = ("gpu",) if args.device else (args.only,) if args.only else MODULES
     if not args.report_only:
@@ -243,10 +234,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         while os.getloadavg()[0] >= 0.5 and time.monotonic() < deadline:
             time.sleep(10)
         baseline = extract_baseline(args.baseline) if args.baseline else None
-        path = baseline and not baseline.get("error") and str(BASELINE_DIR)
+        path = (baseline and not baseline.get("error") and str(BASELINE_DIR)) or None
         settings = ("tuned",) if args.quick else ("tuned", "defaults")
-        device, rows = args.device or "cpu", args.rows
-        cfg = Config(args.quick, settings, path or None, device, args.models, rows)
+        cfg = Config(args.quick, settings, path, args.device or "cpu", args.models, args.rows)
         meta = {
             "command": " ".join(["python bench/run.py", *argv]),
             "quick": args.quick,
