@@ -385,6 +385,32 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
             run.result()
 
 
+def test_a_kill_between_two_arrays_resizes_then_resume(tmp_path: Path) -> None:
+    """The token arrays grow one after another: a run killed between two of them leaves the
+    first ones longer. Resuming looks at each (it looked at ``sample`` alone, left
+    ``position`` and ``token_id`` short, and their rows past the end were lost)."""
+    kwargs: dict[str, Any] = {"unit": "token", "batch_size": 6, "chunk": 12}
+    torch.manual_seed(0)
+    model = TokenModel()
+    clean = hs.extract(model, token_items(), ["mix", "emb"], out=tmp_path / "clean", **kwargs)
+    calls = [0]
+
+    def stop(module: torch.nn.Module, args: Any, output: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 5:  # two blocks written, the third's batches under way
+            raise KeyboardInterrupt
+
+    out = tmp_path / "killed"
+    with model.emb.register_forward_hook(stop), pytest.raises(KeyboardInterrupt):
+        hs.extract(model, token_items(), ["mix", "emb"], out=out, **kwargs)
+    group = zarr.open_group(str(out), mode="r+")
+    assert group["sample"].shape[0] < clean.tokens  # the run grows the arrays again
+    for name in ("mix", "emb", "sample"):  # the resizes the kill let happen
+        group[name].resize((4 * clean.tokens, *group[name].shape[1:]))
+    again = hs.extract(model, token_items(), ["mix", "emb"], out=out, resume=True, **kwargs)
+    _assert_same(again, clean)
+
+
 def _assert_same(a: hs.FeatureStore, b: hs.FeatureStore) -> None:
     assert a.ids == b.ids and a.layers == b.layers and a.tokens == b.tokens
     for name in (*a.layers, "sample", "position", "token_id"):

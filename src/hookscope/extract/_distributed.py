@@ -29,7 +29,7 @@ from .._progress import progress
 from ..errors import CaptureError, UsageError
 from ._job import Job
 from ._sources import Unreadable
-from ._store import Store, open_group
+from ._store import IDENTITY, Store, open_group
 from ._tokenjob import TokenJob
 from ._tokens import count
 from ._tokenstore import TokenStore
@@ -40,19 +40,7 @@ __all__ = ["run_distributed"]
 #: how long a rank waits for the others at a step (the last one: for the slowest to finish)
 _TIMEOUT = datetime.timedelta(days=7)
 #: what the identity check compares between ranks
-_SAME = (
-    "model",
-    "fingerprint",
-    "layers",
-    "reduce",
-    "dtype",
-    "chunk",
-    "input",
-    "probe",
-    "unit",
-    "token_rule",
-    "codec",
-)
+_SAME = (*IDENTITY, "codec")
 
 
 def run_distributed(

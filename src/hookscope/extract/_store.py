@@ -51,7 +51,7 @@ import shutil
 import sys
 import threading
 import uuid
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -326,57 +326,41 @@ class Store:
             if self._new or "done" not in self.group:
                 self._create(shapes, rows, chunk, codec)
             self._ready = True
-        if self._async("ids").shape[0] < rows:
-            for name in (*shapes, "ids", "errors"):
+        self._resize((*shapes, "ids", "errors"), rows)
+        self._resize(["done"], math.ceil(rows / chunk))
+
+    def _resize(self, names: Iterable[str], rows: int, *, grow_only: bool = True) -> None:
+        """Each of ``names`` made ``rows`` long (``grow_only``: those that are shorter). Each
+        array is looked at: a run killed between two resizes left them of several lengths."""
+        for name in names:
+            length = self._async(name).shape[0]
+            if length < rows or (length != rows and not grow_only):
                 array = self._array(name)
                 array.resize((rows, *array.shape[1:]))
-            self._array("done").resize((math.ceil(rows / chunk),))
-            self._writable.clear()  # they hold the old shapes
+                self._writable.pop(name, None)  # it holds the old shape
+
+    #: The dimension of ``ids`` and ``errors``: a row is a sample here.
+    _INPUT_DIM = "sample"
 
     def _create(self, shapes: Shapes, rows: int, chunk: int, codec: Any) -> None:
         """The arrays, together through zarr's async API (as :meth:`write`), then ``done``."""
-        from zarr.api.asynchronous import create_array
-
-        def array(name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-            # overwrite: arrays left by a run killed before ``done`` existed hold nothing done
-            return create_array(
-                self.group.store_path,
-                name=name,
-                overwrite=True,
-                chunk_key_encoding=_KEYS,
-                **kwargs,
-            )
-
         if reserved := [name for name in shapes if name in _RESERVED]:
             raise UsageError(f"a layer may not be called {reserved[0]!r} in a feature store")
-        compressors, made = _compressors(codec), {}
-        for name, (row, dtype) in shapes.items():
-            dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
-            made[name] = array(
-                name,
-                shape=(rows, *row),
-                chunks=(chunk, *row),
-                dtype=dtype,
-                fill_value=_fill(dtype),
-                dimension_names=dims,
-                compressors=compressors,
-                config={"write_empty_chunks": True},  # see the module's docstring
-                attributes=_COORDINATES,
-            )
+        made = self._layer_arrays(shapes, rows, chunk, codec)
         for name in ("ids", "errors"):  # uncompressed, as ``done`` (see the module docstring)
-            made[name] = array(
+            made[name] = self._new_array(
                 name,
                 shape=(rows,),
                 chunks=(chunk,),
                 dtype=str,
-                dimension_names=["sample"],
+                dimension_names=[self._INPUT_DIM],
                 compressors=None,
             )
         self._arrays.clear()
         self._writable = dict(zip(made, self._run(list(made.values())), strict=True))
         (self._writable["done"],) = self._run(
             [
-                array(
+                self._new_array(
                     "done",
                     shape=(max(1, math.ceil(rows / chunk)),),
                     chunks=(1,),
@@ -388,6 +372,34 @@ class Store:
             ]
         )
         self._fresh = True
+
+    def _layer_arrays(
+        self, shapes: Shapes, rows: int, chunk: int, codec: Any
+    ) -> dict[str, Coroutine[Any, Any, Any]]:
+        """The layers' arrays (a row per sample), to be created."""
+        compressors, made = _compressors(codec), {}
+        for name, (row, dtype) in shapes.items():
+            dims = ["sample", *(f"{name}_{i}" for i in range(1, len(row) + 1))]
+            made[name] = self._new_array(
+                name,
+                shape=(rows, *row),
+                chunks=(chunk, *row),
+                dtype=dtype,
+                fill_value=_fill(dtype),
+                dimension_names=dims,
+                compressors=compressors,
+                config={"write_empty_chunks": True},  # see the module's docstring
+                attributes=_COORDINATES,
+            )
+        return made
+
+    def _new_array(self, name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
+        # overwrite: arrays left by a run killed before ``done`` existed hold nothing done
+        from zarr.api.asynchronous import create_array
+
+        return create_array(
+            self.group.store_path, name=name, overwrite=True, chunk_key_encoding=_KEYS, **kwargs
+        )
 
     def write(
         self,
@@ -520,11 +532,7 @@ class Store:
 
     def _trim(self, rows: int, features: list[str]) -> None:
         """The arrays cut (or grown) to ``rows`` samples, the store's final length."""
-        if self._async("ids").shape[0] != rows:
-            for name in (*features, "ids", "errors"):
-                array = self._array(name)
-                array.resize((rows, *array.shape[1:]))
-            self._writable.clear()
+        self._resize((*features, "ids", "errors"), rows, grow_only=False)
 
     def _totals(self) -> dict[str, Any]:
         """What a finished store's metadata says beside its samples (a token store: tokens)."""

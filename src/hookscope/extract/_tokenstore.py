@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import UsageError
-from ._store import _KEYS, _RESERVED, COLUMNS, Shapes, Store, _compressors, _fill, _strings
+from ._store import COLUMNS, Shapes, Store, _compressors, _fill, _strings
 
 __all__ = ["TokenStore", "token_chunk"]
 
@@ -81,9 +81,7 @@ class TokenStore(Store):
     def save_plan(self) -> None:
         """Write every known count in the ledger (before any row: see the module docstring)."""
         counts = self.counts()
-        if self._async("block_tokens").shape[0] < len(counts):
-            self._array("block_tokens").resize((len(counts),))
-            self._writable.clear()
+        self._resize(["block_tokens"], len(counts))
         self._run([self._async("block_tokens").setitem(slice(0, len(counts)), counts)])
 
     def hold_from(self, block: int) -> None:
@@ -129,30 +127,18 @@ class TokenStore(Store):
             if self._new or "done" not in self.group:
                 self._create(layers, rows, chunk, codec)
             self._ready = True
-        if self._async("ids").shape[0] < rows:
-            for name in ("ids", "errors"):
-                self._array(name).resize((rows,))
-            for name in ("done", "block_tokens"):
-                self._array(name).resize((math.ceil(rows / chunk),))
-            self._writable.clear()
+        self._resize(("ids", "errors"), rows)
+        self._resize(("done", "block_tokens"), math.ceil(rows / chunk))
 
-    def _create(self, shapes: Shapes, rows: int, chunk: int, codec: Any) -> None:
-        from zarr.api.asynchronous import create_array
+    _INPUT_DIM = "input"
 
-        def array(name: str, **kwargs: Any) -> Coroutine[Any, Any, Any]:
-            return create_array(
-                self.group.store_path,
-                name=name,
-                overwrite=True,
-                chunk_key_encoding=_KEYS,
-                **kwargs,
-            )
-
-        if reserved := [name for name in shapes if name in _RESERVED]:
-            raise UsageError(f"a layer may not be called {reserved[0]!r} in a feature store")
+    def _layer_arrays(
+        self, shapes: Shapes, rows: int, chunk: int, codec: Any
+    ) -> dict[str, Coroutine[Any, Any, Any]]:
+        """Each layer's ``(tokens, ...)`` array, the columns beside them and the block ledger."""
         size, tokens, made = token_chunk(shapes, self.expected), self.capacity, {}
         for name, (row, dtype) in shapes.items():
-            made[name] = array(
+            made[name] = self._new_array(
                 name,
                 shape=(tokens, *row),
                 chunks=(size, *row),
@@ -164,7 +150,7 @@ class TokenStore(Store):
                 attributes={"coordinates": " ".join(COLUMNS)},
             )
         for name, dtype in _INTS.items():
-            made[name] = array(
+            made[name] = self._new_array(
                 name,
                 shape=(tokens,),
                 chunks=(size,),
@@ -173,55 +159,26 @@ class TokenStore(Store):
                 dimension_names=["token"],
                 compressors=None,
             )
-        for name in ("ids", "errors"):
-            made[name] = array(
-                name,
-                shape=(rows,),
-                chunks=(chunk,),
-                dtype=str,
-                dimension_names=["input"],
-                compressors=None,
-            )
-        blocks = max(1, math.ceil(rows / chunk))
-        made["block_tokens"] = array(
+        made["block_tokens"] = self._new_array(
             "block_tokens",
-            shape=(blocks,),
+            shape=(max(1, math.ceil(rows / chunk)),),
             chunks=(1,),
             dtype="int64",
             fill_value=-1,
             dimension_names=["block"],
             compressors=None,
         )
-        self._arrays.clear()
-        self._writable = dict(zip(made, self._run(list(made.values())), strict=True))
-        (self._writable["done"],) = self._run(
-            [
-                array(
-                    "done",
-                    shape=(blocks,),
-                    chunks=(1,),
-                    dtype=bool,
-                    fill_value=False,
-                    dimension_names=["block"],
-                    compressors=None,
-                )
-            ]
-        )
-        self._fresh = True
+        return made
 
     def _token_arrays(self) -> list[str]:
         return [*self.group.attrs["hookscope"]["layers"], *COLUMNS]
 
     def grow(self, need: int) -> None:
         """Token arrays of at least ``need`` rows (twice as many: few resizes)."""
-        have = self._async("sample").shape[0]
-        if need <= have:
-            return
-        rows = max(need, 2 * have, self._async("sample").metadata.chunk_grid.chunk_shape[0])
-        for name in self._token_arrays():
-            array = self._array(name)
-            array.resize((rows, *array.shape[1:]))
-        self._writable.clear()
+        have = min(self._async(name).shape[0] for name in self._token_arrays())
+        if need > have:
+            chunk = self._async("sample").metadata.chunk_grid.chunk_shape[0]
+            self._resize(self._token_arrays(), max(need, 2 * have, chunk))
 
     # -- writing ------------------------------------------------------------------------------
     def write(
@@ -289,12 +246,7 @@ class TokenStore(Store):
     # -- finishing ----------------------------------------------------------------------------
     def _trim(self, rows: int, features: list[str]) -> None:
         super()._trim(rows, [])
-        total = self.total()
-        if self._async("sample").shape[0] != total:
-            for name in self._token_arrays():
-                array = self._array(name)
-                array.resize((total, *array.shape[1:]))
-            self._writable.clear()
+        self._resize(self._token_arrays(), self.total(), grow_only=False)
 
     def _totals(self) -> dict[str, Any]:
         return {"tokens": self.total()}
