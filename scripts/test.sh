@@ -11,5 +11,6 @@ if command -v chromium > /dev/null; then
     export HOOKSCOPE_REQUIRE_BROWSER=1  # the browser test fails rather than skips
 fi
 .venv/bin/ruff check src tests bench examples
+.venv/bin/ruff format --check src tests bench examples
 .venv/bin/mypy
 .venv/bin/python -m pytest -p no:cacheprovider "$@"
