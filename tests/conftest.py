@@ -35,6 +35,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``slow`` first, each file's in its order: pytest-xdist's workers
+    (``scripts/test.sh`` runs one per core) then end on short tests together, rather than one
+    waiting for the other's last long test. Every worker sorts the same collection alike."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 @pytest.fixture(autouse=True)
 def untouched(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Watch]:
     """Snapshot what hookscope is handed before it first touches it; compare after the test.

@@ -360,8 +360,9 @@ def test_every_page_in_a_real_browser(site: Path) -> None:
                     problems.append(f"{path}: almost no text")
                 problems += [f"{path} at 1280 px: {p}" for p in _layout(page, 1280)]
             phone = chromium.new_page(viewport={"width": 390, "height": 800})
-            for path in _pages(site):
-                phone.goto(base + path, wait_until="networkidle")
+            for path in _pages(site):  # requests were checked above: the layout needs the fonts
+                phone.goto(base + path, wait_until="load")
+                phone.evaluate("document.fonts.ready.then(() => true)")
                 problems += [f"{path} at 390 px: {p}" for p in _layout(phone, 390)]
             on_disk = chromium.new_page(viewport={"width": 1280, "height": 900})
             on_disk.goto((site / "index.html").as_uri())
