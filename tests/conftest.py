@@ -36,10 +36,13 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests marked ``slow`` first, each file's in its order: pytest-xdist's workers
-    (``scripts/test.sh`` runs one per core) then end on short tests together, rather than one
-    waiting for the other's last long test. Every worker sorts the same collection alike."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """The files that have a test marked ``slow`` first, each whole and in its order:
+    pytest-xdist's workers (``scripts/test.sh`` runs one per core) then end on short tests
+    together, rather than one waiting for the other's last long test, and a module-scoped
+    fixture is still made once (moving single tests would split its file and make it again).
+    Every worker sorts the same collection alike."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture(autouse=True)
