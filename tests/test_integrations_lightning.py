@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import hookscope as hs
+import wandb_reader
 
 L = pytest.importorskip("lightning.pytorch")
 from hookscope.integrations.lightning import HookscopeCallback, Maps  # noqa: E402
@@ -236,23 +237,6 @@ def test_nonfinite_names_the_layer_and_the_model_is_left_clean(tmp_path: Path) -
     assert callback.records == []
 
 
-def _wandb_history(root: Path) -> list[dict[str, Any]]:
-    import subprocess
-    import sys
-
-    [run_dir] = (root / "wandb").glob("offline-run-*")
-    wandb_cli = Path(sys.executable).with_name("wandb")
-    done = subprocess.run(
-        [str(wandb_cli), "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return [r["history"]["item"] for r in rows if r["type"] == "history"]
-
-
 @pytest.mark.slow
 def test_the_trainers_loggers_hold_the_records_and_the_maps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
@@ -303,7 +287,9 @@ def test_the_trainers_loggers_hold_the_records_and_the_maps(
     assert [h.step for h in events.Histograms("hookscope/net.0/parameter")] == steps
     assert [i.step for i in events.Images("hookscope/maps/gradcam/net.2")] == [STEPS, 2 * STEPS]
     # W&B: against the hookscope/step metric
-    rows = [r for r in _wandb_history(tmp_path) if "hookscope/step" in r]
+    rows = [
+        r for r in wandb_reader.history(wandb_reader.run_dir(tmp_path)) if "hookscope/step" in r
+    ]
     by_step = {r["hookscope/step"]: r for r in rows if "hookscope/net.0/activation/mean" in r}
     assert {k: v["hookscope/net.0/activation/mean"] for k, v in by_step.items()} == pytest.approx(
         want

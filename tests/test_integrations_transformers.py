@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 
 import hookscope as hs
+import wandb_reader
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -212,20 +211,6 @@ def test_after_a_failure_close_takes_the_hooks_off(tmp_path: Path) -> None:
     assert done >= 1 and _steps(callback.records) == list(range(done))
 
 
-def _wandb_history(root: Path) -> list[dict[str, Any]]:
-    [run_dir] = (root / "wandb").glob("offline-run-*")
-    wandb_cli = Path(sys.executable).with_name("wandb")
-    done = subprocess.run(
-        [str(wandb_cli), "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return [r["history"]["item"] for r in rows if r["type"] == "history"]
-
-
 def test_report_to_trackers_hold_the_records_and_the_attention_maps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
@@ -257,7 +242,9 @@ def test_report_to_trackers_hold_the_records_and_the_attention_maps(
     want = {r["step"]: r["value"] for r in records if r["layer"] == "grad_norm"}
     assert sorted(want) == steps
     # W&B: the run the Trainer's WandbCallback started
-    rows = [r for r in _wandb_history(tmp_path) if "hookscope/step" in r]
+    rows = [
+        r for r in wandb_reader.history(wandb_reader.run_dir(tmp_path)) if "hookscope/step" in r
+    ]
     got = {
         r["hookscope/step"]: r["hookscope/grad_norm"] for r in rows if "hookscope/grad_norm" in r
     }

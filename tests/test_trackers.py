@@ -5,10 +5,7 @@ whose counts are the finite values of the tensor, counted here with NumPy."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+import wandb_reader
 from hookscope.diagnose import MLflowSink, WandbSink
 
 STEPS = 3
@@ -77,23 +75,6 @@ def _same(got: float, want: float) -> bool:
 # -- W&B ----------------------------------------------------------------------------------------
 
 
-def _wandb_records(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's transaction log, read by W&B's own reader (``wandb leet inspect``)."""
-    wandb_cli = Path(sys.executable).with_name("wandb")
-    done = subprocess.run(
-        [str(wandb_cli), "leet", "inspect", "--json", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-
-
-def _history(run_dir: Path) -> list[dict[str, Any]]:
-    return [r["history"]["item"] for r in _wandb_records(run_dir) if r["type"] == "history"]
-
-
 def _histogram(row: dict[str, Any], name: str) -> dict[str, Any] | None:
     """A histogram of a history row (the reader writes its fields as ``name.field``)."""
     fields = {k.split(".")[-1]: v for k, v in row.items() if k.startswith(f"{name}.")}
@@ -114,11 +95,6 @@ def offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         wandb.teardown()
 
 
-def _run_dir(root: Path) -> Path:
-    [found] = (root / "wandb").glob("offline-run-*")
-    return found
-
-
 @pytest.mark.slow
 @pytest.mark.mutates_model  # the optimizer trains the model
 def test_wandb_offline_run_holds_every_record_one_row_per_step(offline: Path) -> None:
@@ -126,7 +102,7 @@ def test_wandb_offline_run_holds_every_record_one_row_per_step(offline: Path) ->
     net = _net()
     sink = WandbSink(project="hookscope-test", dir=str(offline), bins=16)
     records = _train(net, [sink])
-    rows = _history(_run_dir(offline))
+    rows = wandb_reader.history(wandb_reader.run_dir(offline))
     assert [row["hookscope/step"] for row in rows] == list(range(STEPS))  # one log per step
     want = _metrics(records, "hookscope/")
     for (step, name), value in want.items():
@@ -160,7 +136,7 @@ def test_wandb_sink_shares_a_run_it_does_not_finish(offline: Path) -> None:
         run.log({"trainer/loss": 9.0})  # still open
     finally:
         run.finish()
-    rows = [r for r in _history(_run_dir(offline)) if "hs/step" in r]
+    rows = [r for r in wandb_reader.history(wandb_reader.run_dir(offline)) if "hs/step" in r]
     assert [r["hs/step"] for r in rows] == [0, 2]
     assert rows[1]["hs/0/activation/mean"] == pytest.approx(
         next(r["mean"] for r in records if r["step"] == 2 and r["layer"] == "0")
