@@ -366,7 +366,9 @@ class Capture(Session):
         """The layer's first call in this pass (once per layer and forward)."""
         if _functorch_level() is not None:  # a torch.func transform around it (_session)
             raise transformed_error(site.name, self._entry)
-        with self._lock:
+        lock = self._lock  # acquire/release: half the cost of `with` (the per-site hot path)
+        lock.acquire()
+        try:
             if pass_index < site.used_in:  # another thread's later forward already ran it
                 site.record._unordered = True
                 return
@@ -374,6 +376,8 @@ class Capture(Session):
             self._used.append(site)
             if self._per_pass:
                 site.record._evict_all(grads=self._grads)
+        finally:
+            lock.release()
 
     def _late(self, site: _Site, pass_index: int) -> None:
         """A call of ``pass_index`` was kept while a later pass had started on another thread:
@@ -436,7 +440,8 @@ class Capture(Session):
         With the default storage policy (see ``Store``) the copy is made right here."""
         module, name, record, store = site.module, site.name, site.record, self._store
         append, ring, stop, where = record._appender(), self._ring, self._stop, (name, _OUTPUT)
-        keep = None if store.keep == store._keep_clone else store.keep
+        keep = None if store.keep in (store._keep_clone, store._keep_reference) else store.keep
+        clone = store.keep == store._keep_clone
         threads = self._threads
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
@@ -461,11 +466,17 @@ class Capture(Session):
                 call._set_output(output)
                 self._keep(site, call)
                 return
-            if keep is None:  # Store._keep_clone, inlined
+            if keep is not None:
+                append((*keep(output, where), pass_index))
+            elif clone:  # Store._keep_clone, inlined
                 value = (output.detach() if output.requires_grad else output).clone()
                 append((value, None, pass_index))
-            else:
-                append((*keep(output, where), pass_index))
+            else:  # Store._keep_reference, inlined
+                value = output.detach() if output.requires_grad else output
+                try:
+                    append((value, _version(value), pass_index))
+                except RuntimeError:  # an inference tensor has no version counter: copy it
+                    append((value.clone(), None, pass_index))
             if site.used_in != pass_index:  # another thread's forward started meanwhile
                 self._late(site, pass_index)
             if ring is not None and len(record) > ring:  # another thread's call came too
@@ -662,6 +673,7 @@ _stack_length = _torch.function_stack_length
 _run_unseen = run_unseen
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
 _functorch_level = _torch.functorch_level
+_version = _torch.version
 
 
 def _raised_in_a_module(tb: TracebackType | None) -> bool:
