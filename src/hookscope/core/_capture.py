@@ -15,7 +15,7 @@ order of their passes, as if the forwards had run one after another.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +33,7 @@ from ._refusals import replica_error, transformed_error
 from ._session import Run, Session
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
+from ._units import Indices, MaskNote, Positions, Units, kv_heads, narrows
 from ._watch import PENDING, GradWatch
 from .ops._attention import (
     WAITING,
@@ -42,7 +43,7 @@ from .ops._attention import (
     unpack,
     weights_grad,
 )
-from .ops._select import OpSelector, forward_op, op_binder
+from .ops._select import SDPA, OpSelector, forward_op, op_binder
 
 __all__ = ["Capture", "StopForward", "capture"]
 
@@ -125,6 +126,23 @@ class Capture(Session):
             unused; with ``copy="reference"`` too the capture is the model's tensor itself.
         recompile: allow hooking a ``torch.compile``d model that already ran, by running
             compiled code eagerly while open (otherwise CompiledModelError).
+        positions: keep only these token positions of each output: an index or a list of
+            them (negative from the end), or ``"last"``, each sample's last real token (the
+            last the forward's ``attention_mask`` keeps). Axis 1 of a layer's output, axis 2
+            of an SDPA call's and of attention weights (query positions).
+        heads: keep only these attention heads: of an SDPA call's output ``(N, H, T, d)``
+            (each head's output before the output projection; its query, key and value
+            inputs too, key and value at the key/value head each query head reads) and of
+            attention weights ``(N, H, Tq, Tk)``.
+        neurons: keep only these indices of the output's last dimension.
+        layout: where units lie in sites hookscope has no layout for (attention written by
+            hand): ``{selector: axis names}``, e.g. ``{"blocks.*.attn::softmax": "batch
+            heads positions keys"}`` (the batch first; ``positions``, ``heads`` and
+            ``neurons`` are narrowed, other words name axes left whole).
+
+        Narrowing keeps every axis (``positions=[-1]``: a position axis of size 1) and
+        applies to each floating-point tensor of the output and the gradient w.r.t. it,
+        before ``reduce=``; see the guide "Heads, positions and neurons".
 
     ``cap["layer"]`` is then a :class:`LayerRecord`; ``cap.nbytes`` is the bytes held.
 
@@ -155,20 +173,35 @@ class Capture(Session):
         stop: bool = False,
         detach: bool = True,
         recompile: bool = False,
+        positions: Positions | None = None,
+        heads: Indices | None = None,
+        neurons: Indices | None = None,
+        layout: Mapping[str, str] | None = None,
         this_thread: bool = False,
     ) -> None:
         check_options(copy, keep, max_bytes, reduce, stop, grads)
+        units = Units.of(positions, heads, neurons)
         super().__init__(model, recompile=recompile, this_thread=this_thread)
         if not this_thread:  # (hs.features runs one of its own)
             self._entry = "hs.capture"
+        chosen = self._layers.sites(layers)
+        masks = MaskNote() if units is not None and units.needs_mask else None
+        self._units = units
         self._store = Store(
             copy=copy,
             device=torch.device(capture_device) if capture_device is not None else None,
             reduce=reduce,
             detach=detach,
             max_bytes=max_bytes,
+            narrow=narrows(
+                units,
+                {n: s.op for n, s in chosen.items()},
+                layout,
+                lambda selector: self._layers.sites(selector),
+                masks,
+            ),
+            masks=masks,
         )
-        chosen = self._layers.sites(layers)
         self._sites = {n: _Site(n, s.module, self._store, s.op) for n, s in chosen.items()}
         self._site_objects = self._sites
         self._records = {n: s.record for n, s in self._sites.items()}
@@ -201,7 +234,7 @@ class Capture(Session):
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._sites)
         self._store.closed = False
-        if self._store.reduces_tokens:  # token_mean: the forward's attention_mask
+        if self._store.reduces_tokens or self._store.masks is not None:  # the forward's mask
             self._root_binder = Binder(self._layers.root)
             hooks.forward_pre(self._layers.root, self._on_model_inputs, with_kwargs=True)
             hooks.forward(self._layers.root, self._on_model_end, always_call=True)
@@ -491,9 +524,13 @@ class Capture(Session):
     def _on_model_inputs(
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
-        """``reduce="token_mean"``: note the forward's token mask (this thread's)."""
+        """``reduce="token_mean"``, ``positions="last"``: note the forward's token mask (this
+        thread's)."""
         if self._now.depth == 1 and not (self._in_backward() or self._ignores()):
-            self._store.note_inputs(self._root_binder.bind(args, kwargs))
+            bound = self._root_binder.bind(args, kwargs)
+            self._store.note_inputs(bound)
+            if self._store.masks is not None:
+                self._store.masks.note(bound)
 
     def _on_model_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self._now.depth and not (self._in_backward() or self._ignores()):
@@ -526,7 +563,7 @@ class Capture(Session):
         opens.append((call, None))  # first: if storing raises, closing refunds it
         self._open_calls[id(call)] = call
         if self._inputs:
-            call._set_inputs(bound)
+            call._set_inputs(self._narrow_inputs(site, bound))
         if not self._grads:
             return None
         call._expect_grads(None if self._inputs else bound)
@@ -556,6 +593,26 @@ class Capture(Session):
             new_output = self._watch.finish(self.hooks, call, boundary, output)
         self._keep(site, call)
         return new_output
+
+    def _narrow_inputs(self, site: _Site, bound: dict[str, Any]) -> dict[str, Any]:
+        """``heads=`` on an SDPA call's inputs: the query at the selected heads, key and
+        value at the key/value heads those read (grouped-query attention)."""
+        units = self._units
+        if units is None or units.heads is None or site.op is None or site.op.op != SDPA:
+            return bound
+        query, key = bound.get("query"), bound.get("key")
+        if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() < 3:
+            return bound
+        hq, hk = query.size(-3), key.size(-3)
+        chosen = [h % hq for h in units.heads]
+        narrowed = dict(bound)
+        narrowed["query"] = query.index_select(-3, torch.tensor(chosen, device=query.device))
+        kv = torch.tensor(kv_heads(chosen, hq, hk), device=key.device)
+        for name in ("key", "value"):
+            value = bound.get(name)
+            if isinstance(value, Tensor) and value.dim() >= 3 and value.size(-3) == hk:
+                narrowed[name] = value.index_select(-3, kv)
+        return narrowed
 
     # -- checkpoint replays (only captures with grads=True hook them) ----------------------
     def _replayed_input(self, site: _Site, bound: dict[str, Any]) -> None:
@@ -611,7 +668,7 @@ class Capture(Session):
                 self._hook_weights_grad(found, bound, groups, out)
             return out
         call = self._new_call(wsite)
-        eager = self._store._reduce is not None  # reduce= applies to the weights, not Q, K, V
+        eager = self._store.transforms  # reduce= and units apply to the weights, not Q, K, V
         if self._inputs or not eager:
             call._set_inputs(bound)
         slot: list[Tensor] = []

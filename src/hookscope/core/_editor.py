@@ -43,6 +43,7 @@ from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
 from ._refusals import replica_error
 from ._session import Run, Session
+from ._units import Indices, MaskNote, Narrow, Positions, Units, narrows
 from .ops._attention import WAITING, chain_of, explicit
 from .ops._select import SDPA, WEIGHTS, OpSelector, forward_op, op_binder, op_name
 
@@ -92,6 +93,18 @@ class Editor(Session):
             ``transform(fn)``, ``clip_grad(...)``), a plain function tensor -> tensor (applied
             to the output), or a list of them (applied in order).
         recompile: see :class:`Capture`.
+        positions: change only these token positions of each edited output: an index or a
+            list of them (negative from the end), or ``"last"``, each sample's last real
+            token (from the forward's ``attention_mask``); see :class:`Capture`.
+        heads: change only these attention heads (of an SDPA call's output, of attention
+            weights).
+        neurons: change only these indices of the output's last dimension.
+        layout: where units lie in sites hookscope has no layout for; see :class:`Capture`.
+
+        With any of them, an output edit sees the selected units only, in the shape a
+        capture with the same units records (``hs.patch`` of such a capture fits), and its
+        result replaces them; every other unit is left as it was. Edits of inputs and
+        gradients are refused with units.
 
     A context manager: edits apply only inside the ``with`` block (gradient edits only to
     backward passes run inside it), to the forwards of every thread.
@@ -119,12 +132,17 @@ class Editor(Session):
         edits: Mapping[Any, Edit | Callable[[Tensor], Tensor] | Sequence[Edit]],
         *,
         recompile: bool = False,
+        positions: Positions | None = None,
+        heads: Indices | None = None,
+        neurons: Indices | None = None,
+        layout: Mapping[str, str] | None = None,
     ) -> None:
         if not isinstance(edits, Mapping):
             raise UsageError(
                 "edits must be a dict {layer selector: edit}, e.g. {'layer1': hs.ablate()}, "
                 f"not {type(edits).__name__}"
             )
+        units = Units.of(positions, heads, neurons)
         super().__init__(model, recompile=recompile)
         self._entry = "hs.edit"
         plan: dict[str, list[Edit]] = {}
@@ -133,6 +151,11 @@ class Editor(Session):
             for name, site in self._layers.sites(selector).items():
                 plan.setdefault(name, []).extend(_as_edits(value))
                 where[name] = (site.module, site.op)
+        self._masks = MaskNote() if units is not None and units.needs_mask else None
+        sites = {name: op for name, (_, op) in where.items()}
+        resolve = self._layers.sites
+        for name, narrow in narrows(units, sites, layout, resolve, self._masks).items():
+            plan[name] = [_narrowed(edit, narrow) for edit in plan[name]]
         self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}
         self._site_objects = self._plan
         for layer in self._plan.values():
@@ -158,6 +181,9 @@ class Editor(Session):
 
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._plan)
+        if self._masks is not None:  # positions="last": the forward's attention_mask
+            self._root_binder = Binder(self._layers.root)
+            hooks.forward_pre(self._layers.root, self._on_model_inputs, with_kwargs=True)
         for layer in self._plan.values():
             if layer.op is not None:
                 continue  # an operation: its module's calls are followed by self._ops
@@ -171,6 +197,13 @@ class Editor(Session):
                     if param.requires_grad:
                         ctx = EditContext(layer.name, 0, (pname,))
                         hooks.tensor(param, functools.partial(self._grad, edit, ctx))
+
+    def _on_model_inputs(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """``positions="last"``: note the forward's token mask (this thread's)."""
+        if self._masks is not None and self._now.depth == 1 and not self._ignores():
+            self._masks.note(self._root_binder.bind(args, kwargs))
 
     def _rebound(self, layer: _Layer) -> None:
         if layer.op is None and layer.binder is not None:
@@ -416,6 +449,31 @@ def _check_op_edits(op: OpSelector, edits: list[Edit]) -> None:
                 f"own; edit the SDPA call's inputs with "
                 f"'{op.module}::{SDPA}{f'#{op.k}' if op.k else ''}' instead"
             )
+
+
+def _narrowed(edit: Edit, narrow: Narrow) -> Edit:
+    """``edit`` applied to the units ``narrow`` selects, written back into the full tensor."""
+    if edit.on != "output" or edit.allow_shape_change:
+        what = "changes the shape" if edit.allow_shape_change else f"applies to the {edit.on}"
+        raise UsageError(
+            f"edit {edit.name!r} on {narrow.site!r} {what}; positions=, heads= and neurons= "
+            "narrow edits of outputs of unchanged shape only: edit the whole tensor instead "
+            "(with hs.transform, indexing it yourself)"
+        )
+    inner = edit.fn
+
+    def fn(t: Tensor, ctx: EditContext) -> Tensor:
+        part = narrow.take(t)
+        new = inner(part, ctx)
+        if not isinstance(new, Tensor) or new.shape != part.shape:
+            got = tuple(new.shape) if isinstance(new, Tensor) else type(new).__name__
+            raise EditError(
+                f"edit {edit.name!r} on {narrow.site!r} got the selected units "
+                f"{tuple(part.shape)} and returned {got}; return a tensor of their shape"
+            )
+        return narrow.put(t, new)
+
+    return Edit(fn, on=edit.on, at=edit.at, name=edit.name)
 
 
 def _with_context(edit: Edit, ctx: EditContext) -> Callable[[Tensor], Tensor]:

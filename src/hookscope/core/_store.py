@@ -20,6 +20,7 @@ from ..errors import CaptureBudgetError, CaptureError, UsageError
 from . import _torch, _tree
 from ._reduce import check_reduce, keep_mask, reduce_tensor
 from ._types import CopyMode, Keep, Path, Reduce
+from ._units import MaskNote, Narrow
 
 __all__ = ["Store", "Where", "check_options", "describe"]
 
@@ -39,6 +40,8 @@ class Store:
         reduce: Reduce | None,
         detach: bool,
         max_bytes: int | None,
+        narrow: dict[str, Narrow] | None = None,
+        masks: MaskNote | None = None,
     ) -> None:
         self.counting = max_bytes is not None  # a running total, for the budget only
         self.nbytes = 0
@@ -52,7 +55,12 @@ class Store:
         #: forward has its own inputs), noted by the capture (:meth:`note_inputs`)
         self.reduces_tokens = reduce == "token_mean"
         self._mask = threading.local()
-        plain = reduce is None and device is None and max_bytes is None and detach
+        #: ``positions=`` / ``heads=`` / ``neurons=``: per site, the units kept of its output
+        #: (and of the gradient w.r.t. it), before any reduction (``_units``)
+        self._narrow = narrow or {}
+        self.masks = masks  # the forward's mask, for positions="last" (noted by the capture)
+        plain = not self._narrow and reduce is None and device is None and max_bytes is None
+        plain = plain and detach
         #: the policy, decided once: ``keep(t, where) -> (value, tag)``
         self.keep = (
             (self._keep_reference if copy == "reference" else self._keep_clone)
@@ -81,6 +89,8 @@ class Store:
         int: the value *is* the live tensor, check it on read); or a CUDA event to wait for
         (the value is a non-blocking copy into pinned memory)."""
         src = t.detach() if t.requires_grad and (self._detach or grad) else t
+        if self._narrow:
+            src = self._narrowed(src, where)
         if self._reduce is not None:
             value = self._reduced(src, where)
             self.charge(value, where)
@@ -103,6 +113,21 @@ class Store:
             event.record()
             return out, event
         return t.to(self._device, copy=True), None
+
+    @property
+    def transforms(self) -> bool:
+        """Whether stored values differ from the tensors seen (a reduction or narrowing)."""
+        return self._reduce is not None or bool(self._narrow)
+
+    def _narrowed(self, src: Tensor, where: Where) -> Tensor:
+        """The selected units of an output (or of the gradient w.r.t. it), a copy: integer
+        tensors (token ids, masks) are kept as they are, as reductions keep them."""
+        layer, path = where
+        narrow = self._narrow.get(layer)
+        output = path[:1] == ("output",) or path[:2] == ("grad", "output")
+        if narrow is None or not output or not (src.is_floating_point() or src.is_complex()):
+            return src
+        return narrow.take(src)  # a new tensor (index_select, gather): no view of src
 
     def note_inputs(self, inputs: dict[str, Any]) -> None:
         """The inputs of the forward starting on this thread (its token mask, for

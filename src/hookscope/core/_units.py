@@ -1,0 +1,339 @@
+"""Units as sites: ``positions=``, ``heads=`` and ``neurons=`` narrow a capture to some token
+positions, attention heads or neurons of each selected site, and an edit to changing only them.
+
+Where the units lie in a site's tensor (its :class:`Axes`) depends on the kind of site:
+
+=========================================  ===================  =========  =====  =======
+site                                       tensor               positions  heads  neurons
+=========================================  ===================  =========  =====  =======
+a layer, an operation                      ``(N, T, ..., D)``   1          —      -1
+``"attn::scaled_dot_product_attention"``   ``(N, H, T, d)``     2          1      -1
+``"attn::attention_weights"``              ``(N, H, Tq, Tk)``   2 (query)  1      —
+=========================================  ===================  =========  =====  =======
+
+The output of an SDPA call is each head's output before the output projection
+(TransformerLens' ``hook_z``, whose layout is ``(N, T, H, d)``: the same values, transposed);
+its query, key and value inputs (``inputs=True``) are narrowed to the heads too, key and value
+to the key/value head each selected query head reads under grouped-query attention
+(:func:`kv_heads`). The head layout thus comes from the call itself: every model that calls
+``F.scaled_dot_product_attention`` (Hugging Face models with ``attn_implementation="sdpa"``,
+the default) has it without declaring anything.
+
+Narrowing keeps every axis: a capture of ``positions=[-1]`` has a position axis of size 1. An
+edit sees the narrowed tensor, of the shape a capture with the same units records (so
+``hs.patch`` of a narrowed capture fits), and its result is written back into the selected
+units of the full tensor, out of place; the other units are left exactly as they were.
+
+``positions="last"`` is each sample's last real token: the last position its forward's
+``attention_mask`` keeps (right or left padding alike), read from the model's own inputs as
+``reduce="token_mean"`` reads it. A call over fewer positions than the mask has columns (a
+decoding step with a KV cache) covers the mask's last columns. Without a mask every position
+is real, and ``"last"`` is the last one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+import torch
+from torch import Tensor
+
+from ..errors import UsageError
+from ._reduce import keep_mask
+from .ops._select import SDPA, WEIGHTS, OpSelector
+
+__all__ = [
+    "Axes",
+    "Indices",
+    "MaskNote",
+    "Narrow",
+    "Positions",
+    "Units",
+    "axes_of",
+    "kv_heads",
+    "last_positions",
+    "narrows",
+    "parse_layout",
+]
+
+Indices: TypeAlias = int | Sequence[int]
+"""The type of ``heads=`` and ``neurons=``: an index or a list of them (negative from the
+end)."""
+Positions: TypeAlias = int | Sequence[int] | Literal["last"]
+"""The type of ``positions=``: an index or a list of them (negative from the end), or
+``"last"``, each sample's last real token (from the forward's ``attention_mask``)."""
+
+
+def _indices(value: Any, what: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    items = [value] if isinstance(value, int) else value
+    if isinstance(items, (str, bytes)) or not isinstance(items, Sequence):
+        raise UsageError(f"{what}={value!r}: give an int or a list of ints")
+    if not items or not all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+        raise UsageError(f"{what}={value!r}: give an int or a non-empty list of ints")
+    if len(set(items)) != len(items):
+        raise UsageError(f"{what}={value!r} names an index twice; give each once")
+    return tuple(items)
+
+
+@dataclass(frozen=True)
+class Units:
+    """What ``positions=``, ``heads=`` and ``neurons=`` ask for, checked."""
+
+    positions: tuple[int, ...] | Literal["last"] | None
+    heads: tuple[int, ...] | None
+    neurons: tuple[int, ...] | None
+
+    @classmethod
+    def of(
+        cls, positions: Positions | None, heads: Indices | None, neurons: Indices | None
+    ) -> Units | None:
+        """The units asked for, or None when none is."""
+        if positions is None and heads is None and neurons is None:
+            return None
+        if isinstance(positions, str) and positions != "last":
+            raise UsageError(
+                f"positions={positions!r}: give an index, a list of indices (negative from the "
+                "end), or 'last' (each sample's last real token)"
+            )
+        if positions == "last":
+            return cls("last", _indices(heads, "heads"), _indices(neurons, "neurons"))
+        chosen = _indices(positions, "positions")
+        return cls(chosen, _indices(heads, "heads"), _indices(neurons, "neurons"))
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether the forward's token mask is needed (``positions="last"``)."""
+        return self.positions == "last"
+
+
+@dataclass(frozen=True)
+class Axes:
+    """Where a site's tensor holds positions, heads and neurons (None: it has no such axis)."""
+
+    positions: int | None
+    heads: int | None
+    neurons: int | None
+    kind: str
+
+    def check(self, units: Units, site: str) -> None:
+        """Refuse units this site has no axis for, naming the sites that have one."""
+        if units.heads is not None and self.heads is None:
+            raise UsageError(
+                f"heads= narrows attention heads, and {site!r} ({self.kind}) has no head axis: "
+                "select the attention's SDPA call, '<attention layer>::scaled_dot_product_"
+                "attention' (each head's output before the output projection), or "
+                "'<attention layer>::attention_weights' (each head's attention pattern); for "
+                "attention written by hand, declare the axes of its site with layout= "
+                "(e.g. layout={'blocks.*.attn::softmax': 'batch heads positions keys'})"
+            )
+        if units.neurons is not None and self.neurons is None:
+            raise UsageError(
+                f"neurons= narrows the last axis, and that of {site!r} ({self.kind}) is not "
+                "neurons (the last axis of attention weights is the key positions); narrow "
+                "it with positions= and heads=, select another site, or declare its axes "
+                "with layout="
+            )
+        if units.positions is not None and self.positions is None:
+            raise UsageError(
+                f"positions= on {site!r}: its declared layout ({self.kind}) names no "
+                "positions axis; add one to layout=, or leave positions= out"
+            )
+
+
+_NAMED = ("positions", "heads", "neurons")
+
+
+def parse_layout(text: object, site: str) -> Axes:
+    """A declared layout: the names of a site's axes in order, ``"batch heads positions
+    keys"``; ``positions``, ``heads`` and ``neurons`` are narrowed, any other word names an
+    axis left whole. The first axis must be the batch (``positions="last"`` reads a mask row
+    per sample)."""
+    words = text.split() if isinstance(text, str) else []
+    named = [w for w in words if w in _NAMED]
+    if len(words) < 2 or words[0] != "batch" or len(set(named)) != len(named):
+        raise UsageError(
+            f"layout {text!r} for {site!r}: name the axes of its output in order, the batch "
+            "first, e.g. 'batch heads positions keys' (positions, heads and neurons are "
+            "narrowed, each named once; other words name axes left whole)"
+        )
+    where = {w: i for i, w in enumerate(words) if w in _NAMED}
+    kind = f"declared ({' '.join(words)})"
+    return Axes(where.get("positions"), where.get("heads"), where.get("neurons"), kind)
+
+
+def axes_of(op: OpSelector | None, declared: Axes | None = None) -> Axes:
+    """The axes of a site's output: a layer's (``op`` None) or an operation's, unless a
+    layout was declared for it."""
+    if declared is not None:
+        return declared
+    if op is not None and op.op == WEIGHTS:
+        return Axes(2, 1, None, "attention weights (N, heads, query, key)")
+    if op is not None and op.op == SDPA:
+        return Axes(2, 1, -1, "an SDPA call's output (N, heads, positions, head size)")
+    return Axes(1, None, -1, "an output (N, positions, ..., features)")
+
+
+def narrows(
+    units: Units | None,
+    sites: Mapping[str, OpSelector | None],
+    layout: Mapping[str, str] | None,
+    resolve: Callable[[str], Iterable[str]],
+    masks: MaskNote | None,
+) -> dict[str, Narrow]:
+    """The :class:`Narrow` of each of ``sites`` (name: its operation, None for a layer), with
+    the axes ``layout`` declares (``{selector: "batch heads positions keys"}``, each selector
+    resolved by ``resolve`` to site names) where it declares them."""
+    if units is None:
+        if layout:
+            raise UsageError(
+                "layout= declares where units lie: give positions=, heads= or neurons="
+            )
+        return {}
+    declared: dict[str, Axes] = {}
+    for selector, text in (layout or {}).items():
+        names = [n for n in resolve(selector) if n in sites]
+        if not names:
+            raise UsageError(
+                f"layout key {selector!r} matches none of the selected sites {list(sites)}; "
+                "declare the layout of sites the call selects"
+            )
+        for name in names:
+            declared[name] = parse_layout(text, name)
+    return {
+        name: Narrow(units, axes_of(op, declared.get(name)), name, masks)
+        for name, op in sites.items()
+    }
+
+
+def kv_heads(heads: Sequence[int], query_heads: int, key_heads: int) -> list[int]:
+    """The key/value heads that ``heads`` (query heads, non-negative) read: with grouped-query
+    attention, query head ``h`` reads key/value head ``h // (query_heads // key_heads)``, as
+    ``repeat_interleave`` and SDPA's ``enable_gqa`` arrange them."""
+    if key_heads == query_heads:
+        return list(heads)
+    group = query_heads // key_heads
+    return sorted({h // group for h in heads})
+
+
+def last_positions(mask: Tensor | None, n: int, length: int, device: torch.device) -> Tensor:
+    """``(n,)``: each sample's last real position among a call's ``length`` positions."""
+    if mask is None:
+        return torch.full((n,), length - 1, dtype=torch.long, device=device)
+    if mask.size(0) != n or mask.size(1) < length:
+        raise UsageError(
+            f"positions='last': the forward's attention_mask is {tuple(mask.shape)}, and this "
+            f"site has {n} samples of {length} positions; 'last' needs a mask with a row per "
+            "sample and a column per position (give the model its attention_mask as it is)"
+        )
+    window = mask[:, mask.size(1) - length :].to(device)
+    steps = torch.arange(length, device=device).expand(n, length)
+    found = torch.where(window, steps, torch.full_like(steps, -1)).amax(dim=1)
+    if bool((found < 0).any()):
+        raise UsageError(
+            "positions='last': a sample's attention_mask keeps none of this call's positions, "
+            "so it has no last real token here"
+        )
+    return found
+
+
+class MaskNote:
+    """The token mask of the forward running on each thread (``positions="last"``)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def note(self, inputs: dict[str, Any]) -> None:
+        """The inputs of the forward starting on this thread; ``{}`` when it ended."""
+        self._local.value = keep_mask(inputs)
+
+    @property
+    def mask(self) -> Tensor | None:
+        """This thread's forward's mask, if it has one."""
+        value: Tensor | None = getattr(self._local, "value", None)
+        return value
+
+
+class Narrow:
+    """The units of one site: :meth:`take` them from its tensor, :meth:`put` new values back."""
+
+    def __init__(self, units: Units, axes: Axes, site: str, masks: MaskNote | None) -> None:
+        axes.check(units, site)
+        self.units, self.axes, self.site, self._masks = units, axes, site, masks
+
+    def _plan(self, t: Tensor) -> list[tuple[int, Tensor]]:
+        """``(axis, index)`` per narrowed axis: ``(N, 1)`` for ``"last"`` (a position per
+        sample), else ``(k,)`` indices along the axis."""
+        plan: list[tuple[int, Tensor]] = []
+        units, axes = self.units, self.axes
+        for wanted, axis, what in (
+            (units.positions, axes.positions, "positions"),
+            (units.heads, axes.heads, "heads"),
+            (units.neurons, axes.neurons, "neurons"),
+        ):
+            if wanted is None or axis is None:
+                continue
+            if t.dim() < 2 or not -t.dim() <= axis < t.dim():
+                raise UsageError(
+                    f"{what}= on {self.site!r}: its tensor {tuple(t.shape)} has no {what} axis "
+                    f"(expected {self.axes.kind})"
+                )
+            axis %= t.dim()
+            size = t.size(axis)
+            if wanted == "last":
+                mask = self._masks.mask if self._masks is not None else None
+                found = last_positions(mask, t.size(0), size, t.device)
+                plan.append((axis, found.view(-1, 1)))  # (N, 1): one position per sample
+                continue
+            assert not isinstance(wanted, str)
+            bad = [i for i in wanted if not -size <= i < size]
+            if bad:
+                raise UsageError(
+                    f"{what}={list(wanted)} on {self.site!r}: {bad} out of range for its "
+                    f"{size} {what} (tensor {tuple(t.shape)})"
+                )
+            plan.append((axis, torch.tensor([i % size for i in wanted], device=t.device)))
+        return plan
+
+    def take(self, t: Tensor) -> Tensor:
+        """The selected units of ``t``, every axis kept."""
+        for axis, index in self._plan(t):
+            t = _take(t, axis, index)
+        return t
+
+    def put(self, t: Tensor, new: Tensor) -> Tensor:
+        """``t`` with its selected units replaced by ``new`` (of :meth:`take`'s shape), out of
+        place."""
+        return _put(t, self._plan(t), new)
+
+
+def _take(t: Tensor, axis: int, index: Tensor) -> Tensor:
+    if index.dim() == 2:  # "last": one position per sample
+        return t.gather(axis, _per_sample(t, axis, index))
+    return t.index_select(axis, index)
+
+
+def _per_sample(t: Tensor, axis: int, index: Tensor) -> Tensor:
+    """A per-sample index ``(N, 1)`` spread over ``t``'s other axes, for gather / scatter."""
+    shape = [1] * t.dim()
+    shape[0] = t.size(0)
+    full = list(t.shape)
+    full[axis] = 1
+    return index.view(shape).expand(full)
+
+
+def _put(t: Tensor, plan: list[tuple[int, Tensor]], new: Tensor) -> Tensor:
+    """``t`` with ``new`` written at the units ``plan`` selects, axis by axis (outermost
+    first), out of place: autograd sees a ``scatter`` / ``index_copy``."""
+    if not plan:
+        return new
+    (axis, index), rest = plan[0], plan[1:]
+    inner = _put(_take(t, axis, index), rest, new) if rest else new
+    inner = inner.to(t.dtype)
+    if index.dim() == 2:
+        return t.scatter(axis, _per_sample(t, axis, index), inner)
+    return t.index_copy(axis, index, inner)

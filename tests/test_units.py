@@ -1,0 +1,419 @@
+"""Units as sites: ``positions=``, ``heads=`` and ``neurons=`` of ``hs.capture`` and ``hs.edit``
+on Hugging Face GPT-2 and a grouped-query Llama, both running their own SDPA attention, against
+eager attention written here by hand from the models' weights (the attention layer's inputs
+taken with plain PyTorch hooks), and edits against plain PyTorch hooks on the output
+projection, whose input is every head's output side by side."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.hf
+
+HEADS, HEAD_SIZE = 4, 16
+
+
+def _gpt2() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=HEADS * HEAD_SIZE, n_head=HEADS)
+    config.vocab_size = 100
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _llama() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=HEADS * HEAD_SIZE,
+        num_attention_heads=HEADS,
+        num_key_value_heads=2,  # grouped-query attention: two query heads per key/value head
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+MODELS = {
+    "gpt2": (_gpt2, "transformer.h.{}.attn", "c_proj"),
+    "llama": (_llama, "model.layers.{}.self_attn", "o_proj"),
+}
+
+
+def _inputs(pad: str) -> dict[str, Tensor]:
+    ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if pad == "left":
+        mask[1, :2] = 0
+        mask[2, :4] = 0
+    else:
+        mask[1, 5:] = 0
+        mask[2, 3:] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _last(mask: Tensor) -> Tensor:
+    """Each row's last real position, found by hand."""
+    return torch.tensor([max(i for i in range(len(row)) if row[i]) for row in mask.tolist()])
+
+
+def _module(model: nn.Module, name: str) -> nn.Module:
+    return model.get_submodule(name)
+
+
+def _attention_inputs(model: nn.Module, attention: str, inputs: dict[str, Tensor]) -> Any:
+    """The attention layer's hidden states and keyword arguments, with a plain pre-hook."""
+    seen: dict[str, Any] = {}
+
+    def pre(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        seen["x"] = args[0] if args else kwargs["hidden_states"]
+        seen["kwargs"] = kwargs
+
+    handle = _module(model, attention).register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        handle.remove()
+    return seen["x"], seen["kwargs"]
+
+
+def _rotate_half(t: Tensor) -> Tensor:
+    first, second = t.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+def _eager(model: nn.Module, kind: str, layer: int, inputs: dict[str, Tensor]) -> tuple[Any, Any]:
+    """``(P, Z)``: attention probabilities ``(N, H, T, T)`` and each head's output
+    ``(N, H, T, d)``, computed by hand from the layer's weights (causal and padding masks)."""
+    attention = MODELS[kind][1].format(layer)
+    x, kwargs = _attention_inputs(model, attention, inputs)
+    attn = _module(model, attention)
+    n, t, _ = x.shape
+    with torch.no_grad():
+        if kind == "gpt2":
+            q, k, v = attn.c_attn(x).split(HEADS * HEAD_SIZE, dim=2)
+            kv_heads = HEADS
+        else:
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            kv_heads = 2
+        q = q.view(n, t, HEADS, HEAD_SIZE).transpose(1, 2)
+        k = k.view(n, t, kv_heads, HEAD_SIZE).transpose(1, 2)
+        v = v.view(n, t, kv_heads, HEAD_SIZE).transpose(1, 2)
+        if kind == "llama":  # rotary embeddings, the angles the model gave the layer
+            cos, sin = (a.unsqueeze(1) for a in kwargs["position_embeddings"])
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            k = k.repeat_interleave(HEADS // kv_heads, dim=1)  # query head h reads h // 2
+            v = v.repeat_interleave(HEADS // kv_heads, dim=1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(HEAD_SIZE)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        allowed = causal[None, None] & inputs["attention_mask"].bool()[:, None, None, :]
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        return probs, probs @ v
+
+
+def _at(t: Tensor, axis: int, index: Tensor) -> Tensor:
+    """``t`` at one position per sample along ``axis`` (kept as size 1), by hand."""
+    return torch.stack(
+        [t[i].select(axis - 1, int(p)).unsqueeze(axis - 1) for i, p in enumerate(index)]
+    )
+
+
+# -- capture -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pad", ["left", "right"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_heads_at_the_last_real_token_equal_eager_attention_by_hand(kind: str, pad: str) -> None:
+    make, attention, _ = MODELS[kind]
+    model, inputs = make(), _inputs(pad)
+    assert model.config._attn_implementation == "sdpa"
+    sites = [f"{attention.format(1)}::scaled_dot_product_attention"]
+    sites.append(f"{attention.format(1)}::attention_weights")
+    with torch.no_grad(), hs.capture(model, sites, heads=[3, 1], positions="last") as cap:
+        model(**inputs)
+    probs, z = _eager(model, kind, 1, inputs)
+    last = _last(inputs["attention_mask"])
+    got_z = cap[sites[0]].output
+    got_p = cap[sites[1]].output
+    assert got_z.shape == (3, 2, 1, HEAD_SIZE) and got_p.shape == (3, 2, 1, 7)
+    torch.testing.assert_close(got_z, _at(z[:, [3, 1]], 2, last), rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_p, _at(probs[:, [3, 1]], 2, last), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_heads_and_positions_by_index_equal_eager_attention_by_hand(kind: str) -> None:
+    make, attention, _ = MODELS[kind]
+    model, inputs = make(), _inputs("right")
+    inputs["attention_mask"] = torch.ones_like(inputs["attention_mask"])
+    site = f"{attention.format(0)}::scaled_dot_product_attention"
+    with torch.no_grad(), hs.capture(model, site, heads=2, positions=[0, -1, 3]) as cap:
+        model(**inputs)
+    _, z = _eager(model, kind, 0, inputs)
+    torch.testing.assert_close(cap[site].output, z[:, [2]][:, :, [0, 6, 3]], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["enable_gqa", "repeated_keys"])
+def test_the_key_and_value_a_query_head_reads_under_grouped_query_attention(masked: bool) -> None:
+    """heads= on an SDPA call's inputs: the query at query head 3, key and value at the
+    key/value head it reads (3 // 2 = 1), whichever layout transformers gives the key (without
+    a mask it passes 2 key heads and enable_gqa=True, with one it repeats them to 4)."""
+    model, inputs = _llama(), _inputs("left")
+    if not masked:
+        del inputs["attention_mask"]
+    site = "model.layers.0.self_attn::scaled_dot_product_attention"
+    with torch.no_grad(), hs.capture(model, site, heads=[3], inputs=True) as cap:
+        model(**inputs)
+    with torch.no_grad(), hs.capture(model, site, inputs=True) as full:
+        model(**inputs)
+    query, key = full[site].inputs["query"], full[site].inputs["key"]
+    assert key.size(1) == (4 if masked else 2)
+    kv = 3 if masked else 1
+    torch.testing.assert_close(cap[site].inputs["query"], query[:, [3]], rtol=0, atol=0)
+    torch.testing.assert_close(cap[site].inputs["key"], key[:, [kv]], rtol=0, atol=0)
+    value = full[site].inputs["value"]
+    torch.testing.assert_close(cap[site].inputs["value"], value[:, [kv]], rtol=0, atol=0)
+
+
+def test_neurons_and_positions_of_a_layer_and_of_its_gradient() -> None:
+    model, inputs = _gpt2(), _inputs("left")
+    seen: list[Tensor] = []
+    grads: list[Tensor] = []
+
+    def keep(module: nn.Module, args: Any, out: Tensor) -> None:
+        seen.append(out.detach())
+        out.register_hook(grads.append)
+
+    handle = model.transformer.h[0].mlp.register_forward_hook(keep)  # the reference run
+    try:
+        model(**inputs).logits.pow(2).sum().backward()
+    finally:
+        handle.remove()
+    site = "transformer.h.0.mlp"
+    try:
+        with hs.capture(model, site, neurons=[5, -1], positions="last", grads=True) as cap:
+            model(**inputs).logits.pow(2).sum().backward()
+    finally:
+        model.zero_grad()
+    last = _last(inputs["attention_mask"])
+    assert cap[site].output.shape == cap[site].grad.shape == (3, 1, 2)
+    torch.testing.assert_close(
+        cap[site].output, _at(seen[0][..., [5, 63]], 1, last), rtol=0, atol=0
+    )
+    torch.testing.assert_close(cap[site].grad, _at(grads[0][..., [5, 63]], 1, last), rtol=0, atol=0)
+
+
+# -- edits ---------------------------------------------------------------------------------------
+def _by_hand(
+    model: nn.Module, kind: str, layer: int, change: Any, inputs: dict[str, Tensor]
+) -> Tensor:
+    """Logits with ``change(x)`` applied to the output projection's input ``(N, T, H·d)``
+    (every head's output side by side), by a plain pre-hook."""
+    _, attention, projection = MODELS[kind]
+    proj = _module(model, f"{attention.format(layer)}.{projection}")
+    handle = proj.register_forward_pre_hook(lambda m, args: (change(args[0].clone()),))
+    try:
+        with torch.no_grad():
+            return model(**inputs).logits
+    finally:
+        handle.remove()
+
+
+def _head_columns(head: int) -> slice:
+    return slice(head * HEAD_SIZE, (head + 1) * HEAD_SIZE)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_ablating_a_head_at_the_last_real_token_changes_only_its_columns(kind: str) -> None:
+    make, attention, _ = MODELS[kind]
+    model, inputs = make(), _inputs("left")
+    last = _last(inputs["attention_mask"])
+    site = f"{attention.format(1)}::scaled_dot_product_attention"
+    with torch.no_grad(), hs.edit(model, {site: hs.ablate()}, heads=[3], positions="last"):
+        got = model(**inputs).logits
+
+    def zero(x: Tensor) -> Tensor:
+        for i, p in enumerate(last.tolist()):
+            x[i, p, _head_columns(3)] = 0
+        return x
+
+    torch.testing.assert_close(got, _by_hand(model, kind, 1, zero, inputs), rtol=0, atol=1e-5)
+    with torch.no_grad():
+        plain = model(**inputs).logits
+    assert not torch.allclose(got, plain)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_patching_heads_of_a_clean_run_into_a_corrupted_one(kind: str) -> None:
+    make, attention, projection = MODELS[kind]
+    model, clean = make(), _inputs("right")
+    corrupt = {**clean, "input_ids": clean["input_ids"].flip(1)}
+    site = f"{attention.format(0)}::scaled_dot_product_attention"
+    with torch.no_grad(), hs.capture(model, site, heads=[0, 2], positions="last") as cap:
+        model(**clean)
+    with torch.no_grad(), hs.edit(model, {site: hs.patch(cap)}, heads=[0, 2], positions="last"):
+        got = model(**corrupt).logits
+    seen: list[Tensor] = []
+    proj = _module(model, f"{attention.format(0)}.{projection}")
+    handle = proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            model(**clean)
+    finally:
+        handle.remove()
+    last = _last(clean["attention_mask"])
+
+    def patched(x: Tensor) -> Tensor:
+        for i, p in enumerate(last.tolist()):
+            for head in (0, 2):
+                x[i, p, _head_columns(head)] = seen[0][i, p, _head_columns(head)]
+        return x
+
+    torch.testing.assert_close(got, _by_hand(model, kind, 0, patched, corrupt), rtol=0, atol=1e-5)
+
+
+def test_knocking_out_a_heads_attention_weights_zeroes_its_output() -> None:
+    model, inputs = _llama(), _inputs("left")
+    site = "model.layers.1.self_attn::attention_weights"
+    with torch.no_grad(), hs.edit(model, {site: hs.ablate()}, heads=[1]):
+        got = model(**inputs).logits
+
+    def zero(x: Tensor) -> Tensor:
+        x[..., _head_columns(1)] = 0
+        return x
+
+    torch.testing.assert_close(got, _by_hand(model, "llama", 1, zero, inputs), rtol=0, atol=1e-5)
+
+
+def test_an_edit_of_some_neurons_at_some_positions() -> None:
+    model, inputs = _gpt2(), _inputs("right")
+    mlp = model.transformer.h[0].mlp
+    with (
+        torch.no_grad(),
+        hs.edit(model, {"transformer.h.0.mlp": hs.scale(3.0)}, neurons=[3, 7], positions=[0, -2]),
+    ):
+        got = model(**inputs).logits
+
+    def by_hand(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        out = out.clone()
+        for p in (0, 5):
+            out[:, p, [3, 7]] *= 3.0
+        return out
+
+    handle = mlp.register_forward_hook(by_hand)
+    try:
+        with torch.no_grad():
+            expected = model(**inputs).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+# -- what is refused -------------------------------------------------------------------------------
+def test_units_a_site_does_not_have_are_refused_naming_the_sites_that_do() -> None:
+    model = _gpt2()
+    with pytest.raises(hs.UsageError, match=r"no head axis.*scaled_dot_product_attention"):
+        hs.capture(model, "transformer.h.0.mlp", heads=[1])
+    with pytest.raises(hs.UsageError, match="not neurons"):
+        hs.capture(model, "transformer.h.0.attn::attention_weights", neurons=[1])
+    with pytest.raises(hs.UsageError, match="no head axis"):
+        hs.edit(model, {"transformer.h.0.mlp": hs.ablate()}, heads=0)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"positions": "first"}, "'last'"),
+        ({"heads": [1, 1]}, "twice"),
+        ({"neurons": []}, "non-empty"),
+        ({"heads": "1"}, "int or a list"),
+        ({"positions": [True]}, "list of ints"),
+    ],
+)
+def test_bad_units_are_refused_before_anything_is_hooked(
+    options: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(hs.UsageError, match=message):
+        hs.capture(_gpt2(), "transformer.h.0.attn::attention_weights", **options)
+
+
+def test_an_index_out_of_range_is_named_with_the_sites_size() -> None:
+    model, inputs = _gpt2(), _inputs("left")
+    site = "transformer.h.0.attn::scaled_dot_product_attention"
+    with pytest.raises(hs.UsageError, match=r"\[9\] out of range for its 4 heads"):
+        with torch.no_grad(), hs.capture(model, site, heads=[1, 9]):
+            model(**inputs)
+
+
+def test_edits_of_inputs_gradients_or_shapes_are_refused_with_units() -> None:
+    model = _gpt2()
+    for edit in (hs.ablate(on="input"), hs.scale(2.0, on="grad")):
+        with pytest.raises(hs.UsageError, match="narrow edits of outputs"):
+            hs.edit(model, {"transformer.h.0.mlp": edit}, positions=[0])
+
+
+def test_an_edit_returning_another_shape_than_its_units_is_refused() -> None:
+    model, inputs = _gpt2(), _inputs("left")
+    with pytest.raises(hs.EditError, match=r"selected units \(3, 1, 64\)"):
+        with (
+            torch.no_grad(),
+            hs.edit(model, {"transformer.h.0.mlp": lambda t: t[:, :, :3]}, positions=-1),
+        ):
+            model(**inputs)
+
+
+# -- a declared layout ---------------------------------------------------------------------------
+class HandAttention(nn.Module):
+    """Attention written by hand (no SDPA call): 4 heads of size 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def probabilities(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 4, 4).permute(2, 0, 3, 1, 4)
+        return torch.softmax(q @ k.transpose(-1, -2) / 2, dim=-1), v
+
+    def forward(self, x: Tensor) -> Tensor:
+        p, v = self.probabilities(x)
+        return self.out((p @ v).transpose(1, 2).flatten(2))
+
+
+def test_a_declared_layout_narrows_attention_written_by_hand() -> None:
+    torch.manual_seed(0)
+    model, x = HandAttention(), torch.randn(2, 5, 16)
+    layout = {"::softmax": "batch heads positions keys"}
+    with (
+        torch.no_grad(),
+        hs.capture(model, "::softmax", heads=[2], positions=-1, layout=layout) as cap,
+    ):
+        model(x)
+    with torch.no_grad():
+        p, v = model.probabilities(x)
+        torch.testing.assert_close(cap["::softmax"].output, p[:, [2]][:, :, [4]], rtol=0, atol=0)
+        with hs.edit(model, {"::softmax": hs.ablate()}, heads=2, layout=layout):
+            got = model(x)
+        keep = torch.tensor([1.0, 1.0, 0.0, 1.0])[:, None, None]
+        expected = model.out(((p * keep) @ v).transpose(1, 2).flatten(2))
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"::softmax": "heads batch positions keys"}, "batch first"),
+        ({"::softmax": "batch heads heads keys"}, "each named once"),
+        ({"out": "batch positions neurons"}, "matches none of the selected sites"),
+    ],
+)
+def test_a_bad_layout_is_refused(layout: dict[str, str], message: str) -> None:
+    with pytest.raises(hs.UsageError, match=message):
+        hs.capture(HandAttention(), "::softmax", heads=[1], layout=layout)
