@@ -37,6 +37,7 @@ SLOW_PAGES = {
     "guides/diagnose.md",
     "guides/attribution.md",
     "guides/operations.md",
+    "guides/interpretability.md",
     "guides/integrations.md",
 }
 #: Warnings the libraries a page runs emit about themselves (pytest makes warnings errors).
@@ -70,6 +71,7 @@ def test_the_docs_have_every_guide() -> None:
         "capture",
         "edits",
         "operations",
+        "interpretability",
         "features",
         "summaries",
         "diagnose",
