@@ -1,0 +1,159 @@
+"""Heads and positions against TransformerLens 3.x (``HookedTransformer``): per-head outputs
+(``hook_z``) and attention patterns (``hook_pattern``) of GPT-2 and of a grouped-query Llama,
+random Hugging Face weights converted into TransformerLens with its own weight-conversion
+functions, while hookscope runs the unmodified Hugging Face model with SDPA attention.
+
+TransformerLens is not part of the dev extra (see HANDOFF-29.md: it needs its own
+environment); ``tests/test_units.py`` holds the oracle that always runs, eager attention
+written by hand from the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import hookscope as hs
+
+transformers = pytest.importorskip("transformers")
+lens = pytest.importorskip("transformer_lens")
+conversions = pytest.importorskip("transformer_lens.pretrained.weight_conversions")
+
+pytestmark = [
+    pytest.mark.hf,
+    # 3.x's own notice that 4.x replaces HookedTransformer: the 3.x API is the oracle here
+    pytest.mark.filterwarnings("ignore:HookedTransformer is deprecated:DeprecationWarning"),
+]
+
+
+def _gpt2() -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
+    ).eval()
+    cfg = lens.HookedTransformerConfig(
+        d_model=64,
+        d_head=16,
+        n_heads=4,
+        d_mlp=256,
+        n_layers=2,
+        n_ctx=hf.config.n_positions,
+        eps=hf.config.layer_norm_epsilon,
+        d_vocab=100,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        original_architecture="GPT2LMHeadModel",
+        default_prepend_bos=False,
+    )
+    return hf, _converted(cfg, conversions.convert_gpt2_weights(hf, cfg))
+
+
+def _llama() -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+    )
+    hf = transformers.LlamaForCausalLM(config).eval()
+    rope = getattr(config, "rope_parameters", None) or {}
+    cfg = lens.HookedTransformerConfig(
+        d_model=64,
+        d_head=16,
+        n_heads=4,
+        n_key_value_heads=2,
+        d_mlp=128,
+        n_layers=2,
+        n_ctx=config.max_position_embeddings,
+        eps=config.rms_norm_eps,
+        d_vocab=100,
+        act_fn="silu",
+        normalization_type="RMS",
+        positional_embedding_type="rotary",
+        rotary_adjacent_pairs=False,
+        rotary_dim=16,
+        rotary_base=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+        final_rms=True,
+        gated_mlp=True,
+        original_architecture="LlamaForCausalLM",
+        default_prepend_bos=False,
+    )
+    return hf, _converted(cfg, conversions.convert_llama_weights(hf, cfg))
+
+
+def _converted(cfg: Any, state: dict[str, Any]) -> Any:
+    model = lens.HookedTransformer(cfg)
+    model.load_and_process_state_dict(
+        state,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
+    )
+    return model.eval()
+
+
+MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], str]] = {
+    "gpt2": (_gpt2, "transformer.h.{}.attn"),
+    "llama": (_llama, "model.layers.{}.self_attn"),
+}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_heads_and_positions_equal_transformer_lens_hook_z_and_hook_pattern(kind: str) -> None:
+    make, attention = MODELS[kind]
+    hf, tl = make()
+    assert hf.config._attn_implementation == "sdpa"
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    heads, positions = [3, 0], [-1, 2]
+    sites = {}
+    for layer in (0, 1):
+        sites[layer] = (
+            f"{attention.format(layer)}::scaled_dot_product_attention",
+            f"{attention.format(layer)}::attention_weights",
+        )
+    chosen = [s for pair in sites.values() for s in pair]
+    with torch.no_grad():
+        with hs.capture(hf, chosen, heads=heads, positions=positions) as cap:
+            hf_logits = hf(ids).logits
+        tl_logits, cache = tl.run_with_cache(ids)
+    torch.testing.assert_close(hf_logits, tl_logits, rtol=0, atol=1e-5)  # the same model
+    at = [p % 7 for p in positions]
+    for layer, (z, pattern) in sites.items():
+        hook_z = cache[f"blocks.{layer}.attn.hook_z"]  # (N, T, H, d)
+        hook_pattern = cache[f"blocks.{layer}.attn.hook_pattern"]  # (N, H, Tq, Tk)
+        expected_z = hook_z[:, at][:, :, heads].transpose(1, 2)
+        torch.testing.assert_close(cap[z].output, expected_z, rtol=0, atol=1e-5)
+        expected_pattern = hook_pattern[:, heads][:, :, at]
+        torch.testing.assert_close(cap[pattern].output, expected_pattern, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_patching_a_head_equals_transformer_lens_patching_hook_z(kind: str) -> None:
+    """A clean run's head 1 at position 4, patched into a corrupted run: hookscope on the
+    Hugging Face model, a ``hook_z`` hook on TransformerLens'."""
+    make, attention = MODELS[kind]
+    hf, tl = make()
+    clean = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(2))
+    corrupt = clean.flip(1)
+    site = f"{attention.format(0)}::scaled_dot_product_attention"
+    with torch.no_grad():
+        with hs.capture(hf, site, heads=1, positions=4) as cap:
+            hf(clean)
+        with hs.edit(hf, {site: hs.patch(cap)}, heads=1, positions=4):
+            got = hf(corrupt).logits
+        _, cache = tl.run_with_cache(clean)
+
+        def patch(z: torch.Tensor, hook: Any) -> torch.Tensor:
+            z = z.clone()
+            z[:, 4, 1] = cache["blocks.0.attn.hook_z"][:, 4, 1]
+            return z
+
+        expected = tl.run_with_hooks(corrupt, fwd_hooks=[("blocks.0.attn.hook_z", patch)])
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
