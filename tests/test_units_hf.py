@@ -1,0 +1,187 @@
+"""``heads=`` and ``positions=`` across Hugging Face families (GPT-2, GPT-NeoX, Llama, Mistral,
+Qwen2 with grouped-query attention, Gemma, BERT, ViT), each running its own SDPA attention,
+against the same weights in transformers' eager attention: each head's output is the input of
+the eager model's output projection (every head side by side, read by a plain pre-hook), each
+head's pattern its ``output_attentions``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.hf
+
+HEADS, HEAD_SIZE = 4, 16
+SMALL = {"num_hidden_layers": 2, "hidden_size": HEADS * HEAD_SIZE, "num_attention_heads": HEADS}
+SMALL |= {"intermediate_size": 128}
+GQA = {**SMALL, "num_key_value_heads": 2, "vocab_size": 100}
+
+
+@dataclass(frozen=True)
+class Family:
+    model: str
+    config: Callable[..., Any]
+    options: dict[str, Any]
+    attention: str  # the module whose own code calls SDPA, {} for the layer index
+    projection: str  # the output projection: its input is every head's output side by side
+    text: bool = True
+
+
+FAMILIES = {
+    "gpt2": Family(
+        "GPT2Model",
+        transformers.GPT2Config,
+        {"n_layer": 2, "n_embd": 64, "n_head": HEADS, "vocab_size": 100},
+        "h.{}.attn",
+        "h.{}.attn.c_proj",
+    ),
+    "gpt_neox": Family(
+        "GPTNeoXModel",
+        transformers.GPTNeoXConfig,
+        {**SMALL, "vocab_size": 100},
+        "layers.{}.attention",
+        "layers.{}.attention.dense",
+    ),
+    "llama": Family(
+        "LlamaModel",
+        transformers.LlamaConfig,
+        GQA,
+        "layers.{}.self_attn",
+        "layers.{}.self_attn.o_proj",
+    ),
+    "mistral": Family(
+        "MistralModel",
+        transformers.MistralConfig,
+        GQA,
+        "layers.{}.self_attn",
+        "layers.{}.self_attn.o_proj",
+    ),
+    "qwen2": Family(
+        "Qwen2Model",
+        transformers.Qwen2Config,
+        GQA,
+        "layers.{}.self_attn",
+        "layers.{}.self_attn.o_proj",
+    ),
+    "gemma": Family(
+        "GemmaModel",
+        transformers.GemmaConfig,
+        {**SMALL, "head_dim": HEAD_SIZE, "num_key_value_heads": 1, "vocab_size": 100},  # MQA
+        "layers.{}.self_attn",
+        "layers.{}.self_attn.o_proj",
+    ),
+    "bert": Family(
+        "BertModel",
+        transformers.BertConfig,
+        {**SMALL, "vocab_size": 100},
+        "encoder.layer.{}.attention.self",
+        "encoder.layer.{}.attention.output.dense",
+    ),
+    "vit": Family(
+        "ViTModel",
+        transformers.ViTConfig,
+        {**SMALL, "image_size": 32, "patch_size": 8},
+        "layers.{}.attention",
+        "layers.{}.attention.o_proj",
+        text=False,
+    ),
+}
+
+
+def _pair(family: Family) -> tuple[nn.Module, nn.Module]:
+    """(SDPA model, eager model) with the same random weights."""
+    cls = getattr(transformers, family.model)
+    torch.manual_seed(0)
+    fused = cls(family.config(attn_implementation="sdpa", **family.options)).eval()
+    eager = cls(family.config(attn_implementation="eager", **family.options)).eval()
+    eager.load_state_dict(fused.state_dict())
+    return fused, eager
+
+
+def _inputs(family: Family) -> dict[str, Tensor]:
+    if not family.text:
+        return {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.manual_seed(1))}
+    ids = torch.randint(0, 100, (3, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if family.model == "BertModel":
+        mask[1, 5:], mask[2, 3:] = 0, 0  # right padding, as BERT is used
+    else:
+        mask[1, :2], mask[2, :4] = 0, 0  # left padding, as decoders generate
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _eager_heads(eager: nn.Module, family: Family, layer: int, inputs: dict[str, Tensor]) -> Any:
+    """``(Z, P)`` of the eager model: ``(N, H, T, d)`` from its output projection's input,
+    ``(N, H, T, T)`` from ``output_attentions``."""
+    seen: list[Tensor] = []
+    proj = eager.get_submodule(family.projection.format(layer))
+    handle = proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            out = eager(**inputs, output_attentions=True)
+    finally:
+        handle.remove()
+    n, t, _ = seen[0].shape
+    return seen[0].view(n, t, HEADS, HEAD_SIZE).transpose(1, 2), out.attentions[layer]
+
+
+def _last(inputs: dict[str, Tensor], length: int) -> list[int]:
+    mask = inputs.get("attention_mask")
+    if mask is None:
+        return [length - 1] * 2
+    return [max(i for i, keep in enumerate(row) if keep) for row in mask.tolist()]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_heads_at_the_last_real_token_equal_eager_attention(name: str) -> None:
+    family = FAMILIES[name]
+    fused, eager = _pair(family)
+    assert fused.config._attn_implementation == "sdpa"
+    inputs = _inputs(family)
+    z = family.attention.format(1) + "::scaled_dot_product_attention"
+    pattern = family.attention.format(1) + "::attention_weights"
+    with torch.no_grad(), hs.capture(fused, [z, pattern], heads=[3, 1], positions="last") as cap:
+        fused(**inputs)
+    want_z, want_p = _eager_heads(eager, family, 1, inputs)
+    last = _last(inputs, want_z.size(2))
+    rows = torch.arange(len(last))
+    expected_z = want_z[:, [3, 1]][rows, :, last].unsqueeze(2)  # (N, 2, 1, d)
+    expected_p = want_p[:, [3, 1]][rows, :, last].unsqueeze(2)  # (N, 2, 1, T)
+    torch.testing.assert_close(cap[z].output, expected_z, rtol=0, atol=1e-5)
+    torch.testing.assert_close(cap[pattern].output, expected_p, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_ablating_a_head_equals_zeroing_it_before_the_eager_output_projection(name: str) -> None:
+    family = FAMILIES[name]
+    fused, eager = _pair(family)
+    inputs = _inputs(family)
+    z = family.attention.format(0) + "::scaled_dot_product_attention"
+    with torch.no_grad(), hs.edit(fused, {z: hs.ablate()}, heads=[2], positions=[0, -1]):
+        got = fused(**inputs).last_hidden_state
+
+    def zero(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor]:
+        x = args[0].clone()
+        x[:, [0, -1], 2 * HEAD_SIZE : 3 * HEAD_SIZE] = 0
+        return (x,)
+
+    proj = eager.get_submodule(family.projection.format(0))
+    handle = proj.register_forward_pre_hook(zero)
+    try:
+        with torch.no_grad():
+            want = eager(**inputs).last_hidden_state
+    finally:
+        handle.remove()
+    # padding queries' rows differ (SDPA: zeros, eager: uniform) and mean nothing: real tokens
+    mask = inputs.get("attention_mask")
+    live = torch.ones(got.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
+    torch.testing.assert_close(got[live], want[live], rtol=0, atol=1e-5)
