@@ -417,3 +417,59 @@ def test_a_declared_layout_narrows_attention_written_by_hand() -> None:
 def test_a_bad_layout_is_refused(layout: dict[str, str], message: str) -> None:
     with pytest.raises(hs.UsageError, match=message):
         hs.capture(HandAttention(), "::softmax", heads=[1], layout=layout)
+
+
+# -- heads of attention projections, from the config ---------------------------------------------
+def test_query_key_and_value_projections_by_head_from_the_config() -> None:
+    """Llama's config: 4 query heads, 2 key/value heads of 16. Query heads 3 and 0 are columns
+    48-63 and 0-15 of q_proj; they read key/value heads 1 and 0 of k_proj and v_proj."""
+    model, inputs = _llama(), _inputs("left")
+    seen: dict[str, Tensor] = {}
+    attn = model.model.layers[0].self_attn
+    handles = [
+        getattr(attn, p).register_forward_hook(
+            lambda m, a, out, p=p: seen.__setitem__(p, out.detach())
+        )
+        for p in ("q_proj", "k_proj", "v_proj")
+    ]
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    site = "model.layers.0.self_attn.{}"
+    with (
+        torch.no_grad(),
+        hs.capture(model, site.format("[qkv]_proj"), heads=[3, 0], positions="last") as cap,
+    ):
+        model(**inputs)
+    last = _last(inputs["attention_mask"])
+    cols = {"q_proj": [*range(48, 64), *range(16)], "k_proj": list(range(32))}
+    cols["v_proj"] = cols["k_proj"]
+    for p, columns in cols.items():
+        got = cap[site.format(p)].output
+        torch.testing.assert_close(got, _at(seen[p][..., columns], 1, last), rtol=0, atol=0)
+    with torch.no_grad(), hs.edit(model, {site.format("k_proj"): hs.ablate()}, heads=3):
+        edited = model(**inputs).logits
+
+    def zero(module: nn.Module, args: Any, out: Tensor) -> Tensor:
+        out = out.clone()
+        out[..., 16:32] = 0  # key/value head 1, which query heads 2 and 3 read
+        return out
+
+    handle = attn.k_proj.register_forward_hook(zero)
+    try:
+        with torch.no_grad():
+            expected = model(**inputs).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(edited, expected, rtol=0, atol=0)
+
+
+def test_heads_of_a_layer_that_is_no_attention_projection_are_refused() -> None:
+    model = _llama()
+    with pytest.raises(hs.UsageError, match=r"no head axis.*q_proj"):
+        hs.capture(model, "model.layers.0.mlp.up_proj", heads=[1])
+    with pytest.raises(hs.UsageError, match="side by side"):
+        hs.capture(model, "model.layers.0.self_attn.q_proj", heads=[1], neurons=[0])

@@ -134,6 +134,26 @@ def test_heads_and_positions_equal_transformer_lens_hook_z_and_hook_pattern(kind
         torch.testing.assert_close(cap[pattern].output, expected_pattern, rtol=0, atol=1e-5)
 
 
+def test_projection_heads_equal_transformer_lens_hook_q_k_v() -> None:
+    """Heads of Llama's q_proj, k_proj and v_proj from its config: query heads 3 and 0, and
+    the key/value heads they read (1 and 0), as TransformerLens' hook_q, hook_k, hook_v
+    (before the rotary embedding; hook_k and hook_v hold the 2 key/value heads)."""
+    hf, tl = _llama()
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    site = "model.layers.1.self_attn.{}"
+    with torch.no_grad():
+        with hs.capture(hf, site.format("[qkv]_proj"), heads=[3, 0], positions=[-1, 2]) as cap:
+            hf(ids)
+        _, cache = tl.run_with_cache(ids)
+    for proj, hook, heads in (
+        ("q_proj", "q", [3, 0]),
+        ("k_proj", "k", [0, 1]),
+        ("v_proj", "v", [0, 1]),
+    ):
+        expected = cache[f"blocks.1.attn.hook_{hook}"][:, [6, 2]][:, :, heads].flatten(2)
+        torch.testing.assert_close(cap[site.format(proj)].output, expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_patching_a_head_equals_transformer_lens_patching_hook_z(kind: str) -> None:
     """A clean run's head 1 at position 4, patched into a corrupted run: hookscope on the

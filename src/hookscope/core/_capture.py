@@ -199,6 +199,7 @@ class Capture(Session):
                 layout,
                 lambda selector: self._layers.sites(selector),
                 masks,
+                self._layers.root,
             ),
             masks=masks,
         )

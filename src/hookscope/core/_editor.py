@@ -154,7 +154,8 @@ class Editor(Session):
         self._masks = MaskNote() if units is not None and units.needs_mask else None
         sites = {name: op for name, (_, op) in where.items()}
         resolve = self._layers.sites
-        for name, narrow in narrows(units, sites, layout, resolve, self._masks).items():
+        chosen = narrows(units, sites, layout, resolve, self._masks, self._layers.root)
+        for name, narrow in chosen.items():
             plan[name] = [_narrowed(edit, narrow) for edit in plan[name]]
         self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}
         self._site_objects = self._plan

@@ -53,6 +53,7 @@ __all__ = [
     "Positions",
     "Units",
     "axes_of",
+    "config_heads",
     "kv_heads",
     "last_positions",
     "narrows",
@@ -119,16 +120,27 @@ class Axes:
     heads: int | None
     neurons: int | None
     kind: str
+    #: heads packed side by side in the heads axis (a projection's output ``(N, T, H·d)``):
+    #: each head's size ``d``, and how many query heads read each of them (1 for queries,
+    #: ``H / H_kv`` for the keys and values of grouped-query attention)
+    packed: tuple[int, int] | None = None
 
     def check(self, units: Units, site: str) -> None:
         """Refuse units this site has no axis for, naming the sites that have one."""
+        if self.packed is not None and units.heads is not None and units.neurons is not None:
+            raise UsageError(
+                f"heads= and neurons= on {site!r}: its heads lie side by side in its last "
+                "axis, which neurons= would narrow too; give one of them"
+            )
         if units.heads is not None and self.heads is None:
             raise UsageError(
                 f"heads= narrows attention heads, and {site!r} ({self.kind}) has no head axis: "
                 "select the attention's SDPA call, '<attention layer>::scaled_dot_product_"
                 "attention' (each head's output before the output projection), or "
-                "'<attention layer>::attention_weights' (each head's attention pattern); for "
-                "attention written by hand, declare the axes of its site with layout= "
+                "'<attention layer>::attention_weights' (each head's attention pattern), or "
+                "a query, key or value projection (q_proj, k_proj, v_proj; query, key, "
+                "value) of a model whose config gives its heads; for attention written by "
+                "hand, declare the axes of its site with layout= "
                 "(e.g. layout={'blocks.*.attn::softmax': 'batch heads positions keys'})"
             )
         if units.neurons is not None and self.neurons is None:
@@ -166,11 +178,53 @@ def parse_layout(text: object, site: str) -> Axes:
     return Axes(where.get("positions"), where.get("heads"), where.get("neurons"), kind)
 
 
-def axes_of(op: OpSelector | None, declared: Axes | None = None) -> Axes:
+#: the last name of an attention projection module, and whether it makes keys or values
+#: (grouped-query heads) rather than queries: Llama, Mistral, Qwen2, Gemma, ViT (``q_proj``...),
+#: BERT (``query``...)
+PROJECTIONS = {"q_proj": False, "k_proj": True, "v_proj": True}
+PROJECTIONS |= {"query": False, "key": True, "value": True}
+
+
+def config_heads(model: object) -> tuple[int, int, int] | None:
+    """``(query heads, key/value heads, head size)`` from a Hugging Face model's config
+    (``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or ``hidden_size / heads``),
+    or None where it has none."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(heads, int) or heads < 1:
+        return None
+    kv = getattr(config, "num_key_value_heads", None)
+    size = getattr(config, "head_dim", None)
+    if not isinstance(size, int):
+        hidden = getattr(config, "hidden_size", None)
+        size = hidden // heads if isinstance(hidden, int) else None
+    if size is None:
+        return None
+    return heads, kv if isinstance(kv, int) and kv > 0 else heads, size
+
+
+def projection_axes(name: str, model: object) -> Axes | None:
+    """The axes of an attention projection's output ``(N, T, H·d)``, heads side by side in
+    the last axis, from the model's config; None for any other layer."""
+    last = name.rsplit(".", 1)[-1]
+    found = config_heads(model) if last in PROJECTIONS else None
+    if found is None:
+        return None
+    heads, kv, size = found
+    group = heads // kv if PROJECTIONS[last] else 1
+    kind = f"an attention projection's output (N, positions, heads x {size}), from the config"
+    return Axes(1, -1, -1, kind, packed=(size, group))
+
+
+def axes_of(
+    op: OpSelector | None, declared: Axes | None = None, projection: Axes | None = None
+) -> Axes:
     """The axes of a site's output: a layer's (``op`` None) or an operation's, unless a
-    layout was declared for it."""
+    layout was declared for it; ``projection``: a layer's as an attention projection."""
     if declared is not None:
         return declared
+    if op is None and projection is not None:
+        return projection
     if op is not None and op.op == WEIGHTS:
         return Axes(2, 1, None, "attention weights (N, heads, query, key)")
     if op is not None and op.op == SDPA:
@@ -184,6 +238,7 @@ def narrows(
     layout: Mapping[str, str] | None,
     resolve: Callable[[str], Iterable[str]],
     masks: MaskNote | None,
+    model: object = None,
 ) -> dict[str, Narrow]:
     """The :class:`Narrow` of each of ``sites`` (name: its operation, None for a layer), with
     the axes ``layout`` declares (``{selector: "batch heads positions keys"}``, each selector
@@ -205,7 +260,12 @@ def narrows(
         for name in names:
             declared[name] = parse_layout(text, name)
     return {
-        name: Narrow(units, axes_of(op, declared.get(name)), name, masks)
+        name: Narrow(
+            units,
+            axes_of(op, declared.get(name), projection_axes(name, model) if units.heads else None),
+            name,
+            masks,
+        )
         for name, op in sites.items()
     }
 
@@ -290,6 +350,9 @@ class Narrow:
                 plan.append((axis, found.view(-1, 1)))  # (N, 1): one position per sample
                 continue
             assert not isinstance(wanted, str)
+            if what == "heads" and axes.packed is not None:
+                plan.append((axis, self._packed(wanted, size, t)))
+                continue
             bad = [i for i in wanted if not -size <= i < size]
             if bad:
                 raise UsageError(
@@ -298,6 +361,27 @@ class Narrow:
                 )
             plan.append((axis, torch.tensor([i % size for i in wanted], device=t.device)))
         return plan
+
+    def _packed(self, heads: tuple[int, ...], width: int, t: Tensor) -> Tensor:
+        """The columns of ``heads`` (query heads) in a last axis of heads side by side; keys
+        and values of grouped-query attention: the key/value head each query head reads."""
+        assert self.axes.packed is not None
+        size, group = self.axes.packed
+        count = width // size * group  # query heads
+        if width % size:
+            raise UsageError(
+                f"heads= on {self.site!r}: its last axis ({width}) is not a whole number of "
+                f"heads of {size} (the config's head size)"
+            )
+        bad = [h for h in heads if not -count <= h < count]
+        if bad:
+            raise UsageError(
+                f"heads={list(heads)} on {self.site!r}: {bad} out of range for its {count} "
+                f"heads (tensor {tuple(t.shape)})"
+            )
+        chosen = kv_heads([h % count for h in heads], count, count // group)
+        columns = [c for h in chosen for c in range(h * size, (h + 1) * size)]
+        return torch.tensor(columns, device=t.device)
 
     def take(self, t: Tensor) -> Tensor:
         """The selected units of ``t``, every axis kept."""
