@@ -132,8 +132,9 @@ class Capture(Session):
             of an SDPA call's and of attention weights (query positions).
         heads: keep only these attention heads: of an SDPA call's output ``(N, H, T, d)``
             (each head's output before the output projection; its query, key and value
-            inputs too, key and value at the key/value head each query head reads) and of
-            attention weights ``(N, H, Tq, Tk)``.
+            inputs too, key and value at the key/value head each query head reads), of
+            attention weights ``(N, H, Tq, Tk)``, and of a Hugging Face model's query, key and
+            value projections (``q_proj``...: heads side by side, sizes from the config).
         neurons: keep only these indices of the output's last dimension.
         layout: where units lie in sites hookscope has no layout for (attention written by
             hand): ``{selector: axis names}``, e.g. ``{"blocks.*.attn::softmax": "batch

@@ -97,7 +97,7 @@ class Editor(Session):
             list of them (negative from the end), or ``"last"``, each sample's last real
             token (from the forward's ``attention_mask``); see :class:`Capture`.
         heads: change only these attention heads (of an SDPA call's output, of attention
-            weights).
+            weights, of query, key and value projections).
         neurons: change only these indices of the output's last dimension.
         layout: where units lie in sites hookscope has no layout for; see :class:`Capture`.
 

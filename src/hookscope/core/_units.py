@@ -9,6 +9,7 @@ site                                       tensor               positions  heads
 a layer, an operation                      ``(N, T, ..., D)``   1          —      -1
 ``"attn::scaled_dot_product_attention"``   ``(N, H, T, d)``     2          1      -1
 ``"attn::attention_weights"``              ``(N, H, Tq, Tk)``   2 (query)  1      —
+an attention projection (``q_proj``...)    ``(N, T, H·d)``      1          -1     -1
 =========================================  ===================  =========  =====  =======
 
 The output of an SDPA call is each head's output before the output projection
@@ -18,6 +19,12 @@ to the key/value head each selected query head reads under grouped-query attenti
 (:func:`kv_heads`). The head layout thus comes from the call itself: every model that calls
 ``F.scaled_dot_product_attention`` (Hugging Face models with ``attn_implementation="sdpa"``,
 the default) has it without declaring anything.
+
+The query, key and value projections of a Hugging Face model (``q_proj``, ``k_proj``,
+``v_proj``; BERT's ``query``, ``key``, ``value``) hold their heads side by side in the last
+axis: the config gives their number and size (:func:`config_heads`), and a query head selects
+its ``d`` columns of ``q_proj`` and those of the key/value head it reads in ``k_proj`` and
+``v_proj`` (key/value heads in increasing order, each once).
 
 Narrowing keeps every axis: a capture of ``positions=[-1]`` has a position axis of size 1. An
 edit sees the narrowed tensor, of the shape a capture with the same units records (so
