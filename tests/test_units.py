@@ -344,6 +344,11 @@ def test_bad_units_are_refused_before_anything_is_hooked(
         hs.capture(_gpt2(), "transformer.h.0.attn::attention_weights", **options)
 
 
+def test_positions_with_a_mean_over_every_token_are_refused() -> None:
+    with pytest.raises(hs.UsageError, match="give one of them"):
+        hs.capture(_gpt2(), "transformer.h.0.mlp", positions="last", reduce="token_mean")
+
+
 def test_an_index_out_of_range_is_named_with_the_sites_size() -> None:
     model, inputs = _gpt2(), _inputs("left")
     site = "transformer.h.0.attn::scaled_dot_product_attention"

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..errors import LayerNotFoundError
+from ..errors import LayerNotFoundError, UsageError
 from . import _torch, _tree
 from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
@@ -182,6 +182,11 @@ class Capture(Session):
     ) -> None:
         check_options(copy, keep, max_bytes, reduce, stop, grads)
         units = Units.of(positions, heads, neurons)
+        if units is not None and units.positions is not None and reduce == "token_mean":
+            raise UsageError(
+                "positions= keeps some positions and reduce='token_mean' averages over every "
+                "real one: give one of them (positions='last' is the last real token)"
+            )
         super().__init__(model, recompile=recompile, this_thread=this_thread)
         if not this_thread:  # (hs.features runs one of its own)
             self._entry = "hs.capture"
