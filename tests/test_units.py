@@ -478,3 +478,97 @@ def test_heads_of_a_layer_that_is_no_attention_projection_are_refused() -> None:
         hs.capture(model, "model.layers.0.mlp.up_proj", heads=[1])
     with pytest.raises(hs.UsageError, match="side by side"):
         hs.capture(model, "model.layers.0.self_attn.q_proj", heads=[1], neurons=[0])
+
+
+# -- generation ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_the_last_real_token_at_each_decoding_step_equals_a_forward_over_the_prefix(
+    kind: str,
+) -> None:
+    """Under generate() with a KV cache each step's call covers the mask's last column:
+    positions="last" is the new token; its head output and pattern equal those of the last
+    token of eager attention computed by hand over the whole prefix (left padding, the
+    positions generate gives each token). The GQA Llama's decoding steps are the calls
+    transformers packs (see test_the_query_key_and_value_of_a_packed_decoding_step)."""
+    make, attention, _ = MODELS[kind]
+    model, inputs = make(), _inputs("left")
+    z_site = f"{attention.format(1)}::scaled_dot_product_attention"
+    p_site = f"{attention.format(1)}::attention_weights"
+    with (
+        torch.no_grad(),
+        hs.capture(model, [z_site, p_site], heads=[1], positions="last", keep="all") as cap,
+    ):
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert len(cap[z_site].calls) == len(cap[p_site].calls) == 3
+    for step, (z_call, p_call) in enumerate(zip(cap[z_site].calls, cap[p_site].calls)):
+        length = 7 + step
+        mask = torch.cat([inputs["attention_mask"], torch.ones(3, step, dtype=torch.long)], 1)
+        prefix = {"input_ids": out[:, :length], "attention_mask": mask}
+        prefix["position_ids"] = (mask.cumsum(-1) - 1).clamp(min=0)
+        probs, z = _eager(model, kind, 1, prefix)
+        assert z_call.output.shape == (3, 1, 1, HEAD_SIZE)
+        assert p_call.output.shape == (3, 1, 1, length)
+        torch.testing.assert_close(z_call.output, z[:, [1], -1:], rtol=0, atol=1e-5)
+        torch.testing.assert_close(p_call.output, probs[:, [1], -1:], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_ablating_a_head_at_each_decoding_step_equals_zeroing_its_columns(kind: str) -> None:
+    """An edit under generate(): head 1 ablated at the last real token of every step (the
+    prefill's last column under left padding, then each new token) equals zeroing its
+    columns of the output projection's input by a plain pre-hook, step by step."""
+    make, attention, projection = MODELS[kind]
+    model, inputs = make(), _inputs("left")
+    site = f"{attention.format(1)}::scaled_dot_product_attention"
+    run = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    run |= {"output_scores": True, "return_dict_in_generate": True}
+    with torch.no_grad(), hs.edit(model, {site: hs.ablate()}, heads=[1], positions="last"):
+        got = model.generate(**inputs, **run).scores
+
+    def zero(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor]:
+        x = args[0].clone()
+        x[:, -1, _head_columns(1)] = 0
+        return (x,)
+
+    proj = _module(model, f"{attention.format(1)}.{projection}")
+    handle = proj.register_forward_pre_hook(zero)
+    try:
+        with torch.no_grad():
+            expected = model.generate(**inputs, **run).scores
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        plain = model.generate(**inputs, **run).scores
+    assert len(got) == len(expected) == 3
+    for step, (g, e, p) in enumerate(zip(got, expected, plain, strict=True)):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=f"step {step}")
+        assert not torch.allclose(g, p), f"step {step}: the edit changed nothing"
+
+
+def test_the_query_key_and_value_of_a_packed_decoding_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """To decode one token with grouped-query attention and a mask, transformers packs the
+    query (N, H, 1, d) into (N, H/g, g, d) (query head k·g + r is row r of key/value head k)
+    for one SDPA call: heads=[3] still means query head 3, and key/value head 3 // 2 = 1.
+    The oracle: the call's own arguments, recorded by a plain wrapper of the function."""
+    model, inputs = _llama(), _inputs("left")
+    seen: list[dict[str, Tensor]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def record(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        seen.append({"query": query, "key": key, "value": value})
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", record)
+    site = "model.layers.0.self_attn::scaled_dot_product_attention"
+    with torch.no_grad(), hs.capture(model, site, heads=[3], inputs=True, keep="all") as cap:
+        model.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    step = seen[2]  # layer 0 of the first decoding step (the prefill called layers 0 and 1)
+    assert step["query"].shape == (3, 2, 2, HEAD_SIZE), "transformers did not pack this call"
+    query = step["query"].reshape(3, HEADS, 1, HEAD_SIZE)  # unpacked by hand
+    call = cap[site].calls[1]
+    torch.testing.assert_close(call.inputs["query"], query[:, [3]], rtol=0, atol=0)
+    torch.testing.assert_close(call.inputs["key"], step["key"][:, [1]], rtol=0, atol=0)
+    torch.testing.assert_close(call.inputs["value"], step["value"][:, [1]], rtol=0, atol=0)
+    assert call.output.shape == (3, 1, 1, HEAD_SIZE)

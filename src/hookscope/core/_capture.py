@@ -201,7 +201,7 @@ class Capture(Session):
             max_bytes=max_bytes,
             narrow=narrows(
                 units,
-                {n: s.op for n, s in chosen.items()},
+                {n: (s.module, s.op) for n, s in chosen.items()},
                 layout,
                 lambda selector: self._layers.sites(selector),
                 masks,
@@ -603,13 +603,15 @@ class Capture(Session):
 
     def _narrow_inputs(self, site: _Site, bound: dict[str, Any]) -> dict[str, Any]:
         """``heads=`` on an SDPA call's inputs: the query at the selected heads, key and
-        value at the key/value heads those read (grouped-query attention)."""
+        value at the key/value heads those read (grouped-query attention); a packed call's
+        query (``ops/_attention``) unpacked first, so that its heads are the query heads."""
         units = self._units
         if units is None or units.heads is None or site.op is None or site.op.op != SDPA:
             return bound
         query, key = bound.get("query"), bound.get("key")
         if not isinstance(query, Tensor) or not isinstance(key, Tensor) or query.dim() < 3:
             return bound
+        query = unpack(query, packed_groups(site.module, query, key))
         hq, hk = query.size(-3), key.size(-3)
         chosen = [h % hq for h in units.heads]
         narrowed = dict(bound)

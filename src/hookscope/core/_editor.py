@@ -152,9 +152,8 @@ class Editor(Session):
                 plan.setdefault(name, []).extend(_as_edits(value))
                 where[name] = (site.module, site.op)
         self._masks = MaskNote() if units is not None and units.needs_mask else None
-        sites = {name: op for name, (_, op) in where.items()}
         resolve = self._layers.sites
-        chosen = narrows(units, sites, layout, resolve, self._masks, self._layers.root)
+        chosen = narrows(units, where, layout, resolve, self._masks, self._layers.root)
         for name, narrow in chosen.items():
             plan[name] = [_narrowed(edit, narrow) for edit in plan[name]]
         self._plan = {n: _Layer(n, where[n][0], e, where[n][1]) for n, e in plan.items()}

@@ -16,7 +16,10 @@ The output of an SDPA call is each head's output before the output projection
 (TransformerLens' ``hook_z``, whose layout is ``(N, T, H, d)``: the same values, transposed);
 its query, key and value inputs (``inputs=True``) are narrowed to the heads too, key and value
 to the key/value head each selected query head reads under grouped-query attention
-(:func:`kv_heads`). The head layout thus comes from the call itself: every model that calls
+(:func:`kv_heads`). A decoding step that transformers packed (grouped-query attention with a
+mask: the query ``(N, H, 1, d)`` passed as ``(N, H/g, g, d)``, see ``ops/_attention``) is
+narrowed in the unpacked layout, so head ``h`` is query head ``h`` at every step. The head
+layout thus comes from the call itself: every model that calls
 ``F.scaled_dot_product_attention`` (Hugging Face models with ``attn_implementation="sdpa"``,
 the default) has it without declaring anything.
 
@@ -46,10 +49,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..errors import UsageError
 from ._reduce import keep_mask
+from .ops._attention import pack, packed_rows, unpack
 from .ops._select import SDPA, WEIGHTS, OpSelector
 
 __all__ = [
@@ -241,13 +245,14 @@ def axes_of(
 
 def narrows(
     units: Units | None,
-    sites: Mapping[str, OpSelector | None],
+    sites: Mapping[str, tuple[nn.Module, OpSelector | None]],
     layout: Mapping[str, str] | None,
     resolve: Callable[[str], Iterable[str]],
     masks: MaskNote | None,
     model: object = None,
 ) -> dict[str, Narrow]:
-    """The :class:`Narrow` of each of ``sites`` (name: its operation, None for a layer), with
+    """The :class:`Narrow` of each of ``sites`` (name: its module and its operation, None for
+    a layer), with
     the axes ``layout`` declares (``{selector: "batch heads positions keys"}``, each selector
     resolved by ``resolve`` to site names) where it declares them."""
     if units is None:
@@ -266,15 +271,13 @@ def narrows(
             )
         for name in names:
             declared[name] = parse_layout(text, name)
-    return {
-        name: Narrow(
-            units,
-            axes_of(op, declared.get(name), projection_axes(name, model) if units.heads else None),
-            name,
-            masks,
-        )
-        for name, op in sites.items()
-    }
+    narrowed: dict[str, Narrow] = {}
+    for name, (module, op) in sites.items():
+        projection = projection_axes(name, model) if units.heads else None
+        axes = axes_of(op, declared.get(name), projection)
+        sdpa = op is not None and op.op == SDPA and name not in declared
+        narrowed[name] = Narrow(units, axes, name, masks, module if sdpa else None)
+    return narrowed
 
 
 def kv_heads(heads: Sequence[int], query_heads: int, key_heads: int) -> list[int]:
@@ -326,11 +329,28 @@ class MaskNote:
 
 
 class Narrow:
-    """The units of one site: :meth:`take` them from its tensor, :meth:`put` new values back."""
+    """The units of one site: :meth:`take` them from its tensor, :meth:`put` new values back.
 
-    def __init__(self, units: Units, axes: Axes, site: str, masks: MaskNote | None) -> None:
+    ``attention``: for an SDPA call's output, the attention module that makes the call, whose
+    packed decoding steps (:func:`~.ops._attention.packed_rows`) are narrowed unpacked."""
+
+    def __init__(
+        self,
+        units: Units,
+        axes: Axes,
+        site: str,
+        masks: MaskNote | None,
+        attention: nn.Module | None = None,
+    ) -> None:
         axes.check(units, site)
         self.units, self.axes, self.site, self._masks = units, axes, site, masks
+        self._attention = attention
+
+    def _unpacked(self, t: Tensor) -> tuple[Tensor, int]:
+        """``t`` in eager attention's layout ``(N, H, 1, d)`` if it is the output (or its
+        gradient) of a packed call ``(N, H/g, g, d)``, and ``g`` (1: as it was)."""
+        groups = 1 if self._attention is None else packed_rows(self._attention, t)
+        return unpack(t, groups), groups
 
     def _plan(self, t: Tensor) -> list[tuple[int, Tensor]]:
         """``(axis, index)`` per narrowed axis: ``(N, 1)`` for ``"last"`` (a position per
@@ -392,6 +412,7 @@ class Narrow:
 
     def take(self, t: Tensor) -> Tensor:
         """The selected units of ``t``, every axis kept."""
+        t, _ = self._unpacked(t)
         for axis, index in self._plan(t):
             t = _take(t, axis, index)
         return t
@@ -399,7 +420,8 @@ class Narrow:
     def put(self, t: Tensor, new: Tensor) -> Tensor:
         """``t`` with its selected units replaced by ``new`` (of :meth:`take`'s shape), out of
         place."""
-        return _put(t, self._plan(t), new)
+        full, groups = self._unpacked(t)
+        return pack(_put(full, self._plan(full), new), groups)
 
 
 def _take(t: Tensor, axis: int, index: Tensor) -> Tensor:

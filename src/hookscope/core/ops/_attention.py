@@ -47,6 +47,7 @@ __all__ = [
     "explicit",
     "pack",
     "packed_groups",
+    "packed_rows",
     "probabilities",
     "unpack",
     "weights_grad",
@@ -88,19 +89,27 @@ def packed_groups(module: nn.Module, query: Tensor, key: Tensor) -> int:
     transformers' paths gives the query ``H / g`` heads (repeated keys give both ``H``,
     SDPA's ``enable_gqa`` gives the query ``H``).
     """
+    if key.dim() < 3 or query.dim() < 3 or query.size(-3) != key.size(-3):
+        return 1
+    return packed_rows(module, query)
+
+
+def packed_rows(module: nn.Module, t: Tensor) -> int:
+    """:func:`packed_groups` of a call from its query alone, or from its output or the
+    gradient w.r.t. it (both of the query's shape): ``g`` where ``t`` is ``(..., H/g, g, D)``
+    for ``g = module.num_key_value_groups > 1`` and ``H`` the module's head count, else 1."""
     groups = getattr(module, "num_key_value_groups", None)
     if not isinstance(groups, int) or isinstance(groups, bool) or groups <= 1:
         return 1
-    if query.dim() < 3 or key.dim() < 3 or query.size(-2) != groups:
-        return 1
-    if query.size(-3) != key.size(-3) or _heads(module) != query.size(-3) * groups:
+    if t.dim() < 3 or t.size(-2) != groups or _heads(module) != t.size(-3) * groups:
         return 1
     return groups
 
 
 def unpack(weights: Tensor, groups: int) -> Tensor:
     """Weights (or their gradient) of a packed call, ``(..., H/g, g, S)``, in eager
-    attention's layout ``(..., H, 1, S)``: head ``k·g + r`` is row ``r`` of key head ``k``."""
+    attention's layout ``(..., H, 1, S)``: head ``k·g + r`` is row ``r`` of key head ``k``.
+    The same for the call's query and output ``(..., H/g, g, D)`` (``S`` is then ``D``)."""
     if groups == 1:
         return weights
     *batch, kv_heads, rows, keys = weights.shape
