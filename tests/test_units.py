@@ -357,6 +357,75 @@ def test_an_index_out_of_range_is_named_with_the_sites_size() -> None:
             model(**inputs)
 
 
+class TwoDimensional(nn.Module):
+    """A linear layer's output (N, D) and an SDPA call without a batch axis (H, T, d)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        heads = self.linear(x).view(2, -1, 4)  # (2 heads, 3 positions, 4): no batch axis
+        return torch.nn.functional.scaled_dot_product_attention(heads, heads, heads)
+
+
+@pytest.mark.parametrize(
+    ("site", "options", "shape"),
+    [
+        ("linear", {"positions": [0]}, r"\(3, 8\)"),
+        ("linear", {"positions": "last"}, r"\(3, 8\)"),
+        ("::scaled_dot_product_attention", {"heads": [1]}, r"\(2, 3, 4\)"),
+        ("::scaled_dot_product_attention", {"neurons": [1]}, r"\(2, 3, 4\)"),
+    ],
+)
+def test_a_tensor_without_the_axes_of_its_sites_layout_is_refused(
+    site: str, options: dict[str, Any], shape: str
+) -> None:
+    """Units are never taken from another axis: positions of an output (N, D) would be its
+    features, heads of an SDPA call without a batch axis its positions."""
+    model = TwoDimensional()
+    with pytest.raises(hs.UsageError, match=f"its tensor {shape} does not have the axes"):
+        with torch.no_grad(), hs.capture(model, site, **options):
+            model(torch.randn(3, 8))
+
+
+def test_neurons_of_an_output_without_positions() -> None:
+    model, x = TwoDimensional(), torch.randn(3, 8)
+    with torch.no_grad(), hs.capture(model, "linear", neurons=[5, 1]) as cap:
+        model(x)
+        torch.testing.assert_close(cap["linear"].output, model.linear(x)[:, [5, 1]])
+
+
+class Prefixed(nn.Module):
+    """A learned token put before the text (as ViT's class token): its layers have one
+    position more than the attention_mask has columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.prefix = nn.Embedding(100, 8), nn.Parameter(torch.zeros(1, 1, 8))
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        x = self.embed(input_ids)
+        x = torch.cat([self.prefix.expand(x.size(0), 1, 8), x], dim=1)
+        return self.linear(x) * torch.cat([attention_mask[:, :1], attention_mask], 1)[..., None]
+
+
+def test_last_with_a_mask_that_does_not_fit_the_site_is_refused() -> None:
+    model, inputs = Prefixed(), _inputs("right")
+    with pytest.raises(hs.UsageError, match=r"attention_mask is \(3, 7\).*3 samples of 8"):
+        with torch.no_grad(), hs.capture(model, "linear", positions="last"):
+            model(**inputs)
+
+
+def test_last_of_a_sample_without_a_real_token_is_refused() -> None:
+    model, inputs = _gpt2(), _inputs("right")
+    inputs["attention_mask"][2] = 0
+    with pytest.raises(hs.UsageError, match="keeps none of this call's positions"):
+        with torch.no_grad(), hs.capture(model, "transformer.h.0.mlp", positions="last"):
+            model(**inputs)
+
+
 def test_edits_of_inputs_gradients_or_shapes_are_refused_with_units() -> None:
     model = _gpt2()
     for edit in (hs.ablate(on="input"), hs.scale(2.0, on="grad")):

@@ -29,6 +29,10 @@ axis: the config gives their number and size (:func:`config_heads`), and a query
 its ``d`` columns of ``q_proj`` and those of the key/value head it reads in ``k_proj`` and
 ``v_proj`` (key/value heads in increasing order, each once).
 
+A tensor without the axes of its site's layout is refused (:meth:`Axes.fits`) rather than
+narrowed along another axis: an output ``(N, D)`` has no positions (its axis 1 is the
+features), an SDPA call without a batch axis ``(H, T, d)`` no heads at axis 1.
+
 Narrowing keeps every axis: a capture of ``positions=[-1]`` has a position axis of size 1. An
 edit sees the narrowed tensor, of the shape a capture with the same units records (so
 ``hs.patch`` of a narrowed capture fits), and its result is written back into the selected
@@ -118,6 +122,12 @@ class Units:
         return cls(chosen, _indices(heads, "heads"), _indices(neurons, "neurons"))
 
     @property
+    def named(self) -> str:
+        """The keywords given, as the user wrote them: ``"heads=, positions="``."""
+        given = (("positions", self.positions), ("heads", self.heads), ("neurons", self.neurons))
+        return ", ".join(f"{name}=" for name, value in given if value is not None)
+
+    @property
     def needs_mask(self) -> bool:
         """Whether the forward's token mask is needed (``positions="last"``)."""
         return self.positions == "last"
@@ -135,6 +145,23 @@ class Axes:
     #: each head's size ``d``, and how many query heads read each of them (1 for queries,
     #: ``H / H_kv`` for the keys and values of grouped-query attention)
     packed: tuple[int, int] | None = None
+    #: how many axes the layout names, None where it leaves some unnamed (a layer's output
+    #: ``(N, T, ..., D)``: a batch, then positions before the features, if it has positions)
+    rank: int | None = None
+
+    def fits(self, t: Tensor, units: Units, site: str) -> None:
+        """Refuse a tensor without this layout's axes: its units would be taken from other
+        axes (an output ``(N, D)`` has no positions; its axis 1 is the features)."""
+        if self.rank is not None:
+            fits = t.dim() == self.rank
+        else:
+            fits = t.dim() >= (3 if units.positions is not None else 2)
+        if not fits:
+            raise UsageError(
+                f"{units.named} on {site!r}: its tensor {tuple(t.shape)} does not have the "
+                f"axes of {self.kind}, so the units would be taken from other axes; select "
+                "another site, or declare its axes with layout="
+            )
 
     def check(self, units: Units, site: str) -> None:
         """Refuse units this site has no axis for, naming the sites that have one."""
@@ -186,7 +213,8 @@ def parse_layout(text: object, site: str) -> Axes:
         )
     where = {w: i for i, w in enumerate(words) if w in _NAMED}
     kind = f"declared ({' '.join(words)})"
-    return Axes(where.get("positions"), where.get("heads"), where.get("neurons"), kind)
+    axes = (where.get("positions"), where.get("heads"), where.get("neurons"))
+    return Axes(*axes, kind, rank=len(words))
 
 
 #: the last name of an attention projection module, and whether it makes keys or values
@@ -237,9 +265,9 @@ def axes_of(
     if op is None and projection is not None:
         return projection
     if op is not None and op.op == WEIGHTS:
-        return Axes(2, 1, None, "attention weights (N, heads, query, key)")
+        return Axes(2, 1, None, "attention weights (N, heads, query, key)", rank=4)
     if op is not None and op.op == SDPA:
-        return Axes(2, 1, -1, "an SDPA call's output (N, heads, positions, head size)")
+        return Axes(2, 1, -1, "an SDPA call's output (N, heads, positions, head size)", rank=4)
     return Axes(1, None, -1, "an output (N, positions, ..., features)")
 
 
@@ -357,6 +385,7 @@ class Narrow:
         sample), else ``(k,)`` indices along the axis."""
         plan: list[tuple[int, Tensor]] = []
         units, axes = self.units, self.axes
+        axes.fits(t, units, self.site)
         for wanted, axis, what in (
             (units.positions, axes.positions, "positions"),
             (units.heads, axes.heads, "heads"),
@@ -364,12 +393,7 @@ class Narrow:
         ):
             if wanted is None or axis is None:
                 continue
-            if t.dim() < 2 or not -t.dim() <= axis < t.dim():
-                raise UsageError(
-                    f"{what}= on {self.site!r}: its tensor {tuple(t.shape)} has no {what} axis "
-                    f"(expected {self.axes.kind})"
-                )
-            axis %= t.dim()
+            axis %= t.dim()  # in range: the tensor fits the layout
             size = t.size(axis)
             if wanted == "last":
                 mask = self._masks.mask if self._masks is not None else None
