@@ -411,6 +411,25 @@ class Prefixed(nn.Module):
         return self.linear(x) * torch.cat([attention_mask[:, :1], attention_mask], 1)[..., None]
 
 
+def test_last_of_a_layer_called_after_a_forward_is_its_last_position() -> None:
+    """A layer called by itself after a padded forward has no mask: "last" is its last
+    position, not the previous forward's last real tokens."""
+    model, inputs = _gpt2(), _inputs("right")
+    mlp, x = model.transformer.h[0].mlp, torch.randn(3, 7, 64)
+    site = "transformer.h.0.mlp"
+    with torch.no_grad(), hs.capture(model, site, positions="last", keep="all") as cap:
+        model(**inputs)
+        mlp(x)
+    with torch.no_grad():
+        torch.testing.assert_close(cap[site].calls[1].output, mlp(x)[:, -1:], rtol=0, atol=0)
+        with hs.edit(model, {site: hs.ablate()}, positions="last"):
+            model(**inputs)
+            edited = mlp(x)
+        expected = mlp(x)
+    expected[:, -1] = 0
+    torch.testing.assert_close(edited, expected, rtol=0, atol=0)
+
+
 def test_last_with_a_mask_that_does_not_fit_the_site_is_refused() -> None:
     model, inputs = Prefixed(), _inputs("right")
     with pytest.raises(hs.UsageError, match=r"attention_mask is \(3, 7\).*3 samples of 8"):

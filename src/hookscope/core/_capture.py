@@ -542,6 +542,8 @@ class Capture(Session):
     def _on_model_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self._now.depth and not (self._in_backward() or self._ignores()):
             self._store.note_inputs({})  # a layer called outside a forward has no mask
+            if self._store.masks is not None:
+                self._store.masks.note({})
 
     def _on_input(
         self,

@@ -184,6 +184,7 @@ class Editor(Session):
         if self._masks is not None:  # positions="last": the forward's attention_mask
             self._root_binder = Binder(self._layers.root)
             hooks.forward_pre(self._layers.root, self._on_model_inputs, with_kwargs=True)
+            hooks.forward(self._layers.root, self._on_model_end, always_call=True)
         for layer in self._plan.values():
             if layer.op is not None:
                 continue  # an operation: its module's calls are followed by self._ops
@@ -204,6 +205,10 @@ class Editor(Session):
         """``positions="last"``: note the forward's token mask (this thread's)."""
         if self._masks is not None and self._now.depth == 1 and not self._ignores():
             self._masks.note(self._root_binder.bind(args, kwargs))
+
+    def _on_model_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if self._masks is not None and not self._now.depth and not self._ignores():
+            self._masks.note({})  # a layer called outside a forward has no mask
 
     def _rebound(self, layer: _Layer) -> None:
         if layer.op is None and layer.binder is not None:

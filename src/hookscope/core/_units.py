@@ -42,7 +42,8 @@ units of the full tensor, out of place; the other units are left exactly as they
 ``attention_mask`` keeps (right or left padding alike), read from the model's own inputs as
 ``reduce="token_mean"`` reads it. A call over fewer positions than the mask has columns (a
 decoding step with a KV cache) covers the mask's last columns. Without a mask every position
-is real, and ``"last"`` is the last one.
+is real, and ``"last"`` is the last one; so it is for a layer called by itself, outside a
+forward of the model (the sessions forget the mask when the forward ends).
 """
 
 from __future__ import annotations
