@@ -7,6 +7,12 @@ scaled and by what factor, and the parameters whose gradients are not finite. Ev
 computed on the device and read with one host transfer. Sparse gradients
 (``nn.Embedding(sparse=True)``) are clipped too: their norms are those of the dense gradients
 they stand for (torch's ``clip_grad_norm_`` has no sparse norm kernel).
+
+Sharded gradients (``DTensor``, as FSDP2 and HSDP make them) are measured on each rank's
+piece and combined over the process groups that shard them (``_sharded.py``: one all-reduce
+per group, of every gradient's ``|g|^p`` sum, or its maximum for the inf norm, with a count of
+non-finite pieces), so that every rank finds the norms of the whole gradients and scales its
+piece by the same coefficient. Plain gradients (DDP's included) take no collective.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from torch import Tensor, nn
 
 from ..core import ClipReport, _torch
 from ..errors import NonFiniteError, UsageError
+from . import _sharded
 
 __all__ = ["ClipReport", "clip_grad_norm"]
 
@@ -93,6 +100,46 @@ def _values(g: Tensor) -> Tensor:
     return g
 
 
+def _sharded_norms(plan: _sharded.Plan, norm_type: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Each gradient's norm over all its pieces, whether all its pieces are finite, and
+    whether this rank's piece is not, for gradients some of which are sharded: every piece's
+    ``|g|^p`` sum and non-finite flag summed over the groups that shard it (the inf norm: the
+    pieces' maxima and NaN flags, maximised), one all-reduce per group. A gradient sharded
+    nowhere keeps its local norm untouched."""
+    dist = torch.distributed
+    local = _norms(plan.values, norm_type)
+    peaks = local if math.isinf(norm_type) else _norms(plan.values, math.inf)
+    local_bad = ~torch.isfinite(peaks)
+    if math.isinf(norm_type):  # (a maximum over NaN is not defined: NaN travels as a flag)
+        nan = local.isnan()
+        rows = torch.stack([torch.where(nan, 0.0, local), nan.to(local.dtype)], dim=1)
+        out = plan.combine(rows, dist.ReduceOp.MAX)
+        reduced = torch.where(out[:, 1] > 0, math.nan, out[:, 0])
+        finite = torch.isfinite(reduced)
+    else:  # (as torch's DTensor norms: p-th powers summed, then the p-th root)
+        rows = torch.stack([local.pow(norm_type), local_bad.to(local.dtype)], dim=1)
+        out = plan.combine(rows, dist.ReduceOp.SUM)
+        reduced = out[:, 0].pow(1.0 / norm_type)
+        finite = out[:, 1] == 0
+    which = [plan.combined(i) for i in range(len(plan.values))]
+    if all(which):
+        return reduced, finite, local_bad
+    norms = torch.stack([reduced[i] if w else local[i] for i, w in enumerate(which)])
+    finite = torch.stack([finite[i] if w else ~local_bad[i] for i, w in enumerate(which)])
+    return norms, finite, local_bad
+
+
+def _holders(plan: _sharded.Plan, local_bad: Tensor, bad: list[int]) -> list[list[int]]:
+    """The ranks whose piece of each of the ``bad`` gradients is not finite (every rank of a
+    group that shards one of them finds the same ``bad``: their flags were combined)."""
+    flags = local_bad.tolist()
+    return plan.holders([flags[j] for j in bad], bad)
+
+
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
 def _total(norms: Tensor, norm_type: float) -> Tensor:
     return norms.max() if math.isinf(norm_type) else torch.linalg.vector_norm(norms, norm_type)
 
@@ -114,6 +161,11 @@ def clip_grad_norm(
     error_if_nonfinite: bool = False,
 ) -> ClipReport:
     """Clip gradient norms in place, like ``torch.nn.utils.clip_grad_norm_``, and report.
+
+    Sharded gradients (``DTensor``: FSDP2's ``fully_shard``, HSDP) are clipped as their whole
+    gradients would be: call it on every rank, as torch's; the ranks' pieces are combined over
+    the process groups that shard them (one all-reduce per group), and every rank gets the
+    same report.
 
     Args:
         parameters: a model (layers are named after the modules owning the parameters), a
@@ -154,7 +206,11 @@ def clip_grad_norm(
         groups.setdefault(layer, []).append(j)
     layers = list(groups)
     grads: list[Tensor] = [p.grad for _, _, p in named]  # type: ignore[misc]
-    norms = _norms(grads, norm_type)
+    plan = _sharded.plan(grads)
+    if plan is None:
+        norms = _norms(grads, norm_type)
+    else:
+        norms, finite, local_bad = _sharded_norms(plan, norm_type)
     # per layer: views of `norms` only, no index tensor (a host-to-device copy would sync)
     layer_norms = torch.stack([_total(_rows(norms, idx), norm_type) for idx in groups.values()])
     total = _total(norms, norm_type)
@@ -162,9 +218,10 @@ def clip_grad_norm(
         coef = (max_norm / (layer_norms + 1e-6)).clamp(max=1.0)
     else:
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0).expand(len(layers))
-    # the largest magnitude is finite exactly when the gradient is (it cannot overflow)
-    peaks = norms if math.isinf(norm_type) else _norms(grads, math.inf)
-    finite = torch.isfinite(peaks)
+    if plan is None:
+        # the largest magnitude is finite exactly when the gradient is (it cannot overflow)
+        peaks = norms if math.isinf(norm_type) else _norms(grads, math.inf)
+        finite = torch.isfinite(peaks)
     after = layer_norms * coef  # a norm scales with its gradients
     values = torch.cat(
         [total[None], layer_norms, coef, finite.to(norms.dtype), _total(after, norm_type)[None]]
@@ -175,12 +232,19 @@ def clip_grad_norm(
     finite_v, after_v = host[1 + 2 * k : 1 + 2 * k + len(named)], host[-1]
     bad = [name for (_, name, _), ok in zip(named, finite_v, strict=True) if not ok]
     if bad and error_if_nonfinite:
+        stats: dict[str, object] = {"parameters": bad}
+        listed = bad[:10]
+        if plan is not None:
+            where = [j for j, ok in enumerate(finite_v) if not ok]
+            held = dict(zip(bad, _holders(plan, local_bad, where), strict=True))
+            stats["ranks"] = held
+            listed = [f"{n} ({_ranks(held[n])})" if held[n] else n for n in listed]
         raise NonFiniteError(
-            f"non-finite gradients in {len(bad)} parameter(s): {', '.join(bad[:10])}; total norm "
+            f"non-finite gradients in {len(bad)} parameter(s): {', '.join(listed)}; total norm "
             f"{total_v}. Nothing was clipped.",
             phase="backward",
             module=bad[0],
-            stats={"parameters": bad},
+            stats=stats,
         )
     if error_if_nonfinite and not math.isfinite(total_v):
         top = max(range(len(layers)), key=lambda i: layer_v[i])
@@ -196,7 +260,8 @@ def clip_grad_norm(
     with torch.no_grad():  # (a sparse tensor's detach() is a copy: scale the gradient itself)
         for i, idx in enumerate(groups.values()):
             for j in idx:
-                grads[j].mul_(coef[i].to(grads[j].device, grads[j].dtype))
+                g = grads[j] if plan is None else _sharded.local(grads[j])  # its own piece
+                g.mul_(coef[i].to(g.device, g.dtype))
     clipped = {layer: c for layer, c in zip(layers, coef_v, strict=True) if c < 1.0}
     return ClipReport(
         total_norm=total_v,

@@ -1,0 +1,159 @@
+"""Statistics of sharded tensors: computed on each rank's local piece, combined over exactly
+the process groups that shard it.
+
+A ``DTensor`` (FSDP2's parameters and gradients, tensor parallelism's weights) lies on a device
+mesh; along each mesh dimension its placement is ``Shard(d)`` (the ranks of that dimension's
+process group hold disjoint pieces), ``Replicate()`` (they hold the same values) or
+``Partial()`` (they hold terms of a reduction still to be done). A statistic that adds up over
+pieces (a count, a sum, a sum of ``|x|^p``, a maximum) is computed on the local piece
+(``to_local()``) and combined over the process groups of the dimensions where the tensor is
+sharded, and over no other: HSDP's replicate dimension holds copies of the same shard, and
+adding them would count every value twice. A ``Partial`` tensor's local values are not its
+values until summed, so it is summed first (torch's ``redistribute`` to ``Replicate`` on those
+dimensions: one collective per such tensor, which gradients under FSDP2 and HSDP never need).
+
+:class:`Plan` decides once which tensor combines over which group; :meth:`Plan.combine` packs
+every tensor's row of statistics into one buffer per process group and reduces it with one
+all-reduce per group. Plain tensors (DDP's gradients among them: already equal on every rank)
+are never combined, and no ``DTensor`` at all means no plan (:func:`plan` returns None).
+
+Used by :func:`hookscope.clip_grad_norm`; the Monitor's statistics and the NaN tracer are
+meant to combine through the same plan.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+__all__ = ["Plan", "is_sharded", "local", "plan"]
+
+
+def _dtensor_class() -> type[Tensor] | None:
+    """``DTensor``, or None when ``torch.distributed.tensor`` was never imported (then no
+    tensor can be one, and importing it here would cost a second for nothing)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else module.DTensor
+
+
+def is_sharded(t: Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (whatever its placements)."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(t, cls)
+
+
+def local(t: Tensor) -> Tensor:
+    """This rank's piece of ``t`` (``t`` itself for a plain tensor): in-place operations on it
+    change ``t``."""
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class _Group:
+    """A process group and the rows (tensor positions) combined over it."""
+
+    group: ProcessGroup
+    ranks: tuple[int, ...]
+    rows: list[int]
+
+
+class Plan:
+    """Which of ``tensors`` combines over which process group, and the values each rank's
+    statistics are computed on.
+
+    Attributes:
+        values: per tensor, the local values to compute statistics on: the local piece, after
+            summing a ``Partial`` tensor (a new tensor then; otherwise the piece itself).
+        groups: per process group, in the order every rank meets them, the tensors sharded
+            over it.
+    """
+
+    def __init__(self, tensors: Sequence[Tensor]) -> None:
+        self.values: list[Tensor] = []
+        self._by_ranks: dict[tuple[int, ...], _Group] = {}
+        self._combined: set[int] = set()
+        self._ranks: dict[int, tuple[int, ...]] = {}
+        for i, t in enumerate(tensors):
+            self.values.append(self._place(i, t))
+
+    def _place(self, i: int, t: Tensor) -> Tensor:
+        if not is_sharded(t):
+            return t
+        mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+        if any(p.is_partial() for p in placements):
+            from torch.distributed.tensor import Replicate
+
+            summed = [Replicate() if p.is_partial() else p for p in placements]
+            t = t.redistribute(mesh, summed)  # type: ignore[attr-defined]
+        for dim, p in enumerate(t.placements):  # type: ignore[attr-defined]
+            if p.is_shard():
+                self._join(mesh.get_group(dim), i)
+        return t.to_local()  # type: ignore[attr-defined, no-any-return]
+
+    def _join(self, group: ProcessGroup, i: int) -> None:
+        # two meshes may each have made a group of the same ranks: one all-reduce serves both
+        # (every rank meets the tensors in the same order, so picks the same group object)
+        ranks = self._ranks.get(id(group))
+        if ranks is None:  # (asked once per group: FSDP2 gives every layer the same one)
+            ranks = self._ranks[id(group)] = tuple(torch.distributed.get_process_group_ranks(group))
+        entry = self._by_ranks.setdefault(ranks, _Group(group, ranks, []))
+        entry.rows.append(i)
+        self._combined.add(i)
+
+    @property
+    def groups(self) -> list[_Group]:
+        return list(self._by_ranks.values())
+
+    def combined(self, i: int) -> bool:
+        """Whether tensor ``i`` is combined over any group (it is sharded somewhere)."""
+        return i in self._combined
+
+    def combine(self, rows: Tensor, op: Any, only: Sequence[int] | None = None) -> Tensor:
+        """``rows[i]`` (tensor ``i``'s statistics on this rank, one row each) combined over the
+        groups that shard tensor ``i``, element by element with ``op`` (a
+        ``torch.distributed.ReduceOp``): one all-reduce per group, in the order every rank
+        meets the groups. Rows of tensors sharded nowhere come back as they were.
+
+        ``only``: combine just these tensors (their rows in ``rows``, in this order); every
+        rank of a group must pass the same ones for that group.
+        """
+        which = list(range(rows.shape[0])) if only is None else list(only)
+        at = {tensor: row for row, tensor in enumerate(which)}
+        out = list(rows.unbind(0))
+        for g in self._by_ranks.values():
+            mine = [at[i] for i in g.rows if i in at]
+            if not mine:
+                continue
+            packed = torch.stack([out[r] for r in mine])
+            torch.distributed.all_reduce(packed, op=op, group=g.group)
+            for r, value in zip(mine, packed.unbind(0), strict=True):
+                out[r] = value
+        return torch.stack(out) if out else rows
+
+    def holders(self, flags: Sequence[bool], only: Sequence[int]) -> list[list[int]]:
+        """For each tensor of ``only``, the global ranks whose piece has its flag set (each
+        rank passes its own flags): one all-reduce per group over a row of the world's ranks.
+        A tensor sharded nowhere is held by this rank alone, as far as this rank can tell."""
+        dist = torch.distributed
+        me = dist.get_rank()
+        table = torch.zeros(len(only), dist.get_world_size(), dtype=torch.int32)
+        table[:, me] = torch.tensor([int(f) for f in flags], dtype=torch.int32)
+        device = self.values[only[0]].device if only else table.device
+        found = self.combine(table.to(device), dist.ReduceOp.SUM, only).cpu()
+        return [[r for r in range(found.shape[1]) if found[k, r] > 0] for k in range(len(only))]
+
+
+def plan(tensors: Sequence[Tensor]) -> Plan | None:
+    """The plan for ``tensors``, or None when none is a ``DTensor`` (nothing to combine: the
+    caller keeps its plain path)."""
+    if not any(is_sharded(t) for t in tensors):
+        return None
+    return Plan(tensors)
