@@ -3,6 +3,8 @@ processes, HSDP on a 2x2 mesh (four processes), and hand-placed DTensors (``Shar
 ``Replicate``, ``Partial``), each against ``torch.nn.utils.clip_grad_norm_`` on the sharded
 gradients and against the same model unsharded in one process on the same global batch.
 Collectives are counted at the dispatcher, where every c10d and functional collective passes.
+Then hs.Monitor on the same FSDP2 and HSDP models, every record and parameter histogram
+against statistics computed by hand on the unsharded model.
 Every launch has a timeout and leaves no process behind; each does all its checks in one start
 (the start costs most of the time)."""
 
@@ -320,3 +322,263 @@ def test_fsdp2_two_ranks_clip_like_torch_unsharded(tmp_path: Path) -> None:
 
 def test_hsdp_two_by_two_combines_over_the_shard_dimension_only(tmp_path: Path) -> None:
     _spawn(_fsdp_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=180)
+
+
+# -- hs.Monitor under FSDP2 --------------------------------------------------------------------
+
+
+class _Sink:
+    """A sink that keeps what it is given, parameter histograms included."""
+
+    histograms = True
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.hists: dict[tuple[str, int], tuple[dict[str, float], list[float]]] = {}
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def histogram(self, tag: str, step: int, stats: Any, counts: Any, edges: Any) -> None:
+        self.hists[tag, step] = (dict(stats), list(counts))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _steps_batches() -> list[Tensor]:
+    return [torch.randn(8, 3, generator=torch.Generator().manual_seed(10 + k)) for k in range(4)]
+
+
+def _hand(t: Tensor, dead: bool) -> dict[str, float]:
+    """The statistics of ``t`` by hand, with plain torch: what a record reports."""
+    finite = t[torch.isfinite(t)].double()  # (the exact statistics of the float32 values)
+    out = {
+        "norm": float(finite.norm()),
+        "mean": float(finite.mean()),
+        "std": float(finite.std()),
+        "min": float(finite.min()),
+        "max": float(finite.max()),
+        "zeros": float((t == 0).double().mean()),
+        "nonfinite": int((~torch.isfinite(t)).sum()),
+    }
+    if dead:  # a ReLU's channel (last dim) is dead when it is 0 for every sample
+        out["dead"] = float((t == 0).all(dim=0).double().mean())
+    return out
+
+
+def _hand_histogram(ts: list[Tensor]) -> tuple[dict[str, float], list[float]]:
+    from hookscope.diagnose._stats import EDGES
+
+    v = torch.cat([t.reshape(-1) for t in ts]).double()
+    bucket = (v[:, None] > EDGES[None, :]).sum(1)  # buckets (EDGES[i-1], EDGES[i]]
+    counts = torch.bincount(bucket, minlength=len(EDGES) + 1).double()
+    stats = {
+        "num": v.numel(),
+        "sum": float(v.sum()),
+        "sum_squares": float(v.square().sum()),
+        "min": float(v.min()),
+        "max": float(v.max()),
+    }
+    return stats, counts.tolist()
+
+
+def _recorded_backward(
+    model: nn.Module, x: Tensor, world: int
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Forward and backward of the unsharded ``model`` on the whole batch ``x``, in the ranks'
+    slices (the same shapes, so the same float operations as each rank's forward; FSDP
+    averages the ranks' gradients, each of its slice's loss): every layer's outputs and the
+    gradients w.r.t. them, the slices put back together."""
+    acts: dict[str, list[Tensor]] = {}
+    grads: dict[str, list[Tensor]] = {}
+
+    def keep(o: Tensor, name: str) -> None:
+        piece = len(acts.setdefault(name, []))
+        acts[name].append(o.detach().clone())
+        grads.setdefault(name, []).append(o)  # (replaced by its gradient in backward)
+        o.register_hook(lambda g: grads[name].__setitem__(piece, g.detach().clone()))
+
+    hooks = [
+        m.register_forward_hook(lambda m, a, o, n=str(i): keep(o, n)) for i, m in enumerate(model)
+    ]
+    try:
+        loss = sum(model(piece).pow(2).sum() for piece in x.chunk(world)) / world
+        loss.backward()  # type: ignore[union-attr]
+    finally:
+        for h in hooks:
+            h.remove()
+    return {n: torch.cat(a) for n, a in acts.items()}, {n: torch.cat(g) for n, g in grads.items()}
+
+
+def _oracle_steps(world: int, logged: set[int]) -> dict[int, dict[tuple[str, str], Any]]:
+    """The unsharded MLP trained in this one process on the whole batches with the same
+    optimizer: per logged step, every layer's statistics computed by hand (activations and
+    output gradients on the whole batch, parameters, gradients and updates whole)."""
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    out: dict[int, dict[tuple[str, str], Any]] = {}
+    for k, x in enumerate(_steps_batches()):
+        acts, grads = _recorded_backward(model, x, world)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        pgrads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
+        opt.step()
+        opt.zero_grad()
+        if k not in logged:
+            continue
+        step: dict[tuple[str, str], Any] = {}
+        for name in acts:
+            step[name, "activation"] = acts[name]
+            step[name, "gradient"] = grads[name] * world  # (a rank's loss is not divided)
+        for i in (0, 2, 4):
+            ps = [f"{i}.weight", f"{i}.bias"]
+            now = {n: p.detach() for n, p in model.named_parameters()}
+            norm = float(torch.cat([now[p].reshape(-1) for p in ps]).norm())
+            update = float(torch.cat([(now[p] - before[p]).reshape(-1) for p in ps]).norm())
+            step[str(i), "parameter"] = {
+                "norm": norm,
+                "grad_norm": float(torch.cat([pgrads[p].reshape(-1) for p in ps]).norm()),
+                "grad_nonfinite": 0.0,
+                "update_norm": update,
+                "update_ratio": update / norm,
+            }
+            step[str(i), "hist/parameter"] = _hand_histogram([now[p] for p in ps])
+            step[str(i), "hist/parameter_gradient"] = _hand_histogram([pgrads[p] for p in ps])
+        out[k] = step
+    return out
+
+
+def _monitor_rank(rank: int, world: int, out: str, hsdp: bool) -> None:
+    """One rank of the Monitor test (see :func:`_fsdp_rank` for the failure handling)."""
+    import torch.distributed as dist
+
+    try:
+        init = f"file://{out}/init"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        torch.set_num_threads(1)
+        for ranks in ("reduce", "each"):
+            _check_monitor(rank, world, ranks, hsdp)
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
+    """hs.Monitor(every=2, optimizer=) on the FSDP2 (or HSDP) MLP for four steps (0 and 2
+    logged): every record and parameter histogram equal to the hand statistics of the
+    unsharded model on the whole batch (``ranks="each"``: activations and output gradients of
+    this rank's slice, parameters whole), and the all-reduces each step adds counted."""
+    from collections import Counter
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if hsdp:  # 2 replicas x 2 shards: ranks (0, 1) and (2, 3) each hold a whole copy
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        shard = (rank - rank % 2, rank - rank % 2 + 1)
+    else:
+        mesh = init_device_mesh("cpu", (world,))
+        shard = tuple(range(world))
+    model = _mlp()
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    batches = _steps_batches()
+    want = _oracle_steps(world, logged={1, 3})  # (the monitor's steps 0 and 2)
+
+    def train(x: Tensor) -> None:
+        model(x.chunk(world)[rank]).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with _Collectives() as plain:  # step 0 without the monitor: FSDP's own collectives
+        train(batches[0])
+    sink = _Sink()
+    seen: list[_Collectives] = []
+    mon = hs.Monitor(model, every=2, optimizer=opt, ranks=ranks, sinks=[sink])
+    with mon:
+        for x in batches[1:]:
+            with _Collectives() as c:
+                train(x)
+            seen.append(c)
+        with _Collectives() as closing:
+            mon.close()
+    seen.append(closing)
+    # FSDP's collectives unchanged; what the monitor adds: all-reduces, by group
+    fsdp, fsdp_groups = Counter(plain.ops), Counter(map(tuple, plain.groups))
+    added = []
+    for c in [*seen[:-1], closing]:
+        base = fsdp if c is not closing else Counter()
+        ops = Counter(c.ops)
+        assert not base - ops, c.ops
+        assert set(ops - base) <= {"c10d.allreduce_.default"}, c.ops
+        groups = Counter(map(tuple, c.groups)) - (fsdp_groups if c is not closing else Counter())
+        assert sum(groups.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
+        added.append(groups)
+    every = tuple(range(world))
+    if ranks == "each":  # one packed sum and one packed max (histograms), at the step's end
+        assert added == [Counter({shard: 2}), Counter(), Counter({shard: 2}), Counter()], added
+    elif not hsdp:  # step k's pieces join the DDP reduction (sum, min, max) at k + 1
+        assert added == [Counter(), Counter({every: 3}), Counter(), Counter({every: 3})], added
+    else:  # the shard group's at the step's end, the world's (DDP's three) at k + 1
+        reduced = Counter({every: 3})
+        assert added == [Counter({shard: 2}), reduced, Counter({shard: 2}), reduced], added
+    records = mon.records
+    _check_records(records, want, rank, world, ranks)
+    if ranks == "reduce" and rank > 0:
+        assert sink.records == [] and sink.hists == {}  # rank 0 writes
+        return
+    assert sink.records == records
+    for k in (0, 2):
+        for i in ("0", "2", "4"):
+            for kind in ("parameter", "parameter_gradient"):
+                stats, counts = sink.hists[f"{i}/{kind}", k]
+                w_stats, w_counts = want[k + 1][i, f"hist/{kind}"]
+                assert stats == pytest.approx(w_stats, rel=1e-6), (k, i, kind)
+                assert counts == w_counts, (k, i, kind)
+
+
+def _check_records(
+    records: list[dict[str, Any]], want: Any, rank: int, world: int, ranks: str
+) -> None:
+    assert sorted({r["step"] for r in records}) == [0, 2]
+    for r in records:
+        step = want[r["step"] + 1]
+        stats = {k: v for k, v in r.items() if k not in ("step", "layer", "kind", "rank")}
+        if r["kind"] == "parameter":
+            expected = step[r["layer"], "parameter"]
+        else:
+            t = step[r["layer"], r["kind"]]
+            if ranks == "each":
+                t = t.chunk(world)[rank]
+            expected = _hand(t, dead=r["kind"] == "activation" and r["layer"] in ("1", "3"))
+        if "mean" in expected:
+            # the mean and std of values that cancel (a mean near 0), or of values far from
+            # their mean (a std from sum of squares minus n mean^2, as ranks combine them),
+            # lose relative precision in float32 sharded or not: within 1e-6 of the RMS
+            rms = expected["norm"] / math.sqrt(t.numel())
+            for key in ("mean", "std"):
+                assert stats.pop(key) == pytest.approx(expected.pop(key), abs=1e-6 * rms), r
+        assert stats == pytest.approx(expected, rel=1e-6), (r, expected)
+    kinds = {(r["layer"], r["kind"]) for r in records if r["step"] == 0}
+    layers = [str(i) for i in range(5)]
+    assert kinds == {(n, k) for n in layers for k in ("activation", "gradient")} | {
+        (n, "parameter") for n in ("0", "2", "4")
+    }
+
+
+def test_fsdp2_two_ranks_monitor_like_hand_statistics_unsharded(tmp_path: Path) -> None:
+    _spawn(_monitor_rank, (2, str(tmp_path), False), tmp_path, nprocs=2, seconds=150)
+
+
+def test_hsdp_two_by_two_monitor_combines_over_the_shard_dimension_only(tmp_path: Path) -> None:
+    _spawn(_monitor_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=200)

@@ -6,6 +6,10 @@ The step's end (:func:`end_step`) does the device work while the parameters and 
 those of the step; the transfer (:meth:`Ended.read`) may come later, so that scalars the user
 logs after the optimizer step (:meth:`Ended.log`) are read with the rest. Everything comes in
 as a :class:`StepEnd`: this module never sees the Monitor.
+
+Sharded parameters (``DTensor``: FSDP2, HSDP) are measured on each rank's piece and combined
+over the process group that shards them (:func:`_sharded_parameters`, through
+:class:`~hookscope.diagnose._sharded.Plan`); plain ones (DDP's) keep the path above.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ import torch
 from torch import Tensor
 
 from ..core import _torch
-from . import _stats
-from ._stats import SUM, Moments, merged, summary
+from . import _sharded, _stats
+from ._stats import MAX, SUM, Moments, merged, summary
 
 __all__ = ["Ended", "StepEnd", "end_step", "zero64"]
 
@@ -119,8 +123,14 @@ class Ended:
         self._world = inputs.world
         self._gather = gather = _Gather()
         self._entries = _moments(inputs, gather)
-        self._params = _parameters(inputs.params, inputs.before, gather)
-        self._hists = _histograms(inputs, gather) if inputs.histograms else []
+        sharded = any(_sharded.is_sharded(p) for ps in inputs.params.values() for p in ps)
+        self._hists: list[tuple[str, str, Any]] = []
+        if not sharded:
+            self._params = _parameters(inputs.params, inputs.before, gather)
+        else:  # (parameter histograms come with the sharded statistics)
+            self._params, self._hists = _sharded_parameters(inputs, gather)
+        if inputs.histograms:
+            self._hists += _histograms(inputs, gather, parameters=not sharded)
         self._scalars: dict[str, Slot | float] = {}
 
     def log(self, scalars: Mapping[str, Scalar]) -> None:
@@ -230,15 +240,158 @@ def _parameters(
     return [(name, record(ps)) for name, ps in layers]
 
 
+#: a sharded statistics row (:func:`_sharded_parameters`): sum of squares, non-finite count,
+#: the update's sum of squares, then (with histograms) the moments and the bucket counts
+_SQ, _BAD, _USQ, _HIST = 0, 1, 2, 3
+
+
+def _sharded_parameters(
+    inputs: StepEnd, gather: _Gather
+) -> tuple[
+    list[tuple[str, Callable[[list[list[float]]], dict[str, float]]]],
+    list[tuple[str, str, Any]],
+]:
+    """:func:`_parameters` (and the parameter histograms) when some parameters are sharded
+    (``DTensor``): every statistic is taken on each rank's piece (``plan.values``) as additive
+    partials, one row per parameter and per gradient, and combined over the process group
+    that shards it (:class:`_sharded.Plan`): one packed sum all-reduce per group, and one max
+    all-reduce (``-min`` and ``max``) with histograms. Where every group spans the whole world
+    whose values are reduced anyway (``ranks="reduce"`` under plain FSDP2), the rows join that
+    reduction instead and no all-reduce is added."""
+    flat = [p for ps in inputs.params.values() for p in ps]
+    with_grad = [p for p in flat if p.grad is not None]
+    grads: list[Tensor] = [p.grad for p in with_grad if p.grad is not None]
+    plan = _sharded.Plan([*flat, *grads])
+    values = plan.values
+    n, hist = len(flat), bool(inputs.histograms)
+    with torch.no_grad():
+        sums, highs = _sharded_rows(values, flat, inputs.before, hist)
+        fold = inputs.world > 1 and all(g.ranks == tuple(range(inputs.world)) for g in plan.groups)
+        if not fold:
+            sums = plan.combine(sums, torch.distributed.ReduceOp.SUM)
+            if hist:
+                highs = plan.combine(highs, torch.distributed.ReduceOp.MAX)
+    # combined rows are equal on every rank (MAX keeps them as they are); folded ones add up
+    code = [SUM if fold and plan.combined(i) else MAX for i in range(len(values))]
+    at = [gather.add(sums[i], code[i]) for i in range(len(values))]
+    high_at = [gather.add(highs[i], MAX) for i in range(len(values))] if hist else []
+    row = {id(p): i for i, p in enumerate(flat)}
+    grad_row = {id(p): n + i for i, p in enumerate(with_grad)}
+    moved = {id(p) for p in flat if id(p) in inputs.before}
+
+    def record(ps: Sequence[Tensor]) -> Callable[[list[list[float]]], dict[str, float]]:
+        def make(host: list[list[float]]) -> dict[str, float]:
+            norm = math.sqrt(sum(host[at[row[id(p)]]][_SQ] for p in ps))
+            grads = [host[at[grad_row[id(p)]]] for p in ps if id(p) in grad_row]
+            update = [host[at[row[id(p)]]][_USQ] for p in ps if id(p) in moved]
+            u = math.sqrt(sum(update)) if update else math.nan
+            return {
+                "norm": norm,
+                "grad_norm": math.sqrt(sum(g[_SQ] for g in grads)) if grads else math.nan,
+                "grad_nonfinite": sum(g[_BAD] for g in grads) if grads else math.nan,
+                "update_norm": u,
+                "update_ratio": u / norm if norm and update else math.nan,
+            }
+
+        return make
+
+    def histogram(ts: list[Tensor], rows: list[int]) -> Any:
+        numel = sum(t.numel() for t in ts)  # (a DTensor's: the whole tensor's)
+
+        def make(host: list[list[float]]) -> tuple[dict[str, float], list[float]]:
+            parts = [host[at[r]][_HIST:] for r in rows]
+            total, sumsq, nonzero, finite = (sum(p[k] for p in parts) for k in range(4))
+            stats = {
+                "num": numel - (nonzero - finite),
+                "sum": total,
+                "sum_squares": sumsq,
+                "min": min(-host[high_at[r]][0] for r in rows),
+                "max": max(host[high_at[r]][1] for r in rows),
+            }
+            return stats, [sum(c) for c in zip(*(p[4:] for p in parts), strict=True)]
+
+        return make
+
+    layers = [(name, ps) for name, ps in inputs.params.items() if ps]
+    hists: list[tuple[str, str, Any]] = []
+    for name, ps in layers if hist else []:
+        hists.append((name, "parameter", histogram(list(ps), [row[id(p)] for p in ps])))
+        gs = [p for p in ps if id(p) in grad_row]
+        if gs:
+            made = histogram([p.grad for p in gs], [grad_row[id(p)] for p in gs])  # type: ignore[misc]
+            hists.append((name, "parameter_gradient", made))
+    return [(name, record(ps)) for name, ps in layers], hists
+
+
+def _sharded_rows(
+    values: list[Tensor], flat: list[Tensor], before: Mapping[int, Tensor], hist: bool
+) -> tuple[Tensor, Tensor]:
+    """Each rank's rows of additive partials (float64): per parameter (``flat``, whose pieces
+    come first in ``values``) and per gradient (the rest), the sum of squares, the non-finite
+    count (gradients), the update's sum of squares (parameters), and with ``hist`` the
+    histogram's sums and counts; and the ``(-min, max)`` rows (empty pieces: ``-inf``)."""
+    n = len(flat)
+    sq = [v.to(torch.float64).square() for v in _torch.foreach_norm(values)]
+    grads = values[n:]
+    bad = _torch.foreach_norm(_torch.foreach_mul(grads, 0.0), 0) if grads else []
+    moved = [i for i, p in enumerate(flat) if id(p) in before]
+    usq: dict[int, Tensor] = {}
+    if moved:
+        diffs = _torch.foreach_sub([values[i] for i in moved], [before[id(flat[i])] for i in moved])
+        usq = {
+            i: u.to(torch.float64).square()
+            for i, u in zip(moved, _torch.foreach_norm(diffs), strict=True)
+        }
+    zero = zero64(values[0].device)
+    sums, highs = [], []
+    for i, v in enumerate(values):
+        head = [sq[i], bad[i - n].to(torch.float64) if i >= n else zero, usq.get(i, zero)]
+        if not hist:
+            sums.append(torch.stack(head))
+            continue
+        part, high = _histogram_partials(v)
+        sums.append(torch.cat([torch.stack(head), part]))
+        highs.append(high)
+    empty = torch.empty(len(values), 0, dtype=torch.float64, device=zero.device)
+    return torch.stack(sums), torch.stack(highs) if highs else empty
+
+
+def _histogram_partials(x: Tensor) -> tuple[Tensor, Tensor]:
+    """A piece's histogram partials: (sum, sum of squares, non-zeros, finite non-zeros, bucket
+    counts) and (-min, max), non-finite values counted as 0 in the moments as
+    :class:`Moments` does (and not counted in the buckets)."""
+    x = x.detach().reshape(-1)
+    counts = _stats.histogram([x])
+    if x.numel() == 0:
+        nothing = torch.zeros(4, dtype=torch.float64, device=x.device)
+        return torch.cat([nothing, counts]), torch.full(
+            (2,), -math.inf, dtype=torch.float64, device=x.device
+        )
+    x0 = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0).to(torch.float64)
+    low, high = torch.aminmax(x0)
+    moments = torch.stack(
+        [
+            x0.sum(),
+            x0.square().sum(),
+            torch.count_nonzero(x).to(torch.float64),
+            torch.count_nonzero(x0).to(torch.float64),
+        ]
+    )
+    return torch.cat([moments, counts]), torch.stack([-low, high])
+
+
 def _root_sum_squares(host: list[list[float]], slices: list[int]) -> float:
     return math.sqrt(sum(host[s][0] ** 2 for s in slices))
 
 
-def _histograms(inputs: StepEnd, gather: _Gather) -> list[tuple[str, str, Any]]:
-    """Per (layer, kind), a function of the values read giving (statistics, bucket counts)."""
+def _histograms(
+    inputs: StepEnd, gather: _Gather, parameters: bool = True
+) -> list[tuple[str, str, Any]]:
+    """Per (layer, kind), a function of the values read giving (statistics, bucket counts);
+    ``parameters``: those of the parameters and their gradients too."""
     out: list[tuple[str, str, Any]] = []
     for name in inputs.layers:
-        ps = inputs.params[name]
+        ps = inputs.params[name] if parameters else []
         parts: dict[str, list[Tensor]] = {"parameter": [p.detach() for p in ps]}
         parts["parameter_gradient"] = [p.grad for p in ps if p.grad is not None]
         for kind in ("activation", "gradient"):

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ..core import HookSet, LayerSelector, ModuleCall, Session, Site, _torch, is_called, unwrap
 from ..errors import UsageError
-from . import _stats
+from . import _sharded, _stats
 from ._dead import no_gradient_at
 from ._flush import Ended, StepEnd, end_step, zero64
 from ._logsinks import Sink, make_sink
@@ -132,7 +132,9 @@ class Monitor(Session):
             statistics (counts and sums added, extremes taken, a channel dead only if it is
             dead on every rank, parameter statistics averaged) with three all-reduces per
             logging step, and only rank 0 writes to the sinks; ``"each"``: every rank logs its
-            own, with a ``rank`` key (give each rank its own files).
+            own, with a ``rank`` key (give each rank its own files). Sharded parameters
+            (FSDP2, HSDP: ``DTensor``) are measured on each rank's piece and combined over
+            the group that shards them under both: their statistics are the whole tensors'.
         recompile: watch a ``torch.compile``d model that already ran (its compiled code then
             runs eagerly while the monitor is open); otherwise CompiledModelError.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: the gradients reaching
@@ -198,15 +200,16 @@ class Monitor(Session):
             for n, m in self.layers_watched.items()
         }
         made = [make_sink(s) for s in sinks]
+        #: histograms are computed only when a sink draws them (TensorBoard): of parameters
+        #: and their gradients, and with ``"all"`` of activations and output gradients too
+        #: (on every rank where rank 0 writes: the values reduced must be the same on all)
+        wants = [getattr(sink, "histograms", False) for sink in made]
+        self.histograms: bool | str = "all" if "all" in wants else any(wants)
         if self.ranks == "reduce" and _rank() > 0:
             for sink in made:  # rank 0 writes the reduced records
                 sink.close()
             made = []
         self.sinks: list[Sink] = made
-        #: histograms are computed only when a sink draws them (TensorBoard): of parameters
-        #: and their gradients, and with ``"all"`` of activations and output gradients too
-        wants = [getattr(sink, "histograms", False) for sink in self.sinks]
-        self.histograms: bool | str = "all" if "all" in wants else any(wants)
         self.count = 0  # optimizer steps so far
         self._records: list[dict[str, Any]] = []
         self._moments: dict[tuple[str, str], list[Moments]] = {}
@@ -405,8 +408,8 @@ class Monitor(Session):
                 p for ps in self._params.values() for p in ps if id(p) in followed
             ]
             if params:
-                with torch.no_grad():
-                    copies = _torch.foreach_mul(params, 1.0)
+                with torch.no_grad():  # (a sharded parameter's: this rank's piece)
+                    copies = _torch.foreach_mul([_sharded.local(p) for p in params], 1.0)
                 self._before = {id(p): c for p, c in zip(params, copies, strict=True)}
 
     def _after_step(self, opt: torch.optim.Optimizer) -> None:

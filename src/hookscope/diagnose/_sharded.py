@@ -17,8 +17,8 @@ every tensor's row of statistics into one buffer per process group and reduces i
 all-reduce per group. Plain tensors (DDP's gradients among them: already equal on every rank)
 are never combined, and no ``DTensor`` at all means no plan (:func:`plan` returns None).
 
-Used by :func:`hookscope.clip_grad_norm`; the Monitor's statistics and the NaN tracer are
-meant to combine through the same plan.
+Used by :func:`hookscope.clip_grad_norm` and the Monitor's parameter statistics
+(``_flush.py``); the NaN tracer is meant to combine through the same plan.
 """
 
 from __future__ import annotations
