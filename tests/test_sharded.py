@@ -373,15 +373,17 @@ def _hand(t: Tensor, dead: bool) -> dict[str, float]:
 def _hand_histogram(ts: list[Tensor]) -> tuple[dict[str, float], list[float]]:
     from hookscope.diagnose._stats import EDGES
 
-    v = torch.cat([t.reshape(-1) for t in ts]).double()
+    every = torch.cat([t.reshape(-1) for t in ts]).double()
+    v = every[torch.isfinite(every)]  # (NaN and Inf: counted in no bucket, and 0 in min/max)
     bucket = (v[:, None] > EDGES[None, :]).sum(1)  # buckets (EDGES[i-1], EDGES[i]]
     counts = torch.bincount(bucket, minlength=len(EDGES) + 1).double()
+    zeroed = torch.nan_to_num(every, nan=0.0, posinf=0.0, neginf=0.0)
     stats = {
         "num": v.numel(),
         "sum": float(v.sum()),
         "sum_squares": float(v.square().sum()),
-        "min": float(v.min()),
-        "max": float(v.max()),
+        "min": float(zeroed.min()),
+        "max": float(zeroed.max()),
     }
     return stats, counts.tolist()
 
@@ -414,15 +416,20 @@ def _recorded_backward(
     return {n: torch.cat(a) for n, a in acts.items()}, {n: torch.cat(g) for n, g in grads.items()}
 
 
-def _oracle_steps(world: int, logged: set[int]) -> dict[int, dict[tuple[str, str], Any]]:
+def _oracle_steps(
+    world: int, logged: set[int], nan_at: int
+) -> dict[int, dict[tuple[str, str], Any]]:
     """The unsharded MLP trained in this one process on the whole batches with the same
     optimizer: per logged step, every layer's statistics computed by hand (activations and
-    output gradients on the whole batch, parameters, gradients and updates whole)."""
+    output gradients on the whole batch, parameters, gradients and updates whole). At step
+    ``nan_at`` the gradient of ``0.weight`` gets a NaN at row 3 (on rank 1's piece)."""
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     out: dict[int, dict[tuple[str, str], Any]] = {}
     for k, x in enumerate(_steps_batches()):
         acts, grads = _recorded_backward(model, x, world)
+        if k == nan_at:
+            model[0].weight.grad[3, 0] = math.nan  # type: ignore[index]
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         pgrads = {n: p.grad.clone() for n, p in model.named_parameters()}  # type: ignore[union-attr]
         opt.step()
@@ -438,10 +445,11 @@ def _oracle_steps(world: int, logged: set[int]) -> dict[int, dict[tuple[str, str
             now = {n: p.detach() for n, p in model.named_parameters()}
             norm = float(torch.cat([now[p].reshape(-1) for p in ps]).norm())
             update = float(torch.cat([(now[p] - before[p]).reshape(-1) for p in ps]).norm())
+            g = torch.cat([pgrads[p].reshape(-1) for p in ps])
             step[str(i), "parameter"] = {
                 "norm": norm,
-                "grad_norm": float(torch.cat([pgrads[p].reshape(-1) for p in ps]).norm()),
-                "grad_nonfinite": 0.0,
+                "grad_norm": float(g.norm()),
+                "grad_nonfinite": float((~torch.isfinite(g)).sum()),
                 "update_norm": update,
                 "update_ratio": update / norm,
             }
@@ -493,10 +501,14 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     batches = _steps_batches()
-    want = _oracle_steps(world, logged={1, 3})  # (the monitor's steps 0 and 2)
+    # the monitor's steps 0 and 2; at step 2 a NaN in rank 1's piece of a gradient (HSDP: in
+    # both replicas' rank that holds rows 3 and 4): counted once, in the whole tensor
+    want = _oracle_steps(world, logged={1, 3}, nan_at=3)
 
-    def train(x: Tensor) -> None:
+    def train(x: Tensor, nan: bool = False) -> None:
         model(x.chunk(world)[rank]).pow(2).sum().backward()
+        if nan and rank % 2 == 1:
+            model[0].weight.grad.to_local()[0, 0] = math.nan  # (row 3 of 5: pieces of 3, 2)
         opt.step()
         opt.zero_grad()
 
@@ -506,9 +518,9 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
     seen: list[_Collectives] = []
     mon = hs.Monitor(model, every=2, optimizer=opt, ranks=ranks, sinks=[sink])
     with mon:
-        for x in batches[1:]:
+        for k, x in enumerate(batches[1:]):
             with _Collectives() as c:
-                train(x)
+                train(x, nan=k == 2)
             seen.append(c)
         with _Collectives() as closing:
             mon.close()
@@ -544,6 +556,8 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
                 stats, counts = sink.hists[f"{i}/{kind}", k]
                 w_stats, w_counts = want[k + 1][i, f"hist/{kind}"]
                 assert stats == pytest.approx(w_stats, rel=1e-6), (k, i, kind)
+                if k == 2 and i == "0":  # the NaN (then in the weight too): not a value
+                    assert stats["num"] == 5 * 3 + 5 - 1
                 assert counts == w_counts, (k, i, kind)
 
 
@@ -556,6 +570,10 @@ def _check_records(
         stats = {k: v for k, v in r.items() if k not in ("step", "layer", "kind", "rank")}
         if r["kind"] == "parameter":
             expected = step[r["layer"], "parameter"]
+            if r["step"] == 2 and r["layer"] == "0":  # the NaN, found once
+                assert expected["grad_nonfinite"] == 1 and math.isnan(expected["grad_norm"])
+            assert stats == pytest.approx(expected, rel=1e-6, nan_ok=True), (r, expected)
+            continue
         else:
             t = step[r["layer"], r["kind"]]
             if ranks == "each":
