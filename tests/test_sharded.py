@@ -600,3 +600,103 @@ def test_fsdp2_two_ranks_monitor_like_hand_statistics_unsharded(tmp_path: Path) 
 
 def test_hsdp_two_by_two_monitor_combines_over_the_shard_dimension_only(tmp_path: Path) -> None:
     _spawn(_monitor_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=200)
+
+
+# -- hs.nonfinite under FSDP2 ------------------------------------------------------------------
+
+
+class _Log(nn.Module):
+    """``log`` of the inputs: NaN exactly where an input is negative."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.log()
+
+
+def _log_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        _Log(), nn.Linear(3, 5), nn.ReLU(), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 1)
+    )
+
+
+def _nonfinite_rank(rank: int, world: int, out: str) -> None:
+    """One rank of the NaN tracer test, with a process-group timeout: a collective that waits
+    for a peer that never comes ends in an error (see :func:`_fsdp_rank` for the rest)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        init = f"file://{out}/init"
+        dist.init_process_group(
+            "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30)
+        )
+        torch.set_num_threads(1)
+        _check_tracer(rank, world)
+        dist.destroy_process_group()
+    except BaseException:
+        import traceback
+
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def _check_tracer(rank: int, world: int) -> None:
+    """hs.nonfinite on the FSDP2 MLP behind a ``log``: a clean step raises nothing and adds one
+    all-reduce over the world per check (forward, backward) to FSDP's collectives; then a
+    negative input on rank 1 only (``log`` of it is the first NaN, by construction) is named
+    on every rank: rank 1, the step, layer "0" and its operator ``aten.log``."""
+    from collections import Counter
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _log_mlp()
+    for m in model:
+        if isinstance(m, nn.Linear):
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    x = _batch().abs().add(0.1).chunk(world)[rank]  # positive: log is finite
+
+    def step(x: Tensor) -> None:
+        model(x).pow(2).sum().backward()
+
+    with _Collectives() as plain:  # FSDP's own collectives in one step
+        step(x)
+    with _Collectives() as traced, hs.nonfinite(model) as report:
+        step(x)
+    assert report.ok and (report.forwards, report.backwards) == (1, 1)
+    added = Counter(traced.ops) - Counter(plain.ops)
+    assert not Counter(plain.ops) - Counter(traced.ops), traced.ops
+    assert added == Counter({"c10d.allreduce_.default": 2}), traced.ops
+    groups = Counter(map(tuple, traced.groups)) - Counter(map(tuple, plain.groups))
+    assert groups == Counter({tuple(range(world)): 2}), traced.groups
+    bad = x.clone()
+    if rank == 1:
+        bad[1, 2] = -1.0  # only rank 1's slice: log(-1) is NaN
+    with hs.nonfinite(model) as report, pytest.raises(hs.NonFiniteError) as info:
+        step(x)  # a clean step first: the finding is at step 2
+        step(bad)
+    error = info.value
+    assert (error.rank, error.step, error.phase) == (1, 2, "forward"), str(error)
+    assert (error.module, error.call, error.op) == ("0", 1, "aten.log"), str(error)
+    assert "on rank 1 (forward 2)" in str(error) and "'0' (_Log)" in str(error), str(error)
+    assert "operator aten.log" in str(error), str(error)
+    # rank 1's measurement of the operator, on every rank: its one negative input, one NaN
+    measured = error.stats
+    assert measured["inputs"]["min"] == -1.0 and measured["outputs"]["nan"] == 1, measured
+    assert report.findings == [error]
+    # the model still trains, in step on both ranks: the gradients of a clean step are those
+    # of the unsharded model on the whole batch
+    model.zero_grad(set_to_none=True)
+    step(x)
+    oracle = _log_mlp()
+    (oracle(_batch().abs().add(0.1)).pow(2).sum() / world).backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), oracle.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad, rtol=1e-6, atol=1e-7, msg=n)
+
+
+def test_fsdp2_two_ranks_nonfinite_names_rank_one_on_every_rank(tmp_path: Path) -> None:
+    _spawn(_nonfinite_rank, (2, str(tmp_path)), tmp_path, nprocs=2, seconds=120)

@@ -102,6 +102,10 @@ class NonFiniteError(HookscopeError, FloatingPointError, RuntimeError):
         call: which call of that module (1-based), or None.
         op: the operator that produced it (e.g. ``"aten.div"``), or None if not found.
         stats: ``{"inputs": {...}, "outputs": {...}}`` of finite/non-finite statistics.
+        rank: under sharded training (FSDP2), the rank whose values held it first (the same
+            error is raised on every rank); None otherwise.
+        step: which forward or backward of the :func:`hookscope.nonfinite` session (1-based),
+            or None.
     """
 
     def __init__(
@@ -113,8 +117,12 @@ class NonFiniteError(HookscopeError, FloatingPointError, RuntimeError):
         call: int | None = None,
         op: str | None = None,
         stats: dict[str, object] | None = None,
+        rank: int | None = None,
+        step: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.rank = rank
+        self.step = step
         self.phase = phase
         self.module = module
         self.call = call

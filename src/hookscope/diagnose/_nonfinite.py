@@ -17,6 +17,14 @@ appeared, an Inf to where a non-finite value first appeared) to the first call t
 them from inputs without them. Non-finite values that never reach the output (a ``-inf``
 attention mask, a ``-inf`` padding a max-pool drops) are intended and not reported. Tier 2
 (``_replay``) replays the step at operator level to name the operator the same way.
+
+Sharded (parameters that are ``DTensor``s, as under FSDP2, in an initialised process group):
+each rank checks its own values (its pieces of the gradients), and each check's flag is
+combined over the world with one small all-reduce, so a NaN on one rank is found on every
+rank. Then every rank replays the forward, in lock step (each forward all-gathers the
+parameters: a rank that replayed alone would wait forever), and every rank's finding is
+gathered; the lowest rank's is raised on all of them (``NonFiniteError.rank``). The backward
+is not replayed there: its layer is named, not its operator.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import functools
 import math
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -60,11 +68,14 @@ from ._replay import (
     replay_forward,
 )
 from ._replay import stats as _stats
+from ._sharded import is_sharded, local
 
 __all__ = ["NonFiniteReport", "nonfinite"]
 
 INPUT, LOSS = "<input>", "<loss>"
 Mode = Literal["raise", "warn"]
+#: (phase, module, call, op, stats): what a finding names
+Finding = tuple[str, str, int | None, str | None, dict[str, Any]]
 _BATCH = 32  # tensors checked per operator
 #: on the CPU, a tensor this large is checked at once, while it is in the cache (smaller ones
 #: wait for the operator that checks many: one dispatch instead of a dozen)
@@ -245,6 +256,7 @@ class _Tracer(Session):
         self.report = NonFiniteReport()
         self.pass_: _Pass | None = None
         self.names = {id(m): n for n, m in self.every_module().items()}
+        self.ranks = _Ranks.of(self.root)
         # backward: (pass, call or None for the model's output, output leaf index, slot)
         self.arrived: list[tuple[_Pass, _Rec | None, int, int]] = []
         self.grads = _Checks()
@@ -300,40 +312,77 @@ class _Tracer(Session):
 
     def _end_forward(self, p: _Pass) -> None:
         kinds = p.checks.read()
+        if self.ranks is not None:
+            self._end_forward_sharded(p, kinds)
+            return
+        finding = self._forward_finding(p, kinds, lambda: self._replay_forward(p, False))
+        if finding is not None:
+            p.found = True
+            self._found(*finding)
+
+    def _replay_forward(self, p: _Pass, lockstep: bool) -> tuple[Any, str | None]:
+        return replay_forward(
+            p.module, self.names, self.allowed, p.inputs.call, p.rng, p.autocast, lockstep
+        )
+
+    def _end_forward_sharded(self, p: _Pass, kinds: list[int]) -> None:
+        """Every rank learns whether any rank's output is non-finite (one all-reduce), then,
+        if one is, replays in lock step (the forward all-gathers) and raises the finding of
+        the lowest rank that has one."""
+        assert self.ranks is not None
+        bad = any(kinds[s] != FINITE for s in p.recs[-1].outputs)
+        if not self.ranks.any(bad):
+            return
+        replayed = self._replay_forward(p, True) if self.replay else (None, None)
+        mine = self._forward_finding(p, kinds, lambda: replayed) if bad else None
+        self._found_somewhere(p, mine, self.report.forwards)
+
+    def _forward_finding(
+        self, p: _Pass, kinds: list[int], replay: Callable[[], tuple[Any, str | None]]
+    ) -> Finding | None:
+        """What the forward of ``p`` found (tier 1, then ``replay`` to name the operator),
+        or None when its output is finite or its non-finite values are intended."""
         root = p.recs[-1]
         bad = [s for s in root.outputs if kinds[s] != FINITE]
         if not bad:
-            return
+            return None
         want = NAN if any(kinds[s] == NAN for s in bad) else INF
         origin = _origin(p.recs, kinds, next(s for s in bad if kinds[s] == want), want)
         if origin is None:
             if self.allow_inputs:
-                return
-            p.found = True
-            self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
-            return
+                return None
+            return ("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
         if origin.allowed:
-            return  # an intended non-finite value (allow=)
-        p.found = True
+            return None  # an intended non-finite value (allow=)
         op: str | None = None
         module, call, st = origin.name, origin.call, {}
         if self.replay and p.inputs.unchanged:
-            found, outside = replay_forward(
-                p.module, self.names, self.allowed, p.inputs.call, p.rng, p.autocast
-            )
+            found, outside = replay()
             if outside == INTENDED:
-                p.found = False
-                return
+                return None
             if found is not None:  # '' is the root's own code: a name, not a miss
                 op, module, call, st = found[0], _named(found[1], origin.name), found[2], found[3]
             elif outside == INPUT and not self.allow_inputs:
-                self._found("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
-                return
+                return ("forward", INPUT, None, None, {"inputs": _stats(floats(p.inputs.call))})
             elif outside is not None and outside != "<unknown>":
                 st = {"source": f"the values come from {outside}, which holds NaN/Inf"}
         elif self.replay:
             st = {"operator": _NO_REPLAY}
-        self._found("forward", module, call, op, st)
+        return ("forward", module, call, op, st)
+
+    def _found_somewhere(self, p: _Pass, mine: Finding | None, step: int) -> None:
+        """The lowest rank's finding, raised (or warned) on every rank (one gather of every
+        rank's finding: on the way to the error only)."""
+        assert self.ranks is not None
+        first = self.ranks.first(mine)
+        if first is None:  # every rank's non-finite values were intended
+            return
+        rank, finding = first
+        if finding[0] == "forward":
+            p.found = True
+            self._found(*finding, rank=rank, step=step)
+        else:
+            self._backward(*finding, rank=rank, step=step)
 
     # -- tier 1: backward ---------------------------------------------------------------------
 
@@ -350,7 +399,7 @@ class _Tracer(Session):
         self.queued.discard(task)
         arrived, self.arrived = self.arrived, []
         checks, self.grads = self.grads, _Checks()
-        params = [(n, p.grad) for n, p in self.root.named_parameters() if p.grad is not None]
+        params = [(n, local(p.grad)) for n, p in self.root.named_parameters() if p.grad is not None]
         slots = [checks.add(g) for _, g in params if g.is_floating_point() or g.is_complex()]
         if not arrived:
             return
@@ -358,12 +407,30 @@ class _Tracer(Session):
         kinds = checks.read()
         p = arrived[0][0]
         if p.found:
-            return  # a consequence of the forward's finding
+            return  # a consequence of the forward's finding (on every rank when sharded)
+        mine = self._backward_finding(p, arrived, kinds, params, slots)
+        if self.ranks is None:
+            if mine is not None:
+                self._backward(*mine)
+        elif self.ranks.any(mine is not None):
+            self._found_somewhere(p, mine, self.report.backwards)
+
+    def _backward_finding(
+        self,
+        p: _Pass,
+        arrived: list[tuple[_Pass, _Rec | None, int, int]],
+        kinds: list[int],
+        params: list[tuple[str, Tensor]],
+        slots: list[int],
+    ) -> Finding | None:
+        """What the backward found, or None. Sharded, the backward is not replayed (its
+        reduce-scatters would have to run in lock step): the layer is named, not the
+        operator."""
         loss = [i for i, (_, rec, _, s) in enumerate(arrived) if rec is None and kinds[s]]
         if loss:
             grads = [g for g in p.out_grads.values()]
-            self._backward("backward", LOSS, None, None, {"gradient": _stats(grads)})
-        elif any(kinds[s] for *_, s in arrived) or any(kinds[s] for s in slots):
+            return ("backward", LOSS, None, None, {"gradient": _stats(grads)})
+        if any(kinds[s] for *_, s in arrived) or any(kinds[s] for s in slots):
             first = next((a for a in arrived if kinds[a[3]]), None)
             bad = [pn for (pn, _), s in zip(params, slots, strict=False) if kinds[s]]
             receiver = first[1] if first is not None else None
@@ -373,7 +440,8 @@ class _Tracer(Session):
                 name, n = _owner_of(bad), None
             op: str | None = None
             st: dict[str, Any] = {}
-            if self.replay and self.scaler is None and p.out_grads and p.inputs.unchanged:
+            replay = self.replay and self.ranks is None
+            if replay and self.scaler is None and p.out_grads and p.inputs.unchanged:
                 found = replay_backward(
                     p.module, self.names, p.inputs.call, p.rng, p.out_grads, p.autocast
                 )
@@ -381,28 +449,56 @@ class _Tracer(Session):
                     op, name, n, st = found[0], _named(found[1], name), found[2], found[3]
             if first is None:
                 st = {**st, "parameters": bad[:10]}
-            self._backward("backward", name, n, op, st)
+            return ("backward", name, n, op, st)
+        return None
 
     def _backward(
-        self, phase: str, module: str, call: int | None, op: str | None, st: dict[str, Any]
+        self,
+        phase: str,
+        module: str,
+        call: int | None,
+        op: str | None,
+        st: dict[str, Any],
+        rank: int | None = None,
+        step: int | None = None,
     ) -> None:
         if self.scaler is not None:  # GradScaler skips steps whose gradients overflow
-            self.report.overflows.append(self._error(phase, module, call, op, st))
+            self.report.overflows.append(self._error(phase, module, call, op, st, rank, step))
             return
-        self._found(phase, module, call, op, st)
+        self._found(phase, module, call, op, st, rank, step)
 
     # -- findings -------------------------------------------------------------------------------
 
     def _error(
-        self, phase: str, module: str, call: int | None, op: str | None, st: dict[str, Any]
+        self,
+        phase: str,
+        module: str,
+        call: int | None,
+        op: str | None,
+        st: dict[str, Any],
+        rank: int | None = None,
+        step: int | None = None,
     ) -> NonFiniteError:
         message = _message(phase, module, call, op, st, self.root)
-        return NonFiniteError(message, phase=phase, module=module, call=call, op=op, stats=st)
+        if rank is not None:
+            message = message.replace(
+                f"in the {phase}:", f"in the {phase} on rank {rank} ({phase} {step}):", 1
+            )
+        return NonFiniteError(
+            message, phase=phase, module=module, call=call, op=op, stats=st, rank=rank, step=step
+        )
 
     def _found(
-        self, phase: str, module: str, call: int | None, op: str | None, st: dict[str, Any]
+        self,
+        phase: str,
+        module: str,
+        call: int | None,
+        op: str | None,
+        st: dict[str, Any],
+        rank: int | None = None,
+        step: int | None = None,
     ) -> None:
-        error = self._error(phase, module, call, op, st)
+        error = self._error(phase, module, call, op, st, rank, step)
         self.report.findings.append(error)
         if self.mode == "raise":
             raise error
@@ -410,6 +506,38 @@ class _Tracer(Session):
 
     def _closed(self) -> None:
         self.pass_, self.arrived = None, []
+
+
+class _Ranks:
+    """The process group of a sharded model's tracer: every rank's flag combined (one small
+    all-reduce per check), and on the way to an error every rank's finding gathered."""
+
+    def __init__(self) -> None:
+        dist = torch.distributed
+        cuda = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+
+    @staticmethod
+    def of(model: nn.Module) -> _Ranks | None:
+        """For a model with sharded (DTensor) parameters in an initialised process group."""
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if not any(is_sharded(p) for p in model.parameters()):
+            return None
+        return _Ranks()
+
+    def any(self, flag: bool) -> bool:
+        """Whether any rank's ``flag`` is set (every rank calls this together)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item())
+
+    def first(self, mine: Finding | None) -> tuple[int, Finding] | None:
+        """The lowest rank that has a finding, and that finding (every rank calls this)."""
+        every: list[Finding | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, mine)
+        return next(((r, f) for r, f in enumerate(every) if f is not None), None)
 
 
 def _origin(recs: list[_Rec], kinds: list[int], start: int, want: int) -> _Rec | None:

@@ -272,9 +272,11 @@ class _Flow:
 
 
 class _Record(DispatchInterceptor):
-    def __init__(self, tracker: _Tracker, flow: _Flow, stop_at: int | None = None) -> None:
+    def __init__(
+        self, tracker: _Tracker, flow: _Flow, stop_at: int | None = None, stop: bool = True
+    ) -> None:
         super().__init__()
-        self.tracker, self.flow, self.stop_at = tracker, flow, stop_at
+        self.tracker, self.flow, self.stop_at, self.stop = tracker, flow, stop_at, stop
         self.measured: dict[str, Any] | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -288,6 +290,8 @@ class _Record(DispatchInterceptor):
             before = stats(ins)
             out = func(*args, **kwargs)
             self.measured = {"inputs": before, "outputs": stats(floats(out))}
+            if not self.stop:
+                return out
             raise _Stop
         read = [(self.flow.key(t), kind(t)) for t in ins]
         out = func(*args, **kwargs)
@@ -402,11 +406,18 @@ def replay_forward(
     inputs: Any,
     rng: Any,
     autocast: Autocast = (),
+    lockstep: bool = False,
 ) -> tuple[Found | None, str | None]:
     """``(found, outside)``: the operator to blame for the non-finite output (see
     :func:`producer`; ``(None, None)`` if the output is finite in the replay), or, if the
     values came from outside the model's operators, ``(None, "<input>")`` or
-    ``(None, "<layer>.<parameter>")``, or ``(None, INTENDED)``."""
+    ``(None, "<layer>.<parameter>")``, or ``(None, INTENDED)``.
+
+    ``lockstep``: every rank of a sharded model calls this together, and each forward
+    all-gathers parameters (FSDP), so every rank runs the same forwards to their end: both
+    replays always, whatever this rank found, the second one measuring without stopping."""
+    if lockstep:
+        return _replay_lockstep(module, names, allowed, inputs, rng, autocast)
     flow = _Flow()
     tracker = _Tracker(module, names)
     tracker.allowed = allowed
@@ -426,6 +437,37 @@ def replay_forward(
     measure = _Record(_Tracker(module, names), _Flow(), stop_at=op.index)
     with _replaying(module, rng, autocast, measure.tracker), contextlib.suppress(_Stop), measure:
         _call(module, inputs)
+    return (op.name, op.module, op.call, measure.measured or {}), None
+
+
+def _replay_lockstep(
+    module: nn.Module,
+    names: dict[int, str],
+    allowed: set[str],
+    inputs: Any,
+    rng: Any,
+    autocast: Autocast,
+) -> tuple[Found | None, str | None]:
+    flow = _Flow()
+    tracker = _Tracker(module, names)
+    tracker.allowed = allowed
+    with _replaying(module, rng, autocast, tracker), torch.no_grad():
+        _register_outside(flow, module, names, inputs)
+        with _Record(tracker, flow):
+            _call(module, inputs)
+    bad = [(k, t) for k, t in ((kind(t), t) for t in floats(tracker.output)) if k != FINITE]
+    op, outside = None, None
+    if bad:
+        want, tensor = max(bad, key=lambda kt: kt[0])  # a NaN first
+        start = flow.key(tensor)
+        op, outside = producer(flow, start, want) if start is not None else (None, None)
+    measure = _Record(
+        _Tracker(module, names), _Flow(), stop_at=op.index if op else None, stop=False
+    )
+    with _replaying(module, rng, autocast, measure.tracker), torch.no_grad(), measure:
+        _call(module, inputs)
+    if op is None:
+        return None, outside
     return (op.name, op.module, op.call, measure.measured or {}), None
 
 

@@ -18,7 +18,8 @@ all-reduce per group. Plain tensors (DDP's gradients among them: already equal o
 are never combined, and no ``DTensor`` at all means no plan (:func:`plan` returns None).
 
 Used by :func:`hookscope.clip_grad_norm` and the Monitor's parameter statistics
-(``_flush.py``); the NaN tracer is meant to combine through the same plan.
+(``_flush.py``). The NaN tracer (``_nonfinite.py``) needs no plan: it checks each rank's local
+pieces and combines one flag per check over the world.
 """
 
 from __future__ import annotations
