@@ -688,6 +688,16 @@ def _check_tracer(rank: int, world: int) -> None:
     measured = error.stats
     assert measured["inputs"]["min"] == -1.0 and measured["outputs"]["nan"] == 1, measured
     assert report.findings == [error]
+    # a backward: rank 1's loss is infinite, so the gradient entering its outputs is; FSDP's
+    # reduce-scatter carries it into rank 0's pieces of the gradients too, but the first
+    # producer is rank 1's loss
+    model.zero_grad(set_to_none=True)
+    with hs.nonfinite(model) as report, pytest.raises(hs.NonFiniteError) as info:
+        (model(x).pow(2).sum() * (math.inf if rank == 1 else 1.0)).backward()
+    error = info.value
+    assert (error.rank, error.step, error.phase, error.module) == (1, 1, "backward", "<loss>")
+    assert "on rank 1 (backward 1)" in str(error), str(error)
+    assert report.findings == [error]
     # the model still trains, in step on both ranks: the gradients of a clean step are those
     # of the unsharded model on the whole batch
     model.zero_grad(set_to_none=True)

@@ -370,11 +370,13 @@ class _Tracer(Session):
             st = {"operator": _NO_REPLAY}
         return ("forward", module, call, op, st)
 
-    def _found_somewhere(self, p: _Pass, mine: Finding | None, step: int) -> None:
-        """The lowest rank's finding, raised (or warned) on every rank (one gather of every
-        rank's finding: on the way to the error only)."""
+    def _found_somewhere(
+        self, p: _Pass, mine: Finding | None, step: int, rank_order: int = 0
+    ) -> None:
+        """The lowest rank's finding of the lowest ``rank_order``, raised (or warned) on every
+        rank (one gather of every rank's finding: on the way to the error only)."""
         assert self.ranks is not None
-        first = self.ranks.first(mine)
+        first = self.ranks.first(mine, rank_order)
         if first is None:  # every rank's non-finite values were intended
             return
         rank, finding = first
@@ -413,7 +415,10 @@ class _Tracer(Session):
             if mine is not None:
                 self._backward(*mine)
         elif self.ranks.any(mine is not None):
-            self._found_somewhere(p, mine, self.report.backwards)
+            # FSDP reduce-scatters the gradients: a NaN one rank made reaches the pieces of
+            # others, so a finding in the parameters' gradients alone is a consequence
+            consequence = mine is not None and "parameters" in mine[4]
+            self._found_somewhere(p, mine, self.report.backwards, int(consequence))
 
     def _backward_finding(
         self,
@@ -533,11 +538,13 @@ class _Ranks:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
         return bool(t.item())
 
-    def first(self, mine: Finding | None) -> tuple[int, Finding] | None:
-        """The lowest rank that has a finding, and that finding (every rank calls this)."""
-        every: list[Finding | None] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, mine)
-        return next(((r, f) for r, f in enumerate(every) if f is not None), None)
+    def first(self, mine: Finding | None, order: int = 0) -> tuple[int, Finding] | None:
+        """The rank whose finding comes first (lowest ``order``, then lowest rank), and that
+        finding (every rank calls this)."""
+        every: list[tuple[int, Finding] | None] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, None if mine is None else (order, mine))
+        found = [(o, r, f) for r, item in enumerate(every) if item is not None for o, f in [item]]
+        return min(found, key=lambda orf: orf[:2])[1:] if found else None
 
 
 def _origin(recs: list[_Rec], kinds: list[int], start: int, want: int) -> _Rec | None:
