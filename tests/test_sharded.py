@@ -710,3 +710,53 @@ def _check_tracer(rank: int, world: int) -> None:
 
 def test_fsdp2_two_ranks_nonfinite_names_rank_one_on_every_rank(tmp_path: Path) -> None:
     _spawn(_nonfinite_rank, (2, str(tmp_path)), tmp_path, nprocs=2, seconds=120)
+
+
+def _absent_peer_rank(rank: int, world: int, out: str) -> None:
+    """Rank 1 runs the forward without the tracer and then waits; rank 0's tracer is then alone
+    in its all-reduce at the end of the forward, and the process group's timeout ends it in an
+    error. Rank 0 writes ``done`` (rank 1 waits for it: it must not leave first, which would
+    end rank 0's wait by a broken connection instead)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        init = f"file://{out}/init"
+        dist.init_process_group(
+            "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=10)
+        )
+        torch.set_num_threads(1)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        model = _log_mlp()
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        x = _batch().abs().add(0.1).chunk(world)[rank]
+        done = Path(out, "done")
+        if rank == 1:
+            model(x)
+            deadline = time.monotonic() + 90
+            while not done.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert done.exists(), "rank 0 never came out of its wait"
+        else:
+            with pytest.raises(RuntimeError) as info, hs.nonfinite(model):
+                model(x)
+            assert not isinstance(info.value, hs.NonFiniteError), info.value
+            done.write_text(str(info.value))
+    except BaseException:
+        import traceback
+
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        os._exit(1)
+    os._exit(0)
+
+
+def test_fsdp2_nonfinite_with_an_absent_peer_ends_in_an_error(tmp_path: Path) -> None:
+    _spawn(_absent_peer_rank, (2, str(tmp_path)), tmp_path, nprocs=2, seconds=120)
+    assert "timed out" in (tmp_path / "done").read_text().lower()
