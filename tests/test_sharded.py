@@ -619,7 +619,7 @@ def _log_mlp() -> nn.Module:
     )
 
 
-def _nonfinite_rank(rank: int, world: int, out: str) -> None:
+def _nonfinite_rank(rank: int, world: int, out: str, hsdp: bool) -> None:
     """One rank of the NaN tracer test, with a process-group timeout: a collective that waits
     for a peer that never comes ends in an error (see :func:`_fsdp_rank` for the rest)."""
     from datetime import timedelta
@@ -632,7 +632,7 @@ def _nonfinite_rank(rank: int, world: int, out: str) -> None:
             "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=30)
         )
         torch.set_num_threads(1)
-        _check_tracer(rank, world)
+        _check_tracer(rank, world, hsdp)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -642,17 +642,20 @@ def _nonfinite_rank(rank: int, world: int, out: str) -> None:
     os._exit(0)
 
 
-def _check_tracer(rank: int, world: int) -> None:
-    """hs.nonfinite on the FSDP2 MLP behind a ``log``: a clean step raises nothing and adds one
-    all-reduce over the world per check (forward, backward) to FSDP's collectives; then a
-    negative input on rank 1 only (``log`` of it is the first NaN, by construction) is named
-    on every rank: rank 1, the step, layer "0" and its operator ``aten.log``."""
+def _check_tracer(rank: int, world: int, hsdp: bool) -> None:
+    """hs.nonfinite on the FSDP2 (or HSDP: 2 replicas x 2 shards) MLP behind a ``log``: a
+    clean step raises nothing and adds one all-reduce over the world per check (forward,
+    backward) to FSDP's collectives; then a negative input on rank 1 only (``log`` of it is
+    the first NaN, by construction) is named on every rank: rank 1, the step, layer "0" and
+    its operator ``aten.log``."""
     from collections import Counter
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
+    shape = (2, world // 2) if hsdp else (world,)
+    names = ("replicate", "shard") if hsdp else None
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = _log_mlp()
     for m in model:
         if isinstance(m, nn.Linear):
@@ -709,7 +712,11 @@ def _check_tracer(rank: int, world: int) -> None:
 
 
 def test_fsdp2_two_ranks_nonfinite_names_rank_one_on_every_rank(tmp_path: Path) -> None:
-    _spawn(_nonfinite_rank, (2, str(tmp_path)), tmp_path, nprocs=2, seconds=120)
+    _spawn(_nonfinite_rank, (2, str(tmp_path), False), tmp_path, nprocs=2, seconds=120)
+
+
+def test_hsdp_two_by_two_nonfinite_names_rank_one_on_every_rank(tmp_path: Path) -> None:
+    _spawn(_nonfinite_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=180)
 
 
 def _absent_peer_rank(rank: int, world: int, out: str) -> None:
