@@ -691,6 +691,11 @@ def _check_tracer(rank: int, world: int, hsdp: bool) -> None:
     measured = error.stats
     assert measured["inputs"]["min"] == -1.0 and measured["outputs"]["nan"] == 1, measured
     assert report.findings == [error]
+    # mode="warn": every rank warns of rank 1's forward and goes on; its backward is a
+    # consequence, not a second finding
+    with pytest.warns(RuntimeWarning, match="on rank 1"), hs.nonfinite(model, mode="warn") as r:
+        step(bad)
+    assert [(f.rank, f.step, f.module, f.op) for f in r.findings] == [(1, 1, "0", "aten.log")]
     # a backward: rank 1's loss is infinite, so the gradient entering its outputs is; FSDP's
     # reduce-scatter carries it into rank 0's pieces of the gradients too, but the first
     # producer is rank 1's loss

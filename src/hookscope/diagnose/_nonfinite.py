@@ -649,6 +649,11 @@ def nonfinite(
     are not reported). A backward is reported when a gradient reaching a layer's output or a
     parameter is non-finite.
 
+    Under FSDP2 or HSDP (``DTensor`` parameters in a process group) open it on every rank:
+    each check's flag is combined over the world (one all-reduce per forward and backward),
+    the forward is replayed on every rank together, and every rank raises the same error,
+    naming the first producer's ``rank`` and ``step``.
+
     Args:
         model: the model (wrappers are seen through).
         allow: layers whose non-finite outputs are intended even when they reach the output
