@@ -724,11 +724,11 @@ def test_hsdp_two_by_two_nonfinite_names_rank_one_on_every_rank(tmp_path: Path) 
     _spawn(_nonfinite_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=180)
 
 
-def _absent_peer_rank(rank: int, world: int, out: str) -> None:
-    """Rank 1 runs the forward without the tracer and then waits; rank 0's tracer is then alone
-    in its all-reduce at the end of the forward, and the process group's timeout ends it in an
-    error. Rank 0 writes ``done`` (rank 1 waits for it: it must not leave first, which would
-    end rank 0's wait by a broken connection instead)."""
+def _absent_peer_rank(rank: int, world: int, out: str, dies: bool) -> None:
+    """Rank 1 runs the forward without the tracer and then waits (or dies); rank 0's tracer is
+    then alone in its all-reduce at the end of the forward, and the process group's timeout
+    (or the broken connection) ends it in an error. Rank 0 writes ``done`` (a waiting rank 1
+    waits for it: leaving first would end rank 0's wait by a broken connection instead)."""
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -752,6 +752,8 @@ def _absent_peer_rank(rank: int, world: int, out: str) -> None:
         done = Path(out, "done")
         if rank == 1:
             model(x)
+            if dies:
+                os._exit(0)
             deadline = time.monotonic() + 90
             while not done.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -760,7 +762,9 @@ def _absent_peer_rank(rank: int, world: int, out: str) -> None:
             with pytest.raises(RuntimeError) as info, hs.nonfinite(model):
                 model(x)
             assert not isinstance(info.value, hs.NonFiniteError), info.value
-            done.write_text(str(info.value))
+            import traceback
+
+            done.write_text("".join(traceback.format_exception(info.value)))
     except BaseException:
         import traceback
 
@@ -770,5 +774,12 @@ def _absent_peer_rank(rank: int, world: int, out: str) -> None:
 
 
 def test_fsdp2_nonfinite_with_an_absent_peer_ends_in_an_error(tmp_path: Path) -> None:
-    _spawn(_absent_peer_rank, (2, str(tmp_path)), tmp_path, nprocs=2, seconds=120)
-    assert "timed out" in (tmp_path / "done").read_text().lower()
+    _spawn(_absent_peer_rank, (2, str(tmp_path), False), tmp_path, nprocs=2, seconds=120)
+    raised = (tmp_path / "done").read_text()
+    assert "_nonfinite.py" in raised and "timed out" in raised.lower(), raised  # the check's
+
+
+def test_fsdp2_nonfinite_with_a_peer_that_died_ends_in_an_error(tmp_path: Path) -> None:
+    _spawn(_absent_peer_rank, (2, str(tmp_path), True), tmp_path, nprocs=2, seconds=120)
+    raised = (tmp_path / "done").read_text()
+    assert "_nonfinite.py" in raised, raised  # the tracer's all-reduce, not FSDP's all-gather
