@@ -141,9 +141,9 @@ class Capture(Session):
             heads positions keys"}`` (the batch first; ``positions``, ``heads`` and
             ``neurons`` are narrowed, other words name axes left whole).
 
-        Narrowing keeps every axis (``positions=[-1]``: a position axis of size 1) and
-        applies to each floating-point tensor of the output and the gradient w.r.t. it,
-        before ``reduce=``; see the guide "Heads, positions and neurons".
+    Narrowing keeps every axis (``positions=[-1]``: a position axis of size 1) and
+    applies to each floating-point tensor of the output and the gradient w.r.t. it,
+    before ``reduce=``; see the guide "Heads, positions and neurons".
 
     ``cap["layer"]`` is then a :class:`LayerRecord`; ``cap.nbytes`` is the bytes held.
 

@@ -101,10 +101,10 @@ class Editor(Session):
         neurons: change only these indices of the output's last dimension.
         layout: where units lie in sites hookscope has no layout for; see :class:`Capture`.
 
-        With any of them, an output edit sees the selected units only, in the shape a
-        capture with the same units records (``hs.patch`` of such a capture fits), and its
-        result replaces them; every other unit is left as it was. Edits of inputs and
-        gradients are refused with units.
+    With ``positions=``, ``heads=`` or ``neurons=``, an output edit sees the selected units
+    only, in the shape a capture with the same units records (``hs.patch`` of such a capture
+    fits), and its result replaces them; every other unit is left as it was. Edits of inputs
+    and gradients are refused with units.
 
     A context manager: edits apply only inside the ``with`` block (gradient edits only to
     backward passes run inside it), to the forwards of every thread.
