@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from extract_oracle import TokenModel, token_items
+from extract_oracle import TokenModel, mlp, token_items
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand_hooks as _hand_hooks
 
@@ -269,13 +269,16 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
 
 # -- resume after SIGKILL ------------------------------------------------------------------------
 
+#: A child the SIGKILL test kills; the uninterrupted run and the last resume run in the test's
+#: process (a kill needs a process of its own; a resume to the end does not, and a child's time
+#: goes mostly to importing torch).
 _CHILD = textwrap.dedent(
     """
-    import os, signal, sys, threading, time, torch, torch.nn as nn
+    import os, signal, sys, time, torch
     import hookscope as hs
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    x = torch.randn(200, 6, generator=torch.Generator().manual_seed(3))
+    sys.path.insert(0, sys.argv[5])
+    from extract_oracle import mlp
+    model, x = mlp()
     kill_at, delay = int(sys.argv[2]), float(sys.argv[3])
     calls = [0]
     def hook(module, args, output):  # the test's own hook: dies at a chosen batch
@@ -290,63 +293,55 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> int:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _CHILD,
-            str(out),
-            str(kill_at),
-            str(delay),
-            "resume" if resume else "new",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    return done.returncode
+def _child(
+    out: Path, kill_at: int, delay: float = 0.0, resume: bool = False
+) -> subprocess.Popen[bytes]:
+    """A child extracting into ``out`` that kills itself with SIGKILL at forward ``kill_at``
+    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward."""
+    args = [str(out), str(kill_at), str(delay), "resume" if resume else "new"]
+    args += [str(Path(__file__).parent)]
+    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE)
+
+
+def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
+    """The child's extraction, in this process, not killed."""
+    model, x = mlp()
+    return hs.extract(model, x, ["0", "1"], out=out, batch_size=10, chunk=20, resume=resume)
 
 
 @pytest.mark.slow
 def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    assert _child(tmp_path / "clean", kill_at=0) == 0
-    clean = hs.open_features(tmp_path / "clean")
+    clean = _extract(tmp_path / "clean")
 
-    def killed_at(points: list[int]) -> None:
+    def killed_at(points: list[int]) -> tuple[Path, bool]:
         out = tmp_path / f"kill{'_'.join(map(str, points))}"
         for i, point in enumerate(points):
-            assert _child(out, kill_at=point, resume=i > 0) == -signal.SIGKILL
+            child = _child(out, kill_at=point, resume=i > 0)
+            _, err = child.communicate(timeout=120)
+            assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
             with pytest.raises(hs.UsageError, match="unfinished"):
                 hs.open_features(out)
-        assert _child(out, kill_at=0, resume=True) == 0
-        _assert_same(hs.open_features(out), clean)
+        return out, True
 
-    def killed_by_timer(seed: int) -> None:  # at a random moment (inside chunk writes too)
-        out = tmp_path / f"timer{seed}"
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(out), "0", "0.01", "new"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        rng = np.random.default_rng(seed)
+    def killed_by_timer(seed: int) -> tuple[Path, bool]:
+        out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
+        child = _child(out, kill_at=0, delay=0.01)
         try:
-            child.wait(timeout=float(rng.uniform(1.0, 3.0)))
+            child.communicate(timeout=float(np.random.default_rng(seed).uniform(1.0, 3.0)))
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGKILL)
-            child.wait()
-        assert _child(out, kill_at=0, resume=out.exists()) == 0
-        _assert_same(hs.open_features(out), clean)
+            child.communicate()
+        return out, out.exists()  # killed before it made the store: start one
 
     # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first
     # batch, right after block 2 was committed), 20 (the last batch); twice for 12. The
-    # scenarios are independent processes: two at a time (each mostly imports torch)
+    # kills are independent processes: two at a time (each mostly imports torch)
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(killed_at, points) for points in ([1], [6], [7], [20], [12, 3])]
         runs += [pool.submit(killed_by_timer, seed) for seed in range(3)]
-        for run in runs:
-            run.result()
+        stores = [run.result() for run in runs]
+    for out, resume in stores:  # then each resumed here, to the end
+        _assert_same(_extract(out, resume=resume), clean)
 
 
 def _assert_same(a: hs.FeatureStore, b: hs.FeatureStore) -> None:
