@@ -1,5 +1,8 @@
 """A newcomer's everyday tasks through the real ``hookscope`` program, run as a shell runs it
-(a subprocess): exit statuses, what reaches stdout and stderr, Ctrl-C. Oracles: the library
+(a subprocess): exit statuses, what reaches stdout and stderr, Ctrl-C. Commands that are read
+for their statuses and messages run several to a process (``cli_batch``: each still sees a
+fresh process's state and is captured at the file descriptors); a real process of its own
+shows the same for one of them, and runs Ctrl-C, the help and the images. Oracles: the library
 called directly on the same model and inputs, images read back, analytic maps."""
 
 from __future__ import annotations
@@ -10,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,10 @@ import torch
 import hookscope as hs
 
 pytest.importorskip("click")
+import cli_batch
 from cli_models import small_cnn
 
-pytestmark = pytest.mark.slow  # each command starts a Python process that imports torch
+pytestmark = pytest.mark.slow  # each process imports torch
 
 MODELS = Path(__file__).parent / "cli_models.py"
 CNN = f"{MODELS}:small_cnn"
@@ -38,12 +41,6 @@ def hookscope(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
-def hookscopes(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
-    """Independent commands, two processes at a time (each mostly imports torch), in order."""
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda args: hookscope(*args), commands))
-
-
 @pytest.mark.hf
 def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
@@ -58,7 +55,7 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     model = transformers.BertModel(config).eval()
     model.save_pretrained(tmp_path / "bert")
     bert = str(tmp_path / "bert")
-    done, floats, text = hookscopes(
+    done, floats, text = cli_batch.run(
         ("summary", bert, "--input-size", "2,64", "--json"),
         ("summary", bert, "--input-size", "2,64", "--dtype", "float32"),
         ("summary", bert, "--text", "hello world"),
@@ -82,12 +79,15 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
 def test_exit_statuses(tmp_path: Path) -> None:
     out = str(tmp_path / "r.html")
     failing = [("summary",), ("report", "--out", out), ("cam", "--layer", "0")]
-    found, crashed, usage, *failed = hookscopes(
+    crash = ("nan", CNN, "--input-size", "1,5,8,8")  # 5 channels into 3
+    found, crashed, usage, *failed = cli_batch.run(
         ("nan", f"{MODELS}:nan_model", "--input-size", "8,4"),
-        ("nan", CNN, "--input-size", "1,5,8,8"),  # 5 channels into 3
+        crash,
         ("summary", CNN, "--input-size", "1,x,3"),
         *((*args, CNN, "--input-size", "1,5,8,8") for args in failing),
     )
+    alone = hookscope(*crash)  # a process of its own: the same status and output
+    assert (alone.returncode, alone.stdout, alone.stderr) == (3, crashed.stdout, crashed.stderr)
     assert found.returncode == 1 and "aten.log" in found.stdout
     assert crashed.returncode == 3 and "Traceback" not in crashed.stderr
     assert "failed in '0' (Conv2d) called with input=Tensor[1, 5, 8, 8] float32" in crashed.stderr
@@ -103,13 +103,15 @@ def test_a_pickle_named_pt2_is_refused_in_one_line(tmp_path: Path) -> None:
     names = ("model.pt2", "model.pt", "weights.bin")
     for name in names:
         torch.save(small_cnn(), tmp_path / name)
-    for name, done in zip(names, hookscopes(*(("names", str(tmp_path / n)) for n in names))):
-        assert done.returncode == 2, (name, done.stderr)
-        assert "written by torch.save" in done.stderr and "Traceback" not in done.stderr
-        assert "deserializ" not in done.stderr  # torch.export's own logged traceback
     exported = tmp_path / "cnn.pt"  # an export archive under TorchScript's suffix
     torch.export.save(torch.export.export(small_cnn(), (torch.randn(1, 3, 8, 8),)), str(exported))
-    done = hookscope("names", str(exported), "--json")
+    *refused, done = cli_batch.run(
+        *(("names", str(tmp_path / n)) for n in names), ("names", str(exported), "--json")
+    )
+    for name, no in zip(names, refused, strict=True):
+        assert no.returncode == 2, (name, no.stderr)
+        assert "written by torch.save" in no.stderr and "Traceback" not in no.stderr
+        assert "deserializ" not in no.stderr  # torch.export's own logged traceback
     assert done.returncode == 0, done.stderr
 
 
@@ -218,7 +220,7 @@ def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
     vocab = tmp_path / "vocab.txt"
     vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
     transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
-    known, unknown = hookscopes(
+    known, unknown = cli_batch.run(
         ("summary", str(folder), "--text", "hello world", "--json"),
         ("summary", str(folder), "--text", "bonjour le monde"),
     )
@@ -230,7 +232,7 @@ def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
 
 def test_budgets_device_and_seed_from_a_shell(tmp_path: Path) -> None:
     args = ("cam", CNN, "--input-size", "4,3,16,16", "--layer", "3", "--out", str(tmp_path))
-    budgeted, *seeded = hookscopes(
+    budgeted, *seeded = cli_batch.run(
         (*args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3"),
         *((*args, "--json", "--device", "cpu", "--seed", seed) for seed in ("3", "3", "4")),
     )
