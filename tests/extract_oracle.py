@@ -25,12 +25,12 @@ def cnn() -> nn.Module:
     )
 
 
-def mlp() -> tuple[nn.Module, Tensor]:
-    """Linear -> ReLU -> Linear, seeded, and its 200 samples: the SIGKILL test's, built alike
-    in the children it kills and in the test's process."""
+def mlp(samples: int = 200) -> tuple[nn.Module, Tensor]:
+    """Linear -> ReLU -> Linear, seeded, and its samples: the SIGKILL tests', built alike in
+    the children they kill and in the test's process."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    return model, torch.randn(200, 6, generator=torch.Generator().manual_seed(3))
+    return model, torch.randn(samples, 6, generator=torch.Generator().manual_seed(3))
 
 
 def hand_hooks(model: nn.Module, x: Tensor, names: list[str]) -> dict[str, Tensor]:
