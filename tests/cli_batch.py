@@ -27,9 +27,13 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def run(*commands: Sequence[str]) -> list[subprocess.CompletedProcess[str]]:
-    """``hookscope <command>`` for each command, in order, in one child process."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def run(
+    *commands: Sequence[str], env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess[str]]:
+    """``hookscope <command>`` for each command, in order, in one child process with the
+    environment ``env`` (default: this one's), Hugging Face offline."""
+    env = {**(os.environ if env is None else env), "HF_HUB_OFFLINE": "1"}
+    env["TRANSFORMERS_OFFLINE"] = "1"
     argv = json.dumps([list(c) for c in commands])
     done = subprocess.run(
         [sys.executable, __file__, argv], capture_output=True, text=True, timeout=600, env=env
