@@ -2,8 +2,8 @@
 (a subprocess): exit statuses, what reaches stdout and stderr, Ctrl-C. Commands that are read
 for their statuses and messages run several to a process (``cli_batch``: each still sees a
 fresh process's state and is captured at the file descriptors); a real process of its own
-shows the same for one of them, and runs Ctrl-C, the help and the images. Oracles: the library
-called directly on the same model and inputs, images read back, analytic maps."""
+shows the same for one of them, and runs Ctrl-C and the images. Oracles: the library called
+directly on the same model and inputs, images read back, analytic maps."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -41,9 +42,13 @@ def hookscope(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
-@pytest.mark.hf
-def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bert_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two saved BERT folders (random weights): one without tokenizer files, one with a
+    7-word vocabulary; and the commands the two BERT tests run on them, in one process (it
+    imports transformers once). ``model`` is the first folder's model."""
     transformers = pytest.importorskip("transformers")
+    tmp_path = tmp_path_factory.mktemp("bert")
     config = transformers.BertConfig(
         hidden_size=32,
         num_hidden_layers=2,
@@ -55,14 +60,35 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     model = transformers.BertModel(config).eval()
     model.save_pretrained(tmp_path / "bert")
     bert = str(tmp_path / "bert")
-    done, floats, text = cli_batch.run(
+    folder = tmp_path / "worded"
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=10,
+    )
+    transformers.BertModel(config).save_pretrained(folder)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
+    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+    names = ("done", "floats", "text", "known", "unknown")
+    runs = cli_batch.run(
         ("summary", bert, "--input-size", "2,64", "--json"),
         ("summary", bert, "--input-size", "2,64", "--dtype", "float32"),
         ("summary", bert, "--text", "hello world"),
+        ("summary", str(folder), "--text", "hello world", "--json"),
+        ("summary", str(folder), "--text", "bonjour le monde"),
     )
+    return {"model": model, **dict(zip(names, runs, strict=True))}
+
+
+@pytest.mark.hf
+def test_a_saved_bert_folder_gets_token_ids(bert_runs: dict[str, Any]) -> None:
+    done, floats, text = (bert_runs[k] for k in ("done", "floats", "text"))
     assert done.returncode == 0, done.stderr
     ours = hs.Summary.from_json(done.stdout)
-    direct = hs.summary(model, torch.randint(0, 100, (2, 64)))
+    direct = hs.summary(bert_runs["model"], torch.randint(0, 100, (2, 64)))
     assert ours.total_flops == direct.total_flops and ours.inputs == {"input_ids": (2, 64)}
     assert done.stderr == ""  # no progress bar or warning in the way
 
@@ -116,7 +142,7 @@ def test_a_pickle_named_pt2_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_every_help_documents_the_exit_statuses() -> None:
-    top = hookscope("--help")
+    top, nan = cli_batch.run(("--help",), ("nan", "--help"))
     assert top.returncode == 0 and "Exit status:" in top.stdout
     from click.testing import CliRunner
 
@@ -125,7 +151,7 @@ def test_every_help_documents_the_exit_statuses() -> None:
     for command in ("names", "summary", "cam", "nan", "report", "extract", "demo"):
         shown = CliRunner().invoke(cli, [command, "--help"]).output  # the same text, faster
         assert "Exit status:" in shown and "130  interrupted" in shown, command
-    assert "3    the model failed otherwise" in hookscope("nan", "--help").stdout
+    assert "3    the model failed otherwise" in nan.stdout
 
 
 def _interruptible() -> None:
@@ -206,24 +232,8 @@ def _mean(image: object) -> list[float]:
     return list(ImageStat.Stat(image).mean)
 
 
-def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path / "bert"
-    config = transformers.BertConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=10,
-    )
-    transformers.BertModel(config).save_pretrained(folder)
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
-    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
-    known, unknown = cli_batch.run(
-        ("summary", str(folder), "--text", "hello world", "--json"),
-        ("summary", str(folder), "--text", "bonjour le monde"),
-    )
+def test_text_of_unknown_words_warns(bert_runs: dict[str, Any]) -> None:
+    known, unknown = bert_runs["known"], bert_runs["unknown"]
     assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
     assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
     assert unknown.returncode == 0
