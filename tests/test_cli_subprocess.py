@@ -102,6 +102,14 @@ def test_a_saved_bert_folder_gets_token_ids(bert_runs: dict[str, Any]) -> None:
     assert text.returncode == 2 and "has no tokenizer files" in text.stderr
 
 
+def test_text_of_unknown_words_warns(bert_runs: dict[str, Any]) -> None:
+    known, unknown = bert_runs["known"], bert_runs["unknown"]
+    assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
+    assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
+    assert unknown.returncode == 0
+    assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr
+
+
 def test_exit_statuses(tmp_path: Path) -> None:
     out = str(tmp_path / "r.html")
     failing = [("summary",), ("report", "--out", out), ("cam", "--layer", "0")]
@@ -230,14 +238,6 @@ def _mean(image: object) -> list[float]:
     from PIL import ImageStat
 
     return list(ImageStat.Stat(image).mean)
-
-
-def test_text_of_unknown_words_warns(bert_runs: dict[str, Any]) -> None:
-    known, unknown = bert_runs["known"], bert_runs["unknown"]
-    assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
-    assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
-    assert unknown.returncode == 0
-    assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr
 
 
 def test_budgets_device_and_seed_from_a_shell(tmp_path: Path) -> None:

@@ -339,8 +339,8 @@ def _by_hand_ddp(part: Any, sink: str, ranks: str) -> None:
 
 def _ddp_rank(rank: int, port: int, out: str) -> None:
     """Rank ``rank`` of two: Lightning's DDP fit and the by-hand DDP loop with the callback's
-    ``ranks="reduce"``, then both again with ``ranks="each"`` (one pair of processes for both
-    tests: each rank mostly imports torch and Lightning)."""
+    ``ranks="reduce"``, then both again with ``ranks="each"`` (one pair of processes for
+    both: each rank mostly imports torch and Lightning)."""
     import torch.distributed as dist
 
     os.environ.update(
@@ -416,30 +416,21 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def ddp_out(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The two gloo processes of both ``ranks`` settings, run once: ``<ranks>/lightning<rank>``
-    and ``<ranks>/hand<rank>.jsonl``."""
-    out = tmp_path_factory.mktemp("ddp")
-    for ranks in ("reduce", "each"):
-        (out / ranks).mkdir()
-    with _processes(_ddp_rank, (_free_port(), str(out)), seconds=600):
-        pass
-    return out
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", ["reduce", "each"])
-def test_ddp_on_two_gloo_processes_equals_ddp_by_hand(ddp_out: Path, ranks: str) -> None:
-    out = ddp_out / ranks
-    if ranks == "reduce":  # rank 0 writes every rank's statistics combined
-        assert not (out / "lightning1.jsonl").read_text()
-        assert not (out / "hand1.jsonl").read_text()
-        got, want = _rows(out / "lightning0.jsonl"), _rows(out / "hand0.jsonl")
-        assert got == want and _steps(got) == list(range(STEPS // 2))
-        assert "rank" not in got[0]
-    else:
-        for rank in (0, 1):
-            got = _rows(out / f"lightning{rank}.jsonl")
-            assert got == _rows(out / f"hand{rank}.jsonl")
-            assert {r["rank"] for r in got} == {rank} and _steps(got) == list(range(STEPS // 2))
+def test_ddp_on_two_gloo_processes_equals_ddp_by_hand(tmp_path: Path) -> None:
+    """Both ``ranks`` settings from one pair of gloo processes (``_ddp_rank``)."""
+    for ranks in ("reduce", "each"):
+        (tmp_path / ranks).mkdir()
+    with _processes(_ddp_rank, (_free_port(), str(tmp_path)), seconds=600):
+        pass
+    out = tmp_path / "reduce"  # rank 0 writes every rank's statistics combined
+    assert not (out / "lightning1.jsonl").read_text()
+    assert not (out / "hand1.jsonl").read_text()
+    got, want = _rows(out / "lightning0.jsonl"), _rows(out / "hand0.jsonl")
+    assert got == want and _steps(got) == list(range(STEPS // 2))
+    assert "rank" not in got[0]
+    out = tmp_path / "each"
+    for rank in (0, 1):
+        got = _rows(out / f"lightning{rank}.jsonl")
+        assert got == _rows(out / f"hand{rank}.jsonl")
+        assert {r["rank"] for r in got} == {rank} and _steps(got) == list(range(STEPS // 2))
