@@ -155,8 +155,7 @@ class StopHere(Exception):
 def hooked(
     model: nn.Module, names: list[str], make: Callable[[str], Any], fn: Callable[[], Any]
 ) -> Any:
-    """``fn()`` with the forward hook ``make(name)`` on each of ``names``, registered for this
-    call only, as a library must."""
+    """``fn()`` with the forward hook ``make(name)`` on each of ``names``, for this call only."""
     modules = dict(model.named_modules())
     with contextlib.ExitStack() as stack:
         for n in names:

@@ -66,7 +66,7 @@ _MEMORY = Path("/dev/shm")
 
 def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list[Any], str]:
     """(model, data for hs.extract, layer, reduce, batches for the hand loop, description)."""
-    n = 64 if quick else 4096 if name == "io_large" else 1024
+    n = 16 if quick else 4096 if name == "io_large" else 1024
     torch.manual_seed(0)
     seeded = torch.Generator().manual_seed(1)
     if name == "tokens_gpt2":  # packed rows of token ids, every token real, GPT-2 small
@@ -86,7 +86,8 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
     if name == "resnet50":
         from transformers import ResNetConfig, ResNetModel
 
-        model, side = ResNetModel(ResNetConfig()).eval(), 32 if quick else 64
+        config = ResNetConfig(**(capture.NARROW_RESNET if quick else {}))
+        model, side = ResNetModel(config).eval(), 32 if quick else 64
         x = torch.randn(n, 3, side, side, generator=seeded)
         what = f"ResNetModel(ResNetConfig()), {n} images 3x{side}x{side}, `pooler`, batch 64"
         return model, x, "pooler", "spatial_mean", [x[i : i + 64] for i in range(0, n, 64)], what

@@ -25,6 +25,14 @@ def cnn() -> nn.Module:
     )
 
 
+def mlp(samples: int = 200) -> tuple[nn.Module, Tensor]:
+    """Linear -> ReLU -> Linear, seeded, and its samples: the SIGKILL tests', built alike in
+    the children they kill and in the test's process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
+    return model, torch.randn(samples, 6, generator=torch.Generator().manual_seed(3))
+
+
 def hand_hooks(model: nn.Module, x: Tensor, names: list[str]) -> dict[str, Tensor]:
     """A copy of each named layer's output in one eval-mode forward, by plain forward hooks."""
     modules = dict(model.named_modules())

@@ -1,6 +1,9 @@
 """A newcomer's everyday tasks through the real ``hookscope`` program, run as a shell runs it
-(a subprocess): exit statuses, what reaches stdout and stderr, Ctrl-C. Oracles: the library
-called directly on the same model and inputs, images read back, analytic maps."""
+(a subprocess): exit statuses, what reaches stdout and stderr, Ctrl-C. Commands that are read
+for their statuses and messages run several to a process (``cli_batch``: each still sees a
+fresh process's state and is captured at the file descriptors); a real process of its own
+shows the same for one of them, and runs Ctrl-C and the images. Oracles: the library called
+directly on the same model and inputs, images read back, analytic maps."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,9 +22,10 @@ import torch
 import hookscope as hs
 
 pytest.importorskip("click")
+import cli_batch
 from cli_models import small_cnn
 
-pytestmark = pytest.mark.slow  # each command starts a Python process that imports torch
+pytestmark = pytest.mark.slow  # each process imports torch
 
 MODELS = Path(__file__).parent / "cli_models.py"
 CNN = f"{MODELS}:small_cnn"
@@ -38,15 +42,13 @@ def hookscope(*args: str, env: dict[str, str] | None = None) -> subprocess.Compl
     )
 
 
-def hookscopes(*commands: tuple[str, ...]) -> list[subprocess.CompletedProcess[str]]:
-    """Independent commands, two processes at a time (each mostly imports torch), in order."""
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(lambda args: hookscope(*args), commands))
-
-
-@pytest.mark.hf
-def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def bert_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Two saved BERT folders (random weights): one without tokenizer files, one with a
+    7-word vocabulary; and the commands the two BERT tests run on them, in one process (it
+    imports transformers once). ``model`` is the first folder's model."""
     transformers = pytest.importorskip("transformers")
+    tmp_path = tmp_path_factory.mktemp("bert")
     config = transformers.BertConfig(
         hidden_size=32,
         num_hidden_layers=2,
@@ -58,14 +60,35 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     model = transformers.BertModel(config).eval()
     model.save_pretrained(tmp_path / "bert")
     bert = str(tmp_path / "bert")
-    done, floats, text = hookscopes(
+    folder = tmp_path / "worded"
+    config = transformers.BertConfig(
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        vocab_size=10,
+    )
+    transformers.BertModel(config).save_pretrained(folder)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
+    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
+    names = ("done", "floats", "text", "known", "unknown")
+    runs = cli_batch.run(
         ("summary", bert, "--input-size", "2,64", "--json"),
         ("summary", bert, "--input-size", "2,64", "--dtype", "float32"),
         ("summary", bert, "--text", "hello world"),
+        ("summary", str(folder), "--text", "hello world", "--json"),
+        ("summary", str(folder), "--text", "bonjour le monde"),
     )
+    return {"model": model, **dict(zip(names, runs, strict=True))}
+
+
+@pytest.mark.hf
+def test_a_saved_bert_folder_gets_token_ids(bert_runs: dict[str, Any]) -> None:
+    done, floats, text = (bert_runs[k] for k in ("done", "floats", "text"))
     assert done.returncode == 0, done.stderr
     ours = hs.Summary.from_json(done.stdout)
-    direct = hs.summary(model, torch.randint(0, 100, (2, 64)))
+    direct = hs.summary(bert_runs["model"], torch.randint(0, 100, (2, 64)))
     assert ours.total_flops == direct.total_flops and ours.inputs == {"input_ids": (2, 64)}
     assert done.stderr == ""  # no progress bar or warning in the way
 
@@ -79,15 +102,26 @@ def test_a_saved_bert_folder_gets_token_ids(tmp_path: Path) -> None:
     assert text.returncode == 2 and "has no tokenizer files" in text.stderr
 
 
+def test_text_of_unknown_words_warns(bert_runs: dict[str, Any]) -> None:
+    known, unknown = bert_runs["known"], bert_runs["unknown"]
+    assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
+    assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
+    assert unknown.returncode == 0
+    assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr
+
+
 def test_exit_statuses(tmp_path: Path) -> None:
     out = str(tmp_path / "r.html")
     failing = [("summary",), ("report", "--out", out), ("cam", "--layer", "0")]
-    found, crashed, usage, *failed = hookscopes(
+    crash = ("nan", CNN, "--input-size", "1,5,8,8")  # 5 channels into 3
+    found, crashed, usage, *failed = cli_batch.run(
         ("nan", f"{MODELS}:nan_model", "--input-size", "8,4"),
-        ("nan", CNN, "--input-size", "1,5,8,8"),  # 5 channels into 3
+        crash,
         ("summary", CNN, "--input-size", "1,x,3"),
         *((*args, CNN, "--input-size", "1,5,8,8") for args in failing),
     )
+    alone = hookscope(*crash)  # a process of its own: the same status and output
+    assert (alone.returncode, alone.stdout, alone.stderr) == (3, crashed.stdout, crashed.stderr)
     assert found.returncode == 1 and "aten.log" in found.stdout
     assert crashed.returncode == 3 and "Traceback" not in crashed.stderr
     assert "failed in '0' (Conv2d) called with input=Tensor[1, 5, 8, 8] float32" in crashed.stderr
@@ -103,18 +137,20 @@ def test_a_pickle_named_pt2_is_refused_in_one_line(tmp_path: Path) -> None:
     names = ("model.pt2", "model.pt", "weights.bin")
     for name in names:
         torch.save(small_cnn(), tmp_path / name)
-    for name, done in zip(names, hookscopes(*(("names", str(tmp_path / n)) for n in names))):
-        assert done.returncode == 2, (name, done.stderr)
-        assert "written by torch.save" in done.stderr and "Traceback" not in done.stderr
-        assert "deserializ" not in done.stderr  # torch.export's own logged traceback
     exported = tmp_path / "cnn.pt"  # an export archive under TorchScript's suffix
     torch.export.save(torch.export.export(small_cnn(), (torch.randn(1, 3, 8, 8),)), str(exported))
-    done = hookscope("names", str(exported), "--json")
+    *refused, done = cli_batch.run(
+        *(("names", str(tmp_path / n)) for n in names), ("names", str(exported), "--json")
+    )
+    for name, no in zip(names, refused, strict=True):
+        assert no.returncode == 2, (name, no.stderr)
+        assert "written by torch.save" in no.stderr and "Traceback" not in no.stderr
+        assert "deserializ" not in no.stderr  # torch.export's own logged traceback
     assert done.returncode == 0, done.stderr
 
 
 def test_every_help_documents_the_exit_statuses() -> None:
-    top = hookscope("--help")
+    top, nan = cli_batch.run(("--help",), ("nan", "--help"))
     assert top.returncode == 0 and "Exit status:" in top.stdout
     from click.testing import CliRunner
 
@@ -123,7 +159,7 @@ def test_every_help_documents_the_exit_statuses() -> None:
     for command in ("names", "summary", "cam", "nan", "report", "extract", "demo"):
         shown = CliRunner().invoke(cli, [command, "--help"]).output  # the same text, faster
         assert "Exit status:" in shown and "130  interrupted" in shown, command
-    assert "3    the model failed otherwise" in hookscope("nan", "--help").stdout
+    assert "3    the model failed otherwise" in nan.stdout
 
 
 def _interruptible() -> None:
@@ -204,33 +240,9 @@ def _mean(image: object) -> list[float]:
     return list(ImageStat.Stat(image).mean)
 
 
-def test_text_of_unknown_words_warns(tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    folder = tmp_path / "bert"
-    config = transformers.BertConfig(
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        vocab_size=10,
-    )
-    transformers.BertModel(config).save_pretrained(folder)
-    vocab = tmp_path / "vocab.txt"
-    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", "world"]))
-    transformers.BertTokenizer(str(vocab)).save_pretrained(folder)
-    known, unknown = hookscopes(
-        ("summary", str(folder), "--text", "hello world", "--json"),
-        ("summary", str(folder), "--text", "bonjour le monde"),
-    )
-    assert known.returncode == 0 and "warning" not in known.stderr, known.stderr
-    assert hs.Summary.from_json(known.stdout).inputs["input_ids"] == (1, 4)  # CLS 2 words SEP
-    assert unknown.returncode == 0
-    assert "warning: every token of --text became the unknown token '[UNK]'" in unknown.stderr
-
-
 def test_budgets_device_and_seed_from_a_shell(tmp_path: Path) -> None:
     args = ("cam", CNN, "--input-size", "4,3,16,16", "--layer", "3", "--out", str(tmp_path))
-    budgeted, *seeded = hookscopes(
+    budgeted, *seeded = cli_batch.run(
         (*args, "--method", "scorecam", "--top-k", "2", "--batch-size", "3"),
         *((*args, "--json", "--device", "cpu", "--seed", seed) for seed in ("3", "3", "4")),
     )

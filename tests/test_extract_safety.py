@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 import hookscope as hs
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand as _hand
+from extract_oracle import mlp
 
 zarr = pytest.importorskip("zarr")
 
@@ -234,11 +236,11 @@ def test_an_empty_dataset_gives_an_empty_store(tmp_path: Path, kind: str) -> Non
 
 _KILLED = textwrap.dedent(
     """
-    import os, signal, sys, torch, torch.nn as nn, zarr.api.asynchronous as za
+    import os, signal, sys, zarr.api.asynchronous as za
     import hookscope as hs
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    x = torch.randn(100, 6, generator=torch.Generator().manual_seed(3))
+    sys.path.insert(0, sys.argv[3])
+    from extract_oracle import mlp
+    model, x = mlp(100)
     kill_at, made = int(sys.argv[2]), [0]
     create = za.create_array  # what the store makes its arrays with
     async def dying(*args, **kwargs):  # the test's own kill, as an array's creation starts
@@ -247,33 +249,40 @@ _KILLED = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         return await create(*args, **kwargs)
     za.create_array = dying
-    hs.extract(model, x, ["0", "2"], out=sys.argv[1], batch_size=10, chunk=20,
-               resume=sys.argv[3] == "resume")
+    hs.extract(model, x, ["0", "2"], out=sys.argv[1], batch_size=10, chunk=20)
     """
 )
 
 
-def _killed(out: Path, kill_at: int, resume: bool) -> int:
-    args = [sys.executable, "-c", _KILLED, str(out), str(kill_at), "resume" if resume else "new"]
-    return subprocess.run(args, capture_output=True, timeout=120, check=False).returncode
+def _killed(out: Path, kill_at: int) -> None:
+    """A child process making a store at ``out``, killed as it starts making its
+    ``kill_at``-th array (5: after the last, before any row is marked done)."""
+    args = [sys.executable, "-c", _KILLED, str(out), str(kill_at), str(Path(__file__).parent)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+
+
+def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
+    """The children's extraction, in this process, not killed (a resume needs no process of
+    its own, and a child's time goes mostly to importing torch)."""
+    model, x = mlp(100)
+    return hs.extract(model, x, ["0", "2"], out=out, batch_size=10, chunk=20, resume=resume)
 
 
 @pytest.mark.slow
 def test_a_kill_between_creating_the_arrays_then_resume(tmp_path: Path) -> None:
-    assert _killed(tmp_path / "clean", 0, resume=False) == 0
-    clean = hs.open_features(tmp_path / "clean")
+    clean = _extract(tmp_path / "clean")
+    points = (1, 2, 5)  # as the arrays are made; after all of them
+    with ThreadPoolExecutor(2) as pool:  # the children, two at a time
+        list(pool.map(lambda k: _killed(tmp_path / f"k{k}", k), points))
     # killed before any array existed: a partial open says so (it raised a raw KeyError)
-    assert _killed(tmp_path / "early", 1, resume=False) == -signal.SIGKILL
-    early = hs.open_features(tmp_path / "early", partial=True)
+    early = hs.open_features(tmp_path / "k1", partial=True)
     assert (len(early), early.ids, early.stored, early.complete) == (0, [], 0, False)
     assert "nothing stored yet" in repr(early)
     with pytest.raises(hs.UsageError, match=r"no rows of layer '0' yet: .* resume=True"):
         early.to_numpy("0")
-    for kill_at in (1, 2, 5):  # as the arrays are made; after all of them, before "done"
-        out = tmp_path / f"k{kill_at}"
-        assert _killed(out, kill_at, resume=False) == -signal.SIGKILL
-        assert _killed(out, 0, resume=True) == 0
-        store = hs.open_features(out)
+    for k in points:
+        store = _extract(tmp_path / f"k{k}", resume=True)
         for layer in ("0", "2"):
             assert np.array_equal(store.to_numpy(layer), clean.to_numpy(layer))
 

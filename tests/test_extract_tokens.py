@@ -302,8 +302,19 @@ def test_a_tensor_of_token_ids_and_an_empty_selection(tmp_path: Path) -> None:
 
 # -- resume after SIGKILL -----------------------------------------------------------------------
 
+#: The extraction the SIGKILL test runs: in a child process where it is killed, in this one for
+#: the uninterrupted run and the last resume (a kill needs a process of its own; a resume to the
+#: end does not, and a child's time goes mostly to importing torch).
+_KWARGS: dict[str, Any] = {
+    "unit": "token",
+    "batch_size": 6,
+    "chunk": 12,
+    "positions": (1, None),
+    "drop_token_ids": [7],
+}
+
 _CHILD = textwrap.dedent(
-    """
+    f"""
     import os, signal, sys, time, torch
     import hookscope as hs
     sys.path.insert(0, sys.argv[5])
@@ -318,71 +329,61 @@ _CHILD = textwrap.dedent(
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(delay)
     model.emb.register_forward_hook(hook)
-    hs.extract(model, token_items(), ["mix", "emb"], out=sys.argv[1], unit="token", batch_size=6,
-               chunk=12, positions=(1, None), drop_token_ids=[7], resume=sys.argv[4] == "resume")
+    resume = sys.argv[4] == "resume"
+    hs.extract(model, token_items(), ["mix", "emb"], out=sys.argv[1], resume=resume, **{_KWARGS!r})
     """
 )
 
 
-def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> int:
-    args = [
-        sys.executable,
-        "-c",
-        _CHILD,
-        str(out),
-        str(kill_at),
-        str(delay),
-        "resume" if resume else "new",
-        str(Path(__file__).parent),
-    ]
-    return subprocess.run(args, capture_output=True, timeout=120, check=False).returncode
+def _child(
+    out: Path, kill_at: int, delay: float = 0.0, resume: bool = False
+) -> subprocess.Popen[bytes]:
+    """A child extracting into ``out`` that kills itself with SIGKILL at forward ``kill_at``
+    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward."""
+    args = [str(out), str(kill_at), str(delay), "resume" if resume else "new"]
+    args += [str(Path(__file__).parent)]
+    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE)
+
+
+def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
+    torch.manual_seed(0)
+    return hs.extract(
+        TokenModel(), token_items(), ["mix", "emb"], out=out, resume=resume, **_KWARGS
+    )
 
 
 @pytest.mark.slow
 def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
-    assert _child(tmp_path / "clean", kill_at=0) == 0
-    clean = hs.open_features(tmp_path / "clean")
+    clean = _extract(tmp_path / "clean")
     # blocks of 12 samples hold about 250 rows: whole chunks, and chunks blocks share
     assert clean.tokens > 2000 and 16 <= clean["mix"].chunks[0] < 128
 
-    def killed_at(points: list[int]) -> None:
+    def killed_at(points: list[int]) -> tuple[Path, bool]:
         out = tmp_path / f"kill{'_'.join(map(str, points))}"
         for i, point in enumerate(points):
-            assert _child(out, kill_at=point, resume=i > 0) == -signal.SIGKILL
-        assert _child(out, kill_at=0, resume=True) == 0
-        _assert_same(hs.open_features(out), clean)
+            child = _child(out, kill_at=point, resume=i > 0)
+            _, err = child.communicate(timeout=120)
+            assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
+        return out, True
 
-    def killed_by_timer(seed: int) -> None:  # at a random moment (inside chunk writes too)
-        out = tmp_path / f"timer{seed}"
-        child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _CHILD,
-                str(out),
-                "0",
-                "0.02",
-                "new",
-                str(Path(__file__).parent),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+    def killed_by_timer(seed: int) -> tuple[Path, bool]:
+        out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
+        child = _child(out, kill_at=0, delay=0.02)
         try:
-            child.wait(timeout=float(np.random.default_rng(seed).uniform(1.5, 3.0)))
+            child.communicate(timeout=float(np.random.default_rng(seed).uniform(1.5, 3.0)))
         except subprocess.TimeoutExpired:
             child.send_signal(signal.SIGKILL)
-            child.wait()
-        assert _child(out, kill_at=0, resume=out.exists()) == 0
-        _assert_same(hs.open_features(out), clean)
+            child.communicate()
+        return out, out.exists()  # killed before it made the store: start one
 
     # batch 1 (nothing written), 5 (block 2's first batch: block 1 just committed), 12 (a
-    # block's second batch), 20 (the last batch); then 14 and 3 in turn
+    # block's second batch), 20 (the last batch); then 14 and 3 in turn. Two children at a time
     with ThreadPoolExecutor(2) as pool:
         runs = [pool.submit(killed_at, p) for p in ([1], [5], [12], [20], [14, 3])]
         runs += [pool.submit(killed_by_timer, seed) for seed in range(2)]
-        for run in runs:
-            run.result()
+        stores = [run.result() for run in runs]
+    for out, resume in stores:  # then each resumed here, to the end
+        _assert_same(_extract(out, resume=resume), clean)
 
 
 def test_a_kill_between_two_arrays_resizes_then_resume(tmp_path: Path) -> None:

@@ -337,7 +337,10 @@ def _by_hand_ddp(part: Any, sink: str, ranks: str) -> None:
                 opt.zero_grad()
 
 
-def _ddp_rank(rank: int, port: int, out: str, ranks: str) -> None:
+def _ddp_rank(rank: int, port: int, out: str) -> None:
+    """Rank ``rank`` of two: Lightning's DDP fit and the by-hand DDP loop with the callback's
+    ``ranks="reduce"``, then both again with ``ranks="each"`` (one pair of processes for
+    both: each rank mostly imports torch and Lightning)."""
     import torch.distributed as dist
 
     os.environ.update(
@@ -353,32 +356,38 @@ def _ddp_rank(rank: int, port: int, out: str, ranks: str) -> None:
     data = _data()
     part = torch.utils.data.Subset(data, list(range(rank, len(data), 2)))  # its own half
     try:
-        callback = HookscopeCallback(every=1, sinks=[f"{out}/lightning{rank}.jsonl"], ranks=ranks)
-        trainer = L.Trainer(
-            max_epochs=1,
-            accelerator="cpu",
-            devices=2,
-            num_nodes=1,
-            strategy="ddp",
-            accumulate_grad_batches=ACCUMULATE,
-            use_distributed_sampler=False,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[callback],
-        )
-        module = LitCNN()
-        trainer.fit(module, _loader(part))
-        assert trainer.global_step == STEPS // 2  # its half: half the optimizer steps
-        assert not _hooks_left(module), "hooks left after fit"
-        _by_hand_ddp(part, f"{out}/hand{rank}.jsonl", ranks)
+        for ranks in ("reduce", "each"):
+            _fit_and_by_hand(rank, part, f"{out}/{ranks}", ranks)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     # Done: leave without the interpreter's shutdown (a gloo process sometimes never finishes
     # exiting on a loaded machine, see test_monitoring.py); a failure above still raises.
     os._exit(0)
+
+
+def _fit_and_by_hand(rank: int, part: Any, out: str, ranks: str) -> None:
+    """Lightning's DDP fit with the callback, then the oracle: the by-hand DDP loop."""
+    callback = HookscopeCallback(every=1, sinks=[f"{out}/lightning{rank}.jsonl"], ranks=ranks)
+    trainer = L.Trainer(
+        max_epochs=1,
+        accelerator="cpu",
+        devices=2,
+        num_nodes=1,
+        strategy="ddp",
+        accumulate_grad_batches=ACCUMULATE,
+        use_distributed_sampler=False,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[callback],
+    )
+    module = LitCNN()
+    trainer.fit(module, _loader(part))
+    assert trainer.global_step == STEPS // 2  # its half: half the optimizer steps
+    assert not _hooks_left(module), "hooks left after fit"
+    _by_hand_ddp(part, f"{out}/hand{rank}.jsonl", ranks)
 
 
 @contextlib.contextmanager
@@ -408,18 +417,20 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", ["reduce", "each"])
-def test_ddp_on_two_gloo_processes_equals_ddp_by_hand(tmp_path: Path, ranks: str) -> None:
-    with _processes(_ddp_rank, (_free_port(), str(tmp_path), ranks), seconds=420):
+def test_ddp_on_two_gloo_processes_equals_ddp_by_hand(tmp_path: Path) -> None:
+    """Both ``ranks`` settings from one pair of gloo processes (``_ddp_rank``)."""
+    for ranks in ("reduce", "each"):
+        (tmp_path / ranks).mkdir()
+    with _processes(_ddp_rank, (_free_port(), str(tmp_path)), seconds=600):
         pass
-    if ranks == "reduce":  # rank 0 writes every rank's statistics combined
-        assert not (tmp_path / "lightning1.jsonl").read_text()
-        assert not (tmp_path / "hand1.jsonl").read_text()
-        got, want = _rows(tmp_path / "lightning0.jsonl"), _rows(tmp_path / "hand0.jsonl")
-        assert got == want and _steps(got) == list(range(STEPS // 2))
-        assert "rank" not in got[0]
-    else:
-        for rank in (0, 1):
-            got = _rows(tmp_path / f"lightning{rank}.jsonl")
-            assert got == _rows(tmp_path / f"hand{rank}.jsonl")
-            assert {r["rank"] for r in got} == {rank} and _steps(got) == list(range(STEPS // 2))
+    out = tmp_path / "reduce"  # rank 0 writes every rank's statistics combined
+    assert not (out / "lightning1.jsonl").read_text()
+    assert not (out / "hand1.jsonl").read_text()
+    got, want = _rows(out / "lightning0.jsonl"), _rows(out / "hand0.jsonl")
+    assert got == want and _steps(got) == list(range(STEPS // 2))
+    assert "rank" not in got[0]
+    out = tmp_path / "each"
+    for rank in (0, 1):
+        got = _rows(out / f"lightning{rank}.jsonl")
+        assert got == _rows(out / f"hand{rank}.jsonl")
+        assert {r["rank"] for r in got} == {rank} and _steps(got) == list(range(STEPS // 2))

@@ -210,20 +210,23 @@ def test_tensorboard_histograms_read_back_equal_counts_made_here(tmp_path: Path)
 # -- DDP: two gloo processes ---------------------------------------------------------------------
 
 
-def _ddp_rank(rank: int, init: str, out: str, ranks: str) -> None:
+def _ddp_rank(rank: int, init: str, out: str) -> None:
+    """Rank ``rank`` of two: a fresh DDP model monitored with ``ranks="reduce"``, then another
+    with ``ranks="each"`` (one process group for both: each rank mostly imports torch)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         torch.set_num_threads(1)
-        model = nn.parallel.DistributedDataParallel(_net())
-        x = torch.randn(8, 3, generator=torch.Generator().manual_seed(10 + rank))  # its own data
-        sink = f"{out}/rank{rank}.jsonl"
-        with hs.Monitor(model, every=1, sinks=[sink], ranks=ranks) as mon:
-            model(x).pow(2).sum().backward()
-            mon.step()
-        modules = [model, *model.modules()]
-        assert not any(m._forward_hooks for m in modules), "hooks left after close"
+        for ranks in ("reduce", "each"):
+            model = nn.parallel.DistributedDataParallel(_net())
+            x = torch.randn(8, 3, generator=torch.Generator().manual_seed(10 + rank))  # its own
+            sink = f"{out}/{ranks}/rank{rank}.jsonl"
+            with hs.Monitor(model, every=1, sinks=[sink], ranks=ranks) as mon:
+                model(x).pow(2).sum().backward()
+                mon.step()
+            modules = [model, *model.modules()]
+            assert not any(m._forward_hooks for m in modules), "hooks left after close"
     finally:
         dist.destroy_process_group()
     # Done: leave without the interpreter's shutdown. On a loaded 2-core machine a gloo
@@ -269,10 +272,10 @@ def test_ddp_two_gloo_processes_reduced_and_per_rank(tmp_path: Path) -> None:
         for h in handles:
             h.remove()
     for ranks in ("reduce", "each"):
+        (tmp_path / ranks).mkdir()
+    _spawn(mp, _ddp_rank, (f"file://{tmp_path / 'init'}", str(tmp_path)), nprocs=2, seconds=180)
+    for ranks in ("reduce", "each"):
         out = tmp_path / ranks
-        out.mkdir()
-        init = f"file://{tmp_path / (ranks + '.init')}"
-        _spawn(mp, _ddp_rank, (init, str(out), ranks), nprocs=2, seconds=180)
         if ranks == "reduce":
             assert not (out / "rank1.jsonl").read_text()  # rank 0 writes the reduced records
             got = _read(out / "rank0.jsonl")
