@@ -318,13 +318,6 @@ class Session:
             return _backward_id() == -1 or hidden(self, True)
         return hidden(self, threads is not None or self._own)
 
-    def _not_ours(self) -> bool:
-        """``_in_backward() or _ignores()``, each tested only when its cheap sign is there
-        (once per forward: the root's hooks)."""
-        if _backward_id() != -1 and self._in_backward():
-            return True
-        return bool(PRIVATE.blocks or self._threads is not None) and self._ignores()
-
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
         from a backward callback is a forward of its own for the sessions it is for)."""
@@ -332,7 +325,7 @@ class Session:
 
     # -- passes ------------------------------------------------------------------------------------
     def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._not_ours():  # a replay, or not this session's forward
+        if self._in_backward() or self._ignores():  # a replay, or not this session's forward
             return
         if module is not self._layers.root:
             raise replica_error(module)
@@ -352,7 +345,7 @@ class Session:
             self._new_pass()
 
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._not_ours():
+        if self._in_backward() or self._ignores():
             return
         now = self._now
         now.depth = max(0, now.depth - 1)
