@@ -21,10 +21,10 @@ if TYPE_CHECKING:
     from .ops._select import OpSelector
 
 __all__ = [
-    "PRIVATE",
     "RUNNERS",
     "ModuleCall",
     "Now",
+    "PerThread",
     "hidden",
     "in_own_forward",
     "own_forward",
@@ -78,9 +78,9 @@ class ModuleCall:
         return f"ModuleCall({self.name!r}, index={self.index}, depth={self.depth}{kind})"
 
 
-class Now(threading.local):
-    """One session's view of the forward running on the calling thread (a thread-local: each
-    thread that reads it gets its own attributes, made fresh on its first read)."""
+class Now:
+    """One session's view of the forward running on one thread (see :class:`PerThread`): a
+    plain object, so that a hook reads the thread-local once and then plain attributes."""
 
     def __init__(self) -> None:
         self.stack: list[ModuleCall] = []  # running tracked calls, innermost last
@@ -90,6 +90,16 @@ class Now(threading.local):
         self.open: dict[Any, list[Any]] = {}  # per site: calls between pre- and post-hook
         self.extra: dict[str, Any] = {}  # a session's own per-pass state (see Session.now)
         self.last_done: str | None = None  # the last site that finished a call (for messages)
+        #: this thread's private forwards (the list :func:`private_forward` pushes onto, empty
+        #: almost always): a hot path tests it without a second thread-local read
+        self.private = _PRIVATE.blocks
+
+
+class PerThread(threading.local):
+    """A session's per-thread state: ``now``, made fresh on each thread's first read."""
+
+    def __init__(self) -> None:
+        self.now = Now()
 
 
 class _Private(threading.local):
@@ -101,8 +111,6 @@ class _Private(threading.local):
 
 
 _PRIVATE = _Private()
-#: this thread's private forwards (``PRIVATE.blocks``: empty almost always), for hot paths
-PRIVATE = _PRIVATE
 
 #: Named in :func:`private_forward`: hookscope's own runners (sessions of entry points that run
 #: the model themselves, ``this_thread=True``) see the forward; sessions of the user's code do

@@ -26,7 +26,7 @@ from ..errors import LayerNotFoundError, UsageError
 from . import _torch, _tree
 from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
-from ._calls import PRIVATE, ModuleCall
+from ._calls import ModuleCall
 from ._lifetime import HookSet, run_unseen
 from ._records import _OUTPUT, Call, LayerRecord
 from ._refusals import replica_error, transformed_error
@@ -384,22 +384,23 @@ class Capture(Session):
     # runs in the new pass, or, for layers that do not run again, when the capture is read or
     # the next pass starts: each forward touches only the layers it uses.
     def _new_pass(self) -> None:
-        now = self._now
-        for opens in now.open.values():  # calls an interrupted forward of this thread left
-            self._drop_open([entry[0] for entry in opens if entry is not None])
-        now.open.clear()
-        now.extra["done"] = set()  # stop=True: sites that finished a call in this pass
+        now = self._local.now
+        if now.open:  # calls an interrupted forward of this thread left
+            for opens in now.open.values():
+                self._drop_open([entry[0] for entry in opens if entry is not None])
+            now.open.clear()
         with self._lock:
             self._sweep(now.pass_index - 1)  # the pass before this one is the latest ended
-            self._stale, self._used = self._used, []
+            self._stale, self._used = self._used, self._stale  # (the swept list, empty)
 
     def _sweep(self, latest: int | None = None) -> None:
         """Drop what layers that did not run in the latest pass still hold from before."""
         latest = self.latest_pass if latest is None else latest
         with self._lock:
-            for site in self._stale:
-                if site.used_in < latest and self._per_pass:
-                    site.record._evict_all(grads=self._grads)
+            if self._per_pass:
+                for site in self._stale:
+                    if site.used_in < latest:
+                        site.record._evict_all(grads=self._grads)
             self._stale.clear()
 
     def _enter_pass(self, site: _Site, pass_index: int) -> None:
@@ -482,7 +483,7 @@ class Capture(Session):
         append, ring, stop, where = record._appender(), self._ring, self._stop, (name, _OUTPUT)
         keep = None if store.keep in (store._keep_clone, store._keep_reference) else store.keep
         clone = store.keep == store._keep_clone
-        threads = self._threads
+        threads, local = self._threads, self._local  # (a new `_local` comes with new hooks)
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
             if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
@@ -493,9 +494,9 @@ class Capture(Session):
                 raise replica_error(mod)
             if _backward_id() != -1:
                 return  # a checkpoint's replay: the call is already recorded
-            if (_PRIVATE.blocks or threads is not None) and self._ignores():
+            now = local.now
+            if (now.private or threads is not None) and self._ignores():
                 return  # a private forward, or another thread's (see Session._ignores)
-            now = self._now
             pass_index = now.pass_index
             if site.used_in != pass_index:
                 self._enter_pass(site, pass_index)
@@ -559,7 +560,8 @@ class Capture(Session):
             return _run_unseen(self._on_input, site, module, args, kwargs, binder)
         if module is not site.module:
             raise replica_error(module)
-        if (_PRIVATE.blocks or self._threads is not None) and self._ignores():
+        now = self._local.now
+        if (now.private or self._threads is not None) and self._ignores():
             return None
         binder = binder or site.binder
         assert binder is not None
@@ -568,7 +570,7 @@ class Capture(Session):
             return None
         call = self._new_call(site)
         bound = binder.bind(args, kwargs)
-        opens = self._now.open.setdefault(site, [])
+        opens = now.open.setdefault(site, [])
         opens.append((call, None))  # first: if storing raises, closing refunds it
         self._open_calls[id(call)] = call
         if self._inputs:
@@ -586,11 +588,12 @@ class Capture(Session):
             return _run_unseen(self._on_output, site, module, args, output)
         if module is not site.module:
             raise replica_error(module)
-        if (_PRIVATE.blocks or self._threads is not None) and self._ignores():
+        now = self._local.now
+        if (now.private or self._threads is not None) and self._ignores():
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
-        opens = self._now.open.get(site)
+        opens = now.open.get(site)
         if opens:
             call, boundary = opens.pop()
             self._open_calls.pop(id(call), None)
@@ -736,7 +739,6 @@ def _lazy_weights(groups: int, call: Call) -> Tensor:
 
 
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest
-_PRIVATE = PRIVATE
 _stack_length = _torch.function_stack_length
 _run_unseen = run_unseen
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced

@@ -71,7 +71,7 @@ from torch import nn
 
 from ..errors import LayerNotFoundError
 from . import _torch
-from ._calls import PRIVATE, ModuleCall, Now, hidden, in_own_forward, private_to
+from ._calls import ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled, refuse_inside_traces
 from ._lifetime import HookSet, run_unseen, unseen
@@ -136,7 +136,7 @@ class Session:
         self._hooks: HookSet | None = None
         self._exit = contextlib.ExitStack()
         self._entered = 0  # nesting of `with` blocks
-        self._now = Now()  # what each thread's forward is doing
+        self._local = PerThread()  # what each thread's forward is doing (`_now`)
         self._passes = itertools.count()
         self._lock = threading.RLock()  # for what threads share: records, pass bookkeeping
         #: the highest pass index started so far, by any thread
@@ -173,7 +173,12 @@ class Session:
     def now(self) -> Now:
         """What the forward running on this thread is doing (its pass, its running calls);
         ``now.extra`` holds a client's own per-pass state."""
-        return self._now
+        return self._local.now
+
+    @property
+    def _now(self) -> Now:
+        # one thread-local read: hot paths read ``self._local.now`` once and keep it
+        return self._local.now
 
     # -- subclass API ---------------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
@@ -227,8 +232,8 @@ class Session:
                 )
             self._hooks = hooks = HookSet(eager=compiled)
             stack.callback(hooks.close)
-            hooks.forward_pre(self._layers.root, self._on_root_start)
-            hooks.forward(self._layers.root, self._on_root_end, always_call=True)
+            hooks.forward_pre(self._layers.root, self._on_root_start, hides_modes=True)
+            hooks.forward(self._layers.root, self._on_root_end, always_call=True, hides_modes=True)
             self._install(hooks)
             self._register_tracking(hooks)
             self._exit = stack.pop_all()
@@ -248,7 +253,7 @@ class Session:
                     self._threads.clear()
                 if self._ops is not None:
                     self._ops.close()
-                self._now = Now()  # every thread's forward state starts afresh
+                self._local = PerThread()  # every thread's forward state starts afresh
                 self._tracked, self._reported = {}, set()
                 self._closed()
 
@@ -310,7 +315,7 @@ class Session:
     def _ignores(self) -> bool:
         """Whether the forward running on this thread is not this session's to see: another
         thread's (for a ``this_thread`` session), or a private forward it is not named in.
-        Hot paths test ``PRIVATE.blocks or self._threads is not None`` first: both false, the
+        Hot paths test ``now.private or self._threads is not None`` first: both false, the
         usual case, means no."""
         threads = self._threads
         if threads is not None and threading.get_ident() not in threads:
@@ -325,18 +330,25 @@ class Session:
 
     # -- passes ------------------------------------------------------------------------------------
     def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self._in_backward() or self._ignores():  # a replay, or not this session's forward
+        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
             return
+        if _stack_length():  # a user's function modes must not see hookscope's work
+            return run_unseen(self._on_root_start, module, args)
+        now = self._local.now
+        if _backward_id() != -1 and self._in_backward():  # a checkpoint's replay
+            return
+        if (now.private or self._threads is not None) and self._ignores():
+            return  # not this session's forward
         if module is not self._layers.root:
             raise replica_error(module)
-        now = self._now
         if now.depth and not _running(module, skip=1):
             now.depth = 0  # that forward was ended by a BaseException: a new pass
         if not now.depth and not self._transformable and _functorch_level() is not None:
             raise transformed_error(type(module).__name__, self._entry)  # once per forward
         now.depth += 1
         if now.depth == 1:
-            self._abandon()
+            if now.stack:
+                self._abandon()
             with self._lock:
                 now.pass_index = next(self._passes)
                 self.latest_pass = max(self.latest_pass, now.pass_index)
@@ -345,10 +357,15 @@ class Session:
             self._new_pass()
 
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if self._in_backward() or self._ignores():
+        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
             return
-        now = self._now
-        now.depth = max(0, now.depth - 1)
+        now = self._local.now  # (no function mode sees this: it runs no torch function)
+        if _backward_id() != -1 and self._in_backward():
+            return
+        if (now.private or self._threads is not None) and self._ignores():
+            return
+        if now.depth:
+            now.depth -= 1
 
     def _ops_pass_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         """After a forward returned (registered after every call hook of the root): operation
@@ -430,14 +447,14 @@ class Session:
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_pre, name, module, args, kwargs)
-        if (PRIVATE.blocks or self._threads is not None) and self._ignores():
+        now = self._local.now
+        if (now.private or self._threads is not None) and self._ignores():
             return None
         replay = _backward_id() != -1 and self._in_backward()
         if replay and not self._replays:
             return None
         if name and module is not self._layers.modules.get(name):
             raise replica_error(module)
-        now = self._now
         index = now.counts.get(name, 0)
         # a transform inside the forward (or around a call outside one): checked once per
         # module and pass, the root's start having checked the forward itself
@@ -471,11 +488,12 @@ class Session:
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_post, name, module, args, output)
-        if (PRIVATE.blocks or self._threads is not None) and self._ignores():
+        now = self._local.now
+        if (now.private or self._threads is not None) and self._ignores():
             return None
         if not self._replays and _backward_id() != -1 and self._in_backward():
             return None
-        stack = self._now.stack
+        stack = now.stack
         while stack and stack[-1].module is not module:  # left open by a BaseException
             self._end(stack.pop(), raised=True)
         if not stack:
