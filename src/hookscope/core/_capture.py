@@ -420,6 +420,16 @@ class Capture(Session):
         finally:
             lock.release()
 
+    def _stored(self, site: _Site, pass_index: int) -> None:
+        """After the fast path stored a call: another thread's forward started meanwhile
+        (:meth:`_late`), a ring other threads filled past its size, ``stop=True``."""
+        if site.used_in != pass_index:
+            self._late(site, pass_index)
+        if self._ring is not None and len(site.record) > self._ring:
+            self._trim(site.record)
+        if self._stop:
+            self._finished(site)
+
     def _late(self, site: _Site, pass_index: int) -> None:
         """A call of ``pass_index`` was kept while a later pass had started on another thread:
         with ``keep="pass"`` the latest pass alone is kept."""
@@ -478,12 +488,15 @@ class Capture(Session):
     def _output_only(self, site: _Site) -> Callable[[nn.Module, Any, Any], None]:
         """The forward hook of a capture of outputs only: the per-call hot path, with what it
         needs bound once. It stores the value (and its version, by reference), nothing else.
-        With the default storage policy (see ``Store``) the copy is made right here."""
+        With the default storage policy (see ``Store``) the copy is made right here; so is
+        :meth:`_enter_pass`'s work (a frame less per layer and forward)."""
         module, name, record, store = site.module, site.name, site.record, self._store
         append, ring, stop, where = record._appender(), self._ring, self._stop, (name, _OUTPUT)
         keep = None if store.keep in (store._keep_clone, store._keep_reference) else store.keep
         clone = store.keep == store._keep_clone
         threads, local = self._threads, self._local  # (a new `_local` comes with new hooks)
+        lock, per_pass, grads = self._lock, self._per_pass, self._grads
+        after = ring is not None or stop  # _stored's work beyond a late call's
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
             if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
@@ -498,8 +511,20 @@ class Capture(Session):
             if (now.private or threads is not None) and self._ignores():
                 return  # a private forward, or another thread's (see Session._ignores)
             pass_index = now.pass_index
-            if site.used_in != pass_index:
-                self._enter_pass(site, pass_index)
+            if site.used_in != pass_index:  # the layer's first call in this pass: _enter_pass
+                if _functorch_level() is not None:
+                    raise transformed_error(name, self._entry)
+                lock.acquire()
+                try:
+                    if pass_index < site.used_in:  # another thread's later forward ran it
+                        record._unordered = True
+                    else:
+                        site.used_in = pass_index
+                        self._used.append(site)
+                        if per_pass:
+                            record._evict_all(grads=grads)
+                finally:
+                    lock.release()
             if ring is not None:
                 self._make_room(record)
             if type(output) is not Tensor:
@@ -518,13 +543,9 @@ class Capture(Session):
                     append((value, _version(value), pass_index))
                 except RuntimeError:  # an inference tensor has no version counter: copy it
                     append((value.clone(), None, pass_index))
-            if site.used_in != pass_index:  # another thread's forward started meanwhile
-                self._late(site, pass_index)
-            if ring is not None and len(record) > ring:  # another thread's call came too
-                self._trim(record)
             now.last_done = name
-            if stop:
-                self._finished(site)
+            if after or site.used_in != pass_index:
+                self._stored(site, pass_index)
 
         return on_output
 
