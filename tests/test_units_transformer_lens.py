@@ -3,9 +3,12 @@
 random Hugging Face weights converted into TransformerLens with its own weight-conversion
 functions, while hookscope runs the unmodified Hugging Face model with SDPA attention.
 
-TransformerLens is not part of the dev extra (see HANDOFF-29.md: it needs its own
-environment); ``tests/test_units.py`` holds the oracle that always runs, eager attention
-written by hand from the same weights."""
+Activation patching sweeps (``hs.patching``) against TransformerLens' own patching helpers
+(``get_act_patch_resid_pre``, ``..._attn_out``, ``..._mlp_out``) on the same GPT-2.
+
+TransformerLens is in the dev extra (``transformer-lens>=3.9,<4``: 4.x removed
+``HookedTransformer``), so CI runs this file; ``tests/test_units.py`` holds a second oracle,
+eager attention written by hand from the same weights."""
 
 from __future__ import annotations
 
@@ -177,3 +180,37 @@ def test_patching_a_head_equals_transformer_lens_patching_hook_z(kind: str) -> N
 
         expected = tl.run_with_hooks(corrupt, fwd_hooks=[("blocks.0.attn.hook_z", patch)])
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+#: TransformerLens' helper -> the GPT-2 modules whose outputs are its activation, per layer
+SWEEPS: dict[str, Callable[[int], str]] = {
+    # resid_pre of block i: the embeddings' sum for i = 0, block i - 1's output after
+    "get_act_patch_resid_pre": lambda i: "transformer.drop" if i == 0 else f"transformer.h.{i - 1}",
+    "get_act_patch_attn_out": lambda i: f"transformer.h.{i}.attn.resid_dropout",
+    "get_act_patch_mlp_out": lambda i: f"transformer.h.{i}.mlp",
+}
+
+
+@pytest.mark.parametrize("helper", list(SWEEPS))
+def test_patching_sweeps_equal_transformer_lens_helpers(helper: str) -> None:
+    """A layers x positions sweep on the unmodified Hugging Face GPT-2, 5 cells per forward,
+    equals TransformerLens' helper (one forward per cell) on the converted model."""
+    hf, tl = _gpt2()
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(3))
+    clean, corrupt = ids, torch.cat([ids[:, :2], ids[:, 2:].flip(1)], 1)
+    a, b = int(ids[0, -1]), int(ids[1, -1])
+
+    def logit_difference(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[:, -1, a] - logits[:, -1, b]).mean()
+
+    with torch.no_grad():
+        _, cache = tl.run_with_cache(clean)
+        expected = getattr(lens.patching, helper)(tl, corrupt, cache, logit_difference)
+    layers = [SWEEPS[helper](i) for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: logit_difference(out.logits), layers, cells_per_forward=5
+    )
+    assert got.layers == tuple(layers) and got.positions == tuple(range(6))
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    # the oracle tells cells apart far beyond the tolerance: a patch that did nothing fails
+    assert expected.max() - expected.min() > 100 * 1e-5

@@ -51,7 +51,7 @@ AREAS: dict[str, tuple[str, str]] = {
     "explain": (
         "Attribution maps",
         "The CAM family, input-space, path and perturbation methods, transformer attention "
-        "maps and overlays.",
+        "maps, overlays and activation patching sweeps.",
     ),
     "extract": ("Extraction", "Dataset-scale feature extraction into Zarr stores."),
     "show": ("Report", "The self-contained HTML report."),

@@ -69,12 +69,14 @@ from .explain import (
     LayerConductance,
     LayerIntegratedGradients,
     Occlusion,
+    Patching,
     Saliency,
     ScoreCAM,
     SmoothGrad,
     TransformerRelevance,
     XGradCAM,
     overlay,
+    patching,
 )
 from .extract import FeatureStore, extract, open_features
 from .look import Summary, SummaryRow, feature_grid, feature_grids, summary
@@ -119,6 +121,7 @@ __all__ = [
     "NonFiniteError",
     "NonFiniteReport",
     "Occlusion",
+    "Patching",
     "Reduce",
     "Saliency",
     "ScoreCAM",
@@ -150,6 +153,7 @@ __all__ = [
     "open_features",
     "overlay",
     "patch",
+    "patching",
     "replace",
     "report",
     "scale",

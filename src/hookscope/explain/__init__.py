@@ -1,7 +1,8 @@
 """Explain: attribution maps, batched, for CNNs, vision transformers, text and 1-D signals:
 the CAM family, input-space gradients, Captum's path and perturbation methods (integrated
 gradients, layer conductance, occlusion, feature ablation) and transformer attention maps
-(rollout, gradient-weighted relevance) from fused attention.
+(rollout, gradient-weighted relevance) from fused attention, and activation patching over
+a grid of layers x positions (:func:`patching`).
 
 Every method is listed in :data:`METHODS` (a :class:`MethodInfo` each). A new CAM method is
 one file in ``methods/``: a :class:`LayerMethod` subclass whose ``combine(ctx)`` turns a
@@ -17,6 +18,7 @@ from ._base import Context, Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
+from ._patching import Patching, patching
 from ._perturb import Perturbation
 from ._registry import METHODS, MethodInfo
 from ._targets import scores as target_scores
@@ -66,6 +68,7 @@ __all__ = [
     "LayerMethod",
     "MethodInfo",
     "Occlusion",
+    "Patching",
     "Perturbation",
     "Saliency",
     "ScoreCAM",
@@ -75,5 +78,6 @@ __all__ = [
     "metrics",
     "normalize",
     "overlay",
+    "patching",
     "target_scores",
 ]

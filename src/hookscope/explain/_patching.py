@@ -1,0 +1,251 @@
+"""Activation patching over a grid of layers x positions, many cells per forward.
+
+A cell ``(layer, position)`` is one forward of the corrupted input with that layer's output at
+that position replaced by the clean run's (TransformerLens' ``get_act_patch_resid_pre`` and
+its relatives, on the unmodified model). Cells are batched: ``cells_per_forward`` copies of the
+corrupted input run as one batch, each copy with its own cell patched, and the user's metric
+is called on each copy's slice of the output, so that the numbers are those of one forward per
+cell.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..core import Edit, EditContext, LayerSelector, capture, edit, leaves, map_tensors
+from ..errors import UsageError
+
+
+@dataclass(frozen=True)
+class Patching:
+    """What :func:`patching` found: ``values[i, j]`` is the metric with ``layers[i]``'s
+    output at ``positions[j]`` patched from the clean run.
+
+    Attributes:
+        values: ``(len(layers), len(positions))``, float, on the CPU.
+        layers: the grid's layers, canonical names in selection order.
+        positions: the grid's positions (non-negative).
+    """
+
+    values: Tensor
+    layers: tuple[str, ...]
+    positions: tuple[int, ...]
+
+    def at(self, layer: str, position: int) -> float:
+        """The metric of one cell."""
+        if layer not in self.layers:
+            raise UsageError(f"{layer!r} is not in this grid; its layers: {list(self.layers)}")
+        if position not in self.positions:
+            raise UsageError(f"position {position} is not in this grid: {list(self.positions)}")
+        return float(self.values[self.layers.index(layer), self.positions.index(position)])
+
+
+def patching(
+    model: nn.Module,
+    clean: Any,
+    corrupted: Any,
+    metric: Callable[[Any], Tensor | float],
+    layers: LayerSelector,
+    *,
+    positions: Sequence[int] | None = None,
+    cells_per_forward: int = 16,
+) -> Patching:
+    """Activation patching of a clean run into a corrupted one, cell by cell over a grid of
+    layers x positions.
+
+    For each layer and position, the corrupted input runs with that layer's output at that
+    position (every sample of the batch) replaced by the clean run's, and ``metric`` scores
+    the result. ``cells_per_forward`` cells share one forward: the corrupted batch is repeated
+    once per cell, each copy patched at its own cell, and ``metric`` gets each copy's output
+    alone, so the values are those of one forward per cell (up to the float reordering a
+    larger batch may bring). The model runs as it is, under ``torch.no_grad()``: call
+    ``model.eval()`` first for dropout-free numbers.
+
+    Args:
+        model: the model.
+        clean: the clean input: a tensor (``model(x)``), a dict (``model(**x)``) or a tuple
+            (``model(*x)``); its batch is the corrupted one's or 1.
+        corrupted: the corrupted input, of the same kind and sequence length.
+        metric: the score of one cell: ``metric(output)`` gets the model's output for the
+            corrupted batch (every tensor in it sliced to that cell's copy) and returns a
+            number or a 0-d tensor, e.g. ``lambda out: out.logits[:, -1, a] - ...``.
+        layers: the layers whose outputs are patched (any layer selector); each must return
+            one tensor of shape ``(batch, positions, ...)`` and run once per forward. For a
+            Hugging Face GPT-2, the residual stream before block ``i`` (TransformerLens'
+            ``resid_pre``) is the output of ``transformer.drop`` (``i = 0``) or of
+            ``transformer.h.{i-1}``.
+        positions: the positions patched (negative from the end); default every position.
+        cells_per_forward: how many cells run in one forward (memory grows with it).
+
+    Returns:
+        A :class:`Patching`: ``values`` of shape ``(len(layers), len(positions))``.
+
+    Raises:
+        UsageError: bad arguments, inputs of different kinds or lengths, a layer that does not
+            return one tensor with a position axis or runs more than once per forward.
+
+    Example:
+        >>> import torch, torch.nn as nn, hookscope as hs
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 1)).eval()
+        >>> clean, corrupted = torch.ones(1, 3, 2), torch.zeros(1, 3, 2)
+        >>> grid = hs.patching(model, clean, corrupted, lambda out: out.sum(), ["0", "1"])
+        >>> grid.values.shape
+        torch.Size([2, 3])
+    """
+    if isinstance(cells_per_forward, bool) or not isinstance(cells_per_forward, int):
+        raise UsageError(f"cells_per_forward must be a positive int, not {cells_per_forward!r}")
+    if cells_per_forward < 1:
+        raise UsageError(f"cells_per_forward must be at least 1, not {cells_per_forward}")
+    if not callable(metric):
+        raise UsageError(f"metric must be a function of the model's output, not {metric!r}")
+    batch = _batch_size(corrupted, "corrupted")
+    with torch.no_grad(), capture(model, layers) as cap:
+        _run(model, clean)
+    names = tuple(cap.records)
+    sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
+    length = sources[names[0]].shape[1]
+    grid = _positions(positions, length, sources)
+    cells = [(name, p) for name in names for p in grid]
+    scores: list[Tensor] = []
+    for start in range(0, len(cells), cells_per_forward):
+        chunk = cells[start : start + cells_per_forward]
+        edits = {
+            name: Edit(_patcher(name, chunk, sources[name], batch), name="patch cells")
+            for name in dict.fromkeys(name for name, _ in chunk)
+        }
+        with torch.no_grad(), edit(model, edits):
+            out = _run(model, _repeat(corrupted, len(chunk)))
+        for i in range(len(chunk)):
+            scores.append(_score(metric, _copy(out, i, batch, len(chunk))))
+    device = scores[0].device  # one copy to the CPU at the end, not a sync per cell
+    values = torch.stack([s.to(device) for s in scores]).float().cpu()
+    return Patching(values.reshape(len(names), len(grid)), names, tuple(grid))
+
+
+def _run(model: nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _batch_size(inputs: Any, what: str) -> int:
+    if not isinstance(inputs, (Tensor, Mapping, tuple)):
+        raise UsageError(
+            f"{what} must be a tensor, a dict of keyword inputs or a tuple of positional "
+            f"inputs, not {type(inputs).__name__}"
+        )
+    sizes = {t.shape[0] for _, t in leaves(inputs) if t.dim() > 0}
+    if len(sizes) != 1:
+        raise UsageError(
+            f"{what}: its tensors must share one batch size (dimension 0), found "
+            f"{sorted(sizes) or 'no tensor'}"
+        )
+    return sizes.pop()
+
+
+def _repeat(inputs: Any, copies: int) -> Any:
+    """``copies`` copies of the batch, one after another (copy ``i``: rows ``i*B:(i+1)*B``)."""
+
+    def repeated(_: Any, t: Tensor) -> Tensor:
+        return t.repeat(copies, *(1,) * (t.dim() - 1)) if t.dim() else t
+
+    return map_tensors(repeated, inputs)
+
+
+def _copy(output: Any, i: int, batch: int, copies: int) -> Any:
+    """Copy ``i``'s part of the output of a repeated batch."""
+
+    def part(_: Any, t: Tensor) -> Tensor:
+        if t.dim() and t.shape[0] == batch * copies:
+            return t[i * batch : (i + 1) * batch]
+        return t
+
+    return map_tensors(part, output)
+
+
+def _clean_value(name: str, calls: Sequence[Any], batch: int) -> Tensor:
+    if len(calls) != 1:
+        raise UsageError(
+            f"patching: {name!r} ran {len(calls)} times in the clean forward; a layer patched "
+            "by position must run once per forward"
+        )
+    value = calls[0].output
+    if not isinstance(value, Tensor) or value.dim() < 2:
+        what = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
+        raise UsageError(
+            f"patching: {name!r} returned {what}; a patched layer must return one tensor "
+            "(batch, positions, ...): choose the module whose output is the activation"
+        )
+    if value.shape[0] not in (1, batch):
+        raise UsageError(
+            f"patching: the clean run's batch is {value.shape[0]} at {name!r}, the corrupted "
+            f"one's {batch}: give a clean batch of the same size or of 1"
+        )
+    return value
+
+
+def _positions(
+    positions: Sequence[int] | None, length: int, sources: Mapping[str, Tensor]
+) -> list[int]:
+    for name, value in sources.items():
+        if value.shape[1] != length:
+            raise UsageError(
+                f"patching: {name!r} has {value.shape[1]} positions, the first layer {length}: "
+                "patch layers that share the position axis"
+            )
+    if positions is None:
+        return list(range(length))
+    if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence) or not positions:
+        raise UsageError(f"positions must be a non-empty list of ints, not {positions!r}")
+    grid = []
+    for p in positions:
+        if isinstance(p, bool) or not isinstance(p, int) or not -length <= p < length:
+            raise UsageError(f"position {p!r} is not an index of the {length} positions")
+        grid.append(p % length)
+    if len(set(grid)) != len(grid):
+        raise UsageError(f"positions {list(positions)} name a position twice")
+    return grid
+
+
+def _patcher(
+    name: str, chunk: Sequence[tuple[str, int]], clean: Tensor, batch: int
+) -> Callable[[Tensor, EditContext], Tensor]:
+    """The edit of ``name`` for this forward's cells: copy ``i`` of the batch gets the clean
+    values at its cell's position."""
+    mine = [(i, p) for i, (layer, p) in enumerate(chunk) if layer == name]
+
+    def fn(t: Tensor, ctx: EditContext) -> Tensor:
+        if ctx.call:
+            raise UsageError(
+                f"patching: {name!r} ran more than once in a forward; a layer patched by "
+                "position must run once per forward"
+            )
+        if t.shape[0] != batch * len(chunk) or t.shape[1:] != clean.shape[1:]:
+            raise UsageError(
+                f"patching: {name!r} returned {tuple(t.shape)} on the corrupted input, "
+                f"{tuple(clean.shape)} on the clean one: the runs must have the same length"
+            )
+        out = t.clone()
+        for i, p in mine:
+            out[i * batch : (i + 1) * batch, p] = clean[:, p].to(t.dtype)
+        return out
+
+    return fn
+
+
+def _score(metric: Callable[[Any], Tensor | float], output: Any) -> Tensor:
+    value = metric(output)
+    score = value.detach() if isinstance(value, Tensor) else torch.tensor(value)
+    if score.numel() != 1:
+        raise UsageError(
+            f"metric returned a tensor of shape {tuple(score.shape)}; it must return one "
+            "number per cell (reduce over the batch, e.g. .mean())"
+        )
+    return score.reshape(())

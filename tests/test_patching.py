@@ -1,0 +1,166 @@
+"""``hs.patching``: layers x positions sweeps against a loop of plain forward hooks, one forward
+per cell; batching cells changes nothing; every refusal. (TransformerLens' own helpers are the
+oracle on GPT-2 in ``tests/test_units_transformer_lens.py``.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+
+
+class Tokens(nn.Module):
+    """(N, T) token ids -> (N, T, V) logits through two mixing layers (positions interact)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.mix = nn.Linear(8, 8)
+        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids: Tensor, scale: Tensor | None = None) -> Tensor:
+        h = self.embed(ids)
+        h = self.mix(h) + h.cumsum(1)  # each position sees the ones before it
+        h = self.block(h)
+        return self.head(h if scale is None else h * scale)
+
+
+LAYERS = ["embed", "mix", "block"]
+
+
+def _model() -> Tokens:
+    torch.manual_seed(0)
+    return Tokens().eval()
+
+
+def _ids(seed: int) -> Tensor:
+    return torch.randint(0, 11, (3, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def _metric(logits: Tensor) -> Tensor:
+    return (logits[:, -1, 2] - logits[:, -1, 7]).mean()
+
+
+def _by_hand(model: nn.Module, clean: Tensor, corrupt: Tensor, positions: list[int]) -> Tensor:
+    """One forward per cell, a plain forward hook replacing one position of one layer."""
+    kept: dict[str, Tensor] = {}
+    handles = [
+        model.get_submodule(n).register_forward_hook(
+            lambda m, a, out, n=n: kept.__setitem__(n, out.detach())
+        )
+        for n in LAYERS
+    ]
+    with torch.no_grad():
+        model(clean)
+    for handle in handles:
+        handle.remove()
+    rows = []
+    for name in LAYERS:
+        row = []
+        for p in positions:
+
+            def hook(m: nn.Module, a: Any, out: Tensor, name: str = name, p: int = p) -> Tensor:
+                out = out.clone()
+                out[:, p] = kept[name][:, p]
+                return out
+
+            handle = model.get_submodule(name).register_forward_hook(hook)
+            with torch.no_grad():
+                row.append(_metric(model(corrupt)))
+            handle.remove()
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("cells", [1, 4, 100])
+def test_a_sweep_equals_one_hooked_forward_per_cell(cells: int) -> None:
+    model = _model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.patching(model, clean, corrupt, _metric, LAYERS, cells_per_forward=cells)
+    expected = _by_hand(model, clean, corrupt, list(range(5)))
+    assert got.layers == tuple(LAYERS) and got.positions == (0, 1, 2, 3, 4)
+    torch.testing.assert_close(got.values, expected, rtol=1e-5, atol=1e-6)
+    assert expected.max() - expected.min() > 1e-2  # the cells differ
+    assert got.at("mix", 3) == pytest.approx(float(expected[1, 3]), abs=1e-6)
+
+
+def test_chosen_positions_a_clean_batch_of_one_and_keyword_inputs() -> None:
+    model = _model()
+    clean, corrupt = _ids(1)[:1], _ids(2)
+    got = hs.patching(
+        model,
+        {"ids": clean},
+        {"ids": corrupt},
+        _metric,
+        LAYERS,
+        positions=[-1, 1],
+        cells_per_forward=3,
+    )
+    expected = _by_hand(model, clean.expand(3, 5), corrupt, [4, 1])
+    assert got.positions == (4, 1)
+    torch.testing.assert_close(got.values, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_positional_inputs_reach_the_model_repeated_per_cell() -> None:
+    """A tuple is the model's positional arguments; every tensor in it is repeated per cell
+    (a per-sample scale too), a 0-d tensor is passed as it is."""
+    model = _model()
+    scale = torch.tensor([[[1.0]], [[2.0]], [[3.0]]])
+    clean, corrupt = (_ids(1), scale), (_ids(2), scale)
+    got = hs.patching(model, clean, corrupt, _metric, ["block"], cells_per_forward=2)
+    one = hs.patching(model, clean, corrupt, _metric, ["block"], cells_per_forward=1)
+    torch.testing.assert_close(got.values, one.values, rtol=1e-5, atol=1e-6)
+
+
+class Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.shared(self.shared(x))
+
+
+class Pair(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x, x
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda m, x: hs.patching(m, x, x, _metric, LAYERS, positions=[0, 0]), "twice"),
+        (lambda m, x: hs.patching(m, x, x, _metric, LAYERS, positions=[5]), "not an index"),
+        (lambda m, x: hs.patching(m, x, x, _metric, LAYERS, positions="last"), "list of ints"),
+        (lambda m, x: hs.patching(m, x, x, _metric, LAYERS, cells_per_forward=0), "at least 1"),
+        (lambda m, x: hs.patching(m, x, x, _metric, LAYERS, cells_per_forward=True), "int"),
+        (lambda m, x: hs.patching(m, x, x, "logits", LAYERS), "metric must be a function"),
+        (lambda m, x: hs.patching(m, x, x, lambda out: out[:, -1, 0], LAYERS), "one number"),
+        (lambda m, x: hs.patching(m, x, [x], _metric, LAYERS), "not list"),
+        (lambda m, x: hs.patching(m, x[:2], x, _metric, LAYERS), "batch is 2"),
+        (lambda m, x: hs.patching(m, x, x, _metric, ["head", "nope"]), "nope"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_fix(call: Any, message: str) -> None:
+    with pytest.raises((hs.UsageError, hs.LayerNotFoundError), match=message):
+        call(_model(), _ids(1))
+
+
+def test_a_layer_that_runs_twice_or_returns_a_tuple_is_refused() -> None:
+    x = torch.ones(2, 3, 4)
+    with pytest.raises(hs.UsageError, match="ran 2 times"):
+        hs.patching(Twice(), x, x, lambda out: out.sum(), ["shared"])
+    model = nn.Sequential(Pair())
+    with pytest.raises(hs.UsageError, match="returned tuple"):
+        hs.patching(model, x, x, lambda out: out[0].sum(), ["0"])
+
+
+def test_runs_of_different_lengths_are_refused() -> None:
+    model = _model()
+    with pytest.raises(hs.UsageError, match="same length"):
+        hs.patching(model, _ids(1), _ids(2)[:, :4], _metric, LAYERS)
