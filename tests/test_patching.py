@@ -164,3 +164,62 @@ def test_runs_of_different_lengths_are_refused() -> None:
     model = _model()
     with pytest.raises(hs.UsageError, match="same length"):
         hs.patching(model, _ids(1), _ids(2)[:, :4], _metric, LAYERS)
+
+
+# -- attribution patching ------------------------------------------------------------------------
+
+
+def _attribution_by_hand(model: nn.Module, clean: Tensor, corrupt: Tensor) -> Tensor:
+    """The formula with plain hooks and torch.autograd.grad: metric(corrupt) + sum over the
+    batch and features of d metric / d activation x (clean - corrupt activation)."""
+    acts: dict[str, Tensor] = {}
+
+    def keep(name: str) -> Any:
+        def hook(m: nn.Module, a: Any, out: Tensor) -> Tensor:
+            acts[name] = out if out.requires_grad else out.detach().requires_grad_()
+            return acts[name]
+
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(keep(n)) for n in LAYERS]
+    with torch.no_grad():
+        model(clean)
+        clean_acts = {n: t.detach() for n, t in acts.items()}
+    score = _metric(model(corrupt))
+    for handle in handles:
+        handle.remove()
+    grads = torch.autograd.grad(score, [acts[n] for n in LAYERS])
+    rows = [
+        (g * (clean_acts[n] - acts[n].detach())).sum((0, 2)) for n, g in zip(LAYERS, grads)
+    ]
+    return score.detach() + torch.stack(rows)
+
+
+def test_attribution_patching_equals_the_formula_by_hand_and_leaves_grads_alone() -> None:
+    model = _model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.attribution_patching(model, clean, corrupt, _metric, LAYERS)
+    for p in model.parameters():
+        assert p.grad is None  # torch.autograd.grad: nothing accumulated
+    expected = _attribution_by_hand(model, clean, corrupt)
+    torch.testing.assert_close(got.values, expected, rtol=1e-5, atol=1e-6)
+    assert got.layers == tuple(LAYERS) and got.positions == (0, 1, 2, 3, 4)
+    exact = hs.patching(model, clean, corrupt, _metric, LAYERS)
+    assert not torch.allclose(got.values, exact.values, atol=1e-4)  # an estimate, not exact
+
+
+def test_attribution_patching_is_exact_where_the_model_is_linear_after_the_layer() -> None:
+    """Patching the input of the last linear layer with a linear metric: the first-order
+    estimate is the exact patch (hs.patching, one forward per cell)."""
+    model = _model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.attribution_patching(model, clean, corrupt, _metric, ["block"], positions=[-1, 0])
+    exact = hs.patching(model, clean, corrupt, _metric, ["block"], positions=[-1, 0])
+    torch.testing.assert_close(got.values, exact.values, rtol=1e-5, atol=1e-5)
+    assert got.positions == (4, 0)
+
+
+def test_attribution_patching_refuses_a_metric_without_a_gradient() -> None:
+    model = _model()
+    with pytest.raises(hs.UsageError, match="0-d tensor computed from the output"):
+        hs.attribution_patching(model, _ids(1), _ids(2), lambda out: 1.0, LAYERS)

@@ -75,6 +75,7 @@ from .explain import (
     SmoothGrad,
     TransformerRelevance,
     XGradCAM,
+    attribution_patching,
     overlay,
     patching,
 )
@@ -137,6 +138,7 @@ __all__ = [
     "__version__",
     "ablate",
     "add",
+    "attribution_patching",
     "capture",
     "clip_grad",
     "clip_grad_norm",

@@ -2,7 +2,7 @@
 the CAM family, input-space gradients, Captum's path and perturbation methods (integrated
 gradients, layer conductance, occlusion, feature ablation) and transformer attention maps
 (rollout, gradient-weighted relevance) from fused attention, and activation patching over
-a grid of layers x positions (:func:`patching`).
+a grid of layers x positions (:func:`patching`, :func:`attribution_patching`).
 
 Every method is listed in :data:`METHODS` (a :class:`MethodInfo` each). A new CAM method is
 one file in ``methods/``: a :class:`LayerMethod` subclass whose ``combine(ctx)`` turns a
@@ -18,7 +18,7 @@ from ._base import Context, Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._overlay import overlay
-from ._patching import Patching, patching
+from ._patching import Patching, attribution_patching, patching
 from ._perturb import Perturbation
 from ._registry import METHODS, MethodInfo
 from ._targets import scores as target_scores
@@ -75,6 +75,7 @@ __all__ = [
     "SmoothGrad",
     "TransformerRelevance",
     "XGradCAM",
+    "attribution_patching",
     "metrics",
     "normalize",
     "overlay",

@@ -1,4 +1,5 @@
-"""Activation patching over a grid of layers x positions, many cells per forward.
+"""Activation patching over a grid of layers x positions, many cells per forward, and its
+first-order estimate from one forward and one backward (attribution patching).
 
 A cell ``(layer, position)`` is one forward of the corrupted input with that layer's output at
 that position replaced by the clean run's (TransformerLens' ``get_act_patch_resid_pre`` and
@@ -104,12 +105,7 @@ def patching(
     if not callable(metric):
         raise UsageError(f"metric must be a function of the model's output, not {metric!r}")
     batch = _batch_size(corrupted, "corrupted")
-    with torch.no_grad(), capture(model, layers) as cap:
-        _run(model, clean)
-    names = tuple(cap.records)
-    sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
-    length = sources[names[0]].shape[1]
-    grid = _positions(positions, length, sources)
+    names, sources, grid = _clean_run(model, clean, layers, positions, batch)
     cells = [(name, p) for name in names for p in grid]
     scores: list[Tensor] = []
     for start in range(0, len(cells), cells_per_forward):
@@ -125,6 +121,91 @@ def patching(
     device = scores[0].device  # one copy to the CPU at the end, not a sync per cell
     values = torch.stack([s.to(device) for s in scores]).float().cpu()
     return Patching(values.reshape(len(names), len(grid)), names, tuple(grid))
+
+
+def attribution_patching(
+    model: nn.Module,
+    clean: Any,
+    corrupted: Any,
+    metric: Callable[[Any], Tensor],
+    layers: LayerSelector,
+    *,
+    positions: Sequence[int] | None = None,
+) -> Patching:
+    """The first-order estimate of :func:`patching`'s grid from one clean forward, one
+    corrupted forward and one backward (attribution patching).
+
+    Each cell is ``metric(corrupted) + sum(grad * (clean - corrupted))`` at its layer and
+    position, summed over the batch and the other axes, where ``grad`` is the gradient of the
+    metric with respect to the layer's output in the corrupted run: the metric the patch would
+    give if the model were linear from that layer on. Gradients are taken with
+    ``torch.autograd.grad``: the parameters' ``.grad`` are left as they are.
+
+    Args:
+        model: the model.
+        clean: the clean input, as for :func:`patching`.
+        corrupted: the corrupted input, as for :func:`patching`.
+        metric: as for :func:`patching`, returning a 0-d tensor computed from the output.
+        layers: the layers, as for :func:`patching`.
+        positions: the positions (negative from the end); default every position.
+
+    Returns:
+        A :class:`Patching` of the estimates, comparable cell by cell with :func:`patching`'s.
+
+    Raises:
+        UsageError: as :func:`patching`, or a metric that does not depend on the layers.
+    """
+    if not callable(metric):
+        raise UsageError(f"metric must be a function of the model's output, not {metric!r}")
+    batch = _batch_size(corrupted, "corrupted")
+    names, sources, grid = _clean_run(model, clean, layers, positions, batch)
+    live: dict[str, Tensor] = {}
+
+    def keep(name: str) -> Callable[[Tensor, EditContext], Tensor]:
+        def fn(t: Tensor, ctx: EditContext) -> Tensor:
+            if ctx.call:
+                raise UsageError(f"patching: {name!r} ran more than once in a forward")
+            live[name] = t if t.requires_grad else t.detach().requires_grad_()
+            return live[name]
+
+        return fn
+
+    with torch.enable_grad(), edit(model, {n: Edit(keep(n), name="keep") for n in names}):
+        score = metric(_run(model, corrupted))
+    if not isinstance(score, Tensor) or score.numel() != 1 or not score.requires_grad:
+        raise UsageError(
+            "metric must return a 0-d tensor computed from the output (with its gradient), "
+            f"got {score!r}"
+        )
+    grads = torch.autograd.grad(score.reshape(()), [live[n] for n in names], allow_unused=True)
+    rows = []
+    for name, grad in zip(names, grads, strict=True):
+        now = live[name].detach()
+        if grad is None or now.shape[1:] != sources[name].shape[1:]:
+            raise UsageError(
+                f"attribution_patching: {name!r} is not on the metric's path, or the runs "
+                "differ in length"
+            )
+        change = (grad * (sources[name].to(now.dtype) - now))[:, grid]  # (N, positions, ...)
+        rows.append(change.transpose(0, 1).flatten(1).sum(1))
+    values = score.detach().reshape(()) + torch.stack(rows)
+    return Patching(values.float().cpu(), names, tuple(grid))
+
+
+def _clean_run(
+    model: nn.Module,
+    clean: Any,
+    layers: LayerSelector,
+    positions: Sequence[int] | None,
+    batch: int,
+) -> tuple[tuple[str, ...], dict[str, Tensor], list[int]]:
+    """The layers' outputs in the clean run (checked), and the grid's positions."""
+    with torch.no_grad(), capture(model, layers) as cap:
+        _run(model, clean)
+    names = tuple(cap.records)
+    sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
+    grid = _positions(positions, sources[names[0]].shape[1], sources)
+    return names, sources, grid
 
 
 def _run(model: nn.Module, inputs: Any) -> Any:
