@@ -189,9 +189,7 @@ def _attribution_by_hand(model: nn.Module, clean: Tensor, corrupt: Tensor) -> Te
     for handle in handles:
         handle.remove()
     grads = torch.autograd.grad(score, [acts[n] for n in LAYERS])
-    rows = [
-        (g * (clean_acts[n] - acts[n].detach())).sum((0, 2)) for n, g in zip(LAYERS, grads)
-    ]
+    rows = [(g * (clean_acts[n] - acts[n].detach())).sum((0, 2)) for n, g in zip(LAYERS, grads)]
     return score.detach() + torch.stack(rows)
 
 
