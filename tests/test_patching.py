@@ -221,3 +221,16 @@ def test_attribution_patching_refuses_a_metric_without_a_gradient() -> None:
     model = _model()
     with pytest.raises(hs.UsageError, match="0-d tensor computed from the output"):
         hs.attribution_patching(model, _ids(1), _ids(2), lambda out: 1.0, LAYERS)
+
+
+def test_a_sweep_over_heads_needs_sdpa_shaped_layers() -> None:
+    model = _model()
+    with pytest.raises(hs.UsageError, match=r"with heads=True each layer is an SDPA call"):
+        hs.patching(model, _ids(1), _ids(2), _metric, LAYERS, heads=True)
+    with pytest.raises(hs.UsageError, match="heads must be True or False"):
+        hs.patching(model, _ids(1), _ids(2), _metric, LAYERS, heads=[0])  # type: ignore[arg-type]
+    grid = hs.patching(model, _ids(1), _ids(2), _metric, ["block"], positions=[0])
+    with pytest.raises(hs.UsageError, match="this grid's heads are"):
+        grid.at("block", 0, head=1)
+    with pytest.raises(hs.UsageError, match="not in this grid"):
+        grid.at("block", 3)

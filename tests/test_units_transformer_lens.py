@@ -214,3 +214,39 @@ def test_patching_sweeps_equal_transformer_lens_helpers(helper: str) -> None:
     torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
     # the oracle tells cells apart far beyond the tolerance: a patch that did nothing fails
     assert expected.max() - expected.min() > 100 * 1e-5
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_patching_heads_equals_transformer_lens_attn_head_out_by_pos(kind: str) -> None:
+    """A layers x positions x heads sweep of each SDPA call's per-head output (hook_z),
+    7 cells per forward, equals get_act_patch_attn_head_out_by_pos (grouped-query Llama too:
+    the 4 query heads)."""
+    make, attention = MODELS[kind]
+    hf, tl = make()
+    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(4))
+    clean, corrupt = ids, torch.cat([ids[:, :1], ids[:, 1:].flip(1)], 1)
+    a, b = int(ids[0, -1]), int(ids[1, -1])
+
+    def logit_difference(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[:, -1, a] - logits[:, -1, b]).mean()
+
+    with torch.no_grad():
+        _, cache = tl.run_with_cache(clean)
+        expected = lens.patching.get_act_patch_attn_head_out_by_pos(
+            tl, corrupt, cache, logit_difference
+        )
+    layers = [f"{attention.format(i)}::scaled_dot_product_attention" for i in range(2)]
+    got = hs.patching(
+        hf,
+        clean,
+        corrupt,
+        lambda out: logit_difference(out.logits),
+        layers,
+        heads=True,
+        cells_per_forward=7,
+    )
+    assert got.values.shape == expected.shape == (2, 5, 4)
+    assert got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    assert expected.max() - expected.min() > 100 * 1e-5
+    assert got.at(layers[1], 4, 2) == pytest.approx(float(expected[1, 4, 2]), abs=1e-5)

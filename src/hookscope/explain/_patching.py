@@ -25,25 +25,34 @@ from ..errors import UsageError
 @dataclass(frozen=True)
 class Patching:
     """What :func:`patching` found: ``values[i, j]`` is the metric with ``layers[i]``'s
-    output at ``positions[j]`` patched from the clean run.
+    output at ``positions[j]`` patched from the clean run (``values[i, j, k]``: of head
+    ``heads[k]`` only).
 
     Attributes:
-        values: ``(len(layers), len(positions))``, float, on the CPU.
+        values: ``(len(layers), len(positions))``, or ``(len(layers), len(positions),
+            len(heads))`` for a sweep over heads; float, on the CPU.
         layers: the grid's layers, canonical names in selection order.
         positions: the grid's positions (non-negative).
+        heads: the grid's heads (empty unless the sweep is over heads).
     """
 
     values: Tensor
     layers: tuple[str, ...]
     positions: tuple[int, ...]
+    heads: tuple[int, ...] = ()
 
-    def at(self, layer: str, position: int) -> float:
-        """The metric of one cell."""
+    def at(self, layer: str, position: int, head: int | None = None) -> float:
+        """The metric of one cell (``head`` for a sweep over heads)."""
         if layer not in self.layers:
             raise UsageError(f"{layer!r} is not in this grid; its layers: {list(self.layers)}")
         if position not in self.positions:
             raise UsageError(f"position {position} is not in this grid: {list(self.positions)}")
-        return float(self.values[self.layers.index(layer), self.positions.index(position)])
+        if (head is None) != (not self.heads) or (head is not None and head not in self.heads):
+            raise UsageError(f"head {head!r}: this grid's heads are {list(self.heads)}")
+        cell = [self.layers.index(layer), self.positions.index(position)]
+        if head is not None:
+            cell.append(self.heads.index(head))
+        return float(self.values[tuple(cell)])
 
 
 def patching(
@@ -54,6 +63,7 @@ def patching(
     layers: LayerSelector,
     *,
     positions: Sequence[int] | None = None,
+    heads: bool = False,
     cells_per_forward: int = 16,
 ) -> Patching:
     """Activation patching of a clean run into a corrupted one, cell by cell over a grid of
@@ -81,6 +91,11 @@ def patching(
             ``resid_pre``) is the output of ``transformer.drop`` (``i = 0``) or of
             ``transformer.h.{i-1}``.
         positions: the positions patched (negative from the end); default every position.
+        heads: sweep over attention heads too: each layer is an SDPA call
+            (``"...attn::scaled_dot_product_attention"``, output ``(batch, heads, positions,
+            head size)``: each head's output before the output projection, TransformerLens'
+            ``hook_z``), and a cell patches one head at one position
+            (``get_act_patch_attn_head_out_by_pos``).
         cells_per_forward: how many cells run in one forward (memory grows with it).
 
     Returns:
@@ -105,14 +120,17 @@ def patching(
     if not callable(metric):
         raise UsageError(f"metric must be a function of the model's output, not {metric!r}")
     batch = _batch_size(corrupted, "corrupted")
-    names, sources, grid = _clean_run(model, clean, layers, positions, batch)
-    cells = [(name, p) for name in names for p in grid]
+    if not isinstance(heads, bool):
+        raise UsageError(f"heads must be True or False, not {heads!r}")
+    names, sources, grid = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    n_heads = sources[names[0]].shape[1] if heads else 1
+    cells = [(n, p, h) for n in names for p in grid for h in range(n_heads)]
     scores: list[Tensor] = []
     for start in range(0, len(cells), cells_per_forward):
         chunk = cells[start : start + cells_per_forward]
         edits = {
-            name: Edit(_patcher(name, chunk, sources[name], batch), name="patch cells")
-            for name in dict.fromkeys(name for name, _ in chunk)
+            name: Edit(_patcher(name, chunk, sources[name], batch, heads), name="patch cells")
+            for name in dict.fromkeys(name for name, _, _ in chunk)
         }
         with torch.no_grad(), edit(model, edits):
             out = _run(model, _repeat(corrupted, len(chunk)))
@@ -120,7 +138,10 @@ def patching(
             scores.append(_score(metric, _copy(out, i, batch, len(chunk))))
     device = scores[0].device  # one copy to the CPU at the end, not a sync per cell
     values = torch.stack([s.to(device) for s in scores]).float().cpu()
-    return Patching(values.reshape(len(names), len(grid)), names, tuple(grid))
+    if not heads:
+        return Patching(values.reshape(len(names), len(grid)), names, tuple(grid))
+    shape = (len(names), len(grid), n_heads)
+    return Patching(values.reshape(shape), names, tuple(grid), tuple(range(n_heads)))
 
 
 def attribution_patching(
@@ -198,13 +219,28 @@ def _clean_run(
     layers: LayerSelector,
     positions: Sequence[int] | None,
     batch: int,
+    *,
+    heads: bool = False,
 ) -> tuple[tuple[str, ...], dict[str, Tensor], list[int]]:
     """The layers' outputs in the clean run (checked), and the grid's positions."""
     with torch.no_grad(), capture(model, layers) as cap:
         _run(model, clean)
     names = tuple(cap.records)
     sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
-    grid = _positions(positions, sources[names[0]].shape[1], sources)
+    axis = 2 if heads else 1
+    for name, value in sources.items():
+        if heads and (value.dim() != 4 or value.shape[1] != sources[names[0]].shape[1]):
+            raise UsageError(
+                f"patching heads: {name!r} returned {tuple(value.shape)}; with heads=True each "
+                "layer is an SDPA call (batch, heads, positions, head size) with as many heads "
+                "as the first, e.g. 'transformer.h.0.attn::scaled_dot_product_attention'"
+            )
+        if value.shape[axis] != sources[names[0]].shape[axis]:
+            raise UsageError(
+                f"patching: {name!r} has {value.shape[axis]} positions, the first layer "
+                f"{sources[names[0]].shape[axis]}: patch layers that share the position axis"
+            )
+    grid = _positions(positions, sources[names[0]].shape[axis])
     return names, sources, grid
 
 
@@ -272,15 +308,7 @@ def _clean_value(name: str, calls: Sequence[Any], batch: int) -> Tensor:
     return value
 
 
-def _positions(
-    positions: Sequence[int] | None, length: int, sources: Mapping[str, Tensor]
-) -> list[int]:
-    for name, value in sources.items():
-        if value.shape[1] != length:
-            raise UsageError(
-                f"patching: {name!r} has {value.shape[1]} positions, the first layer {length}: "
-                "patch layers that share the position axis"
-            )
+def _positions(positions: Sequence[int] | None, length: int) -> list[int]:
     if positions is None:
         return list(range(length))
     if isinstance(positions, (str, bytes)) or not isinstance(positions, Sequence) or not positions:
@@ -296,11 +324,11 @@ def _positions(
 
 
 def _patcher(
-    name: str, chunk: Sequence[tuple[str, int]], clean: Tensor, batch: int
+    name: str, chunk: Sequence[tuple[str, int, int]], clean: Tensor, batch: int, heads: bool
 ) -> Callable[[Tensor, EditContext], Tensor]:
     """The edit of ``name`` for this forward's cells: copy ``i`` of the batch gets the clean
-    values at its cell's position."""
-    mine = [(i, p) for i, (layer, p) in enumerate(chunk) if layer == name]
+    values at its cell's position (and head)."""
+    mine = [(i, p, h) for i, (layer, p, h) in enumerate(chunk) if layer == name]
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
         if ctx.call:
@@ -314,8 +342,12 @@ def _patcher(
                 f"{tuple(clean.shape)} on the clean one: the runs must have the same length"
             )
         out = t.clone()
-        for i, p in mine:
-            out[i * batch : (i + 1) * batch, p] = clean[:, p].to(t.dtype)
+        for i, p, h in mine:
+            rows = slice(i * batch, (i + 1) * batch)
+            if heads:
+                out[rows, h, p] = clean[:, h, p].to(t.dtype)
+            else:
+                out[rows, p] = clean[:, p].to(t.dtype)
         return out
 
     return fn
