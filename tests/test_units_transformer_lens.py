@@ -182,6 +182,25 @@ def test_patching_a_head_equals_transformer_lens_patching_hook_z(kind: str) -> N
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+def _runs(length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Clean ids, corrupted ids (the same first token, the rest reversed) and a logit
+    difference at the last position, as TransformerLens' metrics take it (logits)."""
+    clean = torch.randint(0, 100, (2, length), generator=torch.Generator().manual_seed(seed))
+    corrupt = torch.cat([clean[:, :1], clean[:, 1:].flip(1)], 1)
+    a, b = int(clean[0, -1]), int(clean[1, -1])
+
+    def logit_difference(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[:, -1, a] - logits[:, -1, b]).mean()
+
+    return clean, corrupt, logit_difference
+
+
+def _transformer_lens_sweep(tl: Any, helper: str, clean: Any, corrupt: Any, metric: Any) -> Any:
+    with torch.no_grad():
+        _, cache = tl.run_with_cache(clean)
+        return getattr(lens.patching, helper)(tl, corrupt, cache, metric)
+
+
 #: TransformerLens' helper -> the GPT-2 modules whose outputs are its activation, per layer
 SWEEPS: dict[str, Callable[[int], str]] = {
     # resid_pre of block i: the embeddings' sum for i = 0, block i - 1's output after
@@ -196,19 +215,11 @@ def test_patching_sweeps_equal_transformer_lens_helpers(helper: str) -> None:
     """A layers x positions sweep on the unmodified Hugging Face GPT-2, 5 cells per forward,
     equals TransformerLens' helper (one forward per cell) on the converted model."""
     hf, tl = _gpt2()
-    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(3))
-    clean, corrupt = ids, torch.cat([ids[:, :2], ids[:, 2:].flip(1)], 1)
-    a, b = int(ids[0, -1]), int(ids[1, -1])
-
-    def logit_difference(logits: torch.Tensor) -> torch.Tensor:
-        return (logits[:, -1, a] - logits[:, -1, b]).mean()
-
-    with torch.no_grad():
-        _, cache = tl.run_with_cache(clean)
-        expected = getattr(lens.patching, helper)(tl, corrupt, cache, logit_difference)
+    clean, corrupt, metric = _runs(6, seed=3)
+    expected = _transformer_lens_sweep(tl, helper, clean, corrupt, metric)
     layers = [SWEEPS[helper](i) for i in range(2)]
     got = hs.patching(
-        hf, clean, corrupt, lambda out: logit_difference(out.logits), layers, cells_per_forward=5
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, cells_per_forward=5
     )
     assert got.layers == tuple(layers) and got.positions == tuple(range(6))
     torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
@@ -223,27 +234,12 @@ def test_patching_heads_equals_transformer_lens_attn_head_out_by_pos(kind: str) 
     the 4 query heads)."""
     make, attention = MODELS[kind]
     hf, tl = make()
-    ids = torch.randint(0, 100, (2, 5), generator=torch.Generator().manual_seed(4))
-    clean, corrupt = ids, torch.cat([ids[:, :1], ids[:, 1:].flip(1)], 1)
-    a, b = int(ids[0, -1]), int(ids[1, -1])
-
-    def logit_difference(logits: torch.Tensor) -> torch.Tensor:
-        return (logits[:, -1, a] - logits[:, -1, b]).mean()
-
-    with torch.no_grad():
-        _, cache = tl.run_with_cache(clean)
-        expected = lens.patching.get_act_patch_attn_head_out_by_pos(
-            tl, corrupt, cache, logit_difference
-        )
+    clean, corrupt, metric = _runs(5, seed=4)
+    helper = "get_act_patch_attn_head_out_by_pos"
+    expected = _transformer_lens_sweep(tl, helper, clean, corrupt, metric)
     layers = [f"{attention.format(i)}::scaled_dot_product_attention" for i in range(2)]
     got = hs.patching(
-        hf,
-        clean,
-        corrupt,
-        lambda out: logit_difference(out.logits),
-        layers,
-        heads=True,
-        cells_per_forward=7,
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=7
     )
     assert got.values.shape == expected.shape == (2, 5, 4)
     assert got.heads == (0, 1, 2, 3)
