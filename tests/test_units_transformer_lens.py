@@ -32,7 +32,7 @@ pytestmark = [
 ]
 
 
-def _gpt2() -> tuple[nn.Module, Any]:
+def _gpt2(fold_ln: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
@@ -51,10 +51,10 @@ def _gpt2() -> tuple[nn.Module, Any]:
         original_architecture="GPT2LMHeadModel",
         default_prepend_bos=False,
     )
-    return hf, _converted(cfg, conversions.convert_gpt2_weights(hf, cfg))
+    return hf, _converted(cfg, conversions.convert_gpt2_weights(hf, cfg), fold_ln)
 
 
-def _llama() -> tuple[nn.Module, Any]:
+def _llama(fold_ln: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         num_hidden_layers=2,
@@ -87,14 +87,14 @@ def _llama() -> tuple[nn.Module, Any]:
         original_architecture="LlamaForCausalLM",
         default_prepend_bos=False,
     )
-    return hf, _converted(cfg, conversions.convert_llama_weights(hf, cfg))
+    return hf, _converted(cfg, conversions.convert_llama_weights(hf, cfg), fold_ln)
 
 
-def _converted(cfg: Any, state: dict[str, Any]) -> Any:
+def _converted(cfg: Any, state: dict[str, Any], fold_ln: bool = False) -> Any:
     model = lens.HookedTransformer(cfg)
     model.load_and_process_state_dict(
         state,
-        fold_ln=False,
+        fold_ln=fold_ln,
         center_writing_weights=False,
         center_unembed=False,
         fold_value_biases=False,
@@ -246,3 +246,40 @@ def test_patching_heads_equals_transformer_lens_attn_head_out_by_pos(kind: str) 
     torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
     assert expected.max() - expected.min() > 100 * 1e-5
     assert got.at(layers[1], 4, 2) == pytest.approx(float(expected[1, 4, 2]), abs=1e-5)
+
+
+#: per model: its residual-stream layers (before each block, then after the last), final
+#: norm, unembedding
+LENS = {
+    "gpt2": (["transformer.drop", "transformer.h.0", "transformer.h.1"], "transformer.ln_f"),
+    "llama": (["model.embed_tokens", "model.layers.0", "model.layers.1"], "model.norm"),
+}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_logit_lens_equals_transformer_lens_accumulated_resid(kind: str) -> None:
+    """Each layer's stream through the final norm and the unembedding: TransformerLens'
+    accumulated_resid(apply_ln=True) (3.x recomputes the final norm per layer) and, with
+    scale="frozen", its apply_ln_to_stack (the scale of the full forward), each then
+    @ W_U + b_U of a model whose final norm's weight and bias are folded into them
+    (fold_ln=True). The last row is the model's own logits either way."""
+    make = {"gpt2": _gpt2, "llama": _llama}[kind]
+    hf, tl = make(fold_ln=True)
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(5))
+    layers, norm = LENS[kind]
+    own = hs.logit_lens(hf, ids, layers, norm=norm, unembed="lm_head")
+    frozen = hs.logit_lens(hf, ids, layers, norm=norm, unembed="lm_head", scale="frozen")
+    with torch.no_grad():
+        _, cache = tl.run_with_cache(ids)
+        recomputed = cache.accumulated_resid(apply_ln=True) @ tl.W_U + tl.b_U
+        stack = cache.accumulated_resid(apply_ln=False)
+        kept = cache.apply_ln_to_stack(stack, layer=None) @ tl.W_U + tl.b_U
+        logits = hf(ids).logits
+    assert own.layers == tuple(layers) and own.positions == tuple(range(6))
+    torch.testing.assert_close(own.logits, recomputed, rtol=0, atol=1e-5)
+    torch.testing.assert_close(frozen.logits, kept, rtol=0, atol=1e-5)
+    for lens_ in (own, frozen):
+        torch.testing.assert_close(lens_.logits[-1], logits, rtol=0, atol=1e-5)
+    assert (own.logits[0] - frozen.logits[0]).abs().max() > 0.1  # the conventions differ
+    last = hs.logit_lens(hf, ids, layers, norm=norm, unembed="lm_head", positions=[-1])
+    torch.testing.assert_close(last.logits, own.logits[:, :, -1:], rtol=0, atol=1e-6)

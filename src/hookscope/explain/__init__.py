@@ -2,7 +2,8 @@
 the CAM family, input-space gradients, Captum's path and perturbation methods (integrated
 gradients, layer conductance, occlusion, feature ablation) and transformer attention maps
 (rollout, gradient-weighted relevance) from fused attention, and activation patching over
-a grid of layers x positions (:func:`patching`, :func:`attribution_patching`).
+a grid of layers x positions (:func:`patching`, :func:`attribution_patching`), and the logit
+lens (:func:`logit_lens`).
 
 Every method is listed in :data:`METHODS` (a :class:`MethodInfo` each). A new CAM method is
 one file in ``methods/``: a :class:`LayerMethod` subclass whose ``combine(ctx)`` turns a
@@ -17,6 +18,7 @@ from ._ablation import Ablation
 from ._base import Context, Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
+from ._lens import Lens, logit_lens
 from ._overlay import overlay
 from ._patching import Patching, attribution_patching, patching
 from ._perturb import Perturbation
@@ -66,6 +68,7 @@ __all__ = [
     "LayerConductance",
     "LayerIntegratedGradients",
     "LayerMethod",
+    "Lens",
     "MethodInfo",
     "Occlusion",
     "Patching",
@@ -76,6 +79,7 @@ __all__ = [
     "TransformerRelevance",
     "XGradCAM",
     "attribution_patching",
+    "logit_lens",
     "metrics",
     "normalize",
     "overlay",

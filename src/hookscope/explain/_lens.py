@@ -1,0 +1,148 @@
+"""The logit lens: each layer's residual stream read out through the model's final norm and
+unembedding: the norm applied as it is (TransformerLens 3.x's ``accumulated_resid(
+apply_ln=True)`` at the unembedding), or with its scale frozen at the full forward's (its
+``apply_ln_to_stack``, the convention of direct logit attribution)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..core import LayerSelector, capture
+from ..errors import UsageError
+from ._patching import _positions, _run
+
+
+@dataclass(frozen=True)
+class Lens:
+    """What :func:`logit_lens` read: ``logits[i]`` is ``layers[i]``'s residual stream through
+    the final norm and the unembedding.
+
+    Attributes:
+        logits: ``(len(layers), batch, len(positions), vocabulary)``.
+        layers: the layers, canonical names in selection order.
+        positions: the positions read (non-negative).
+    """
+
+    logits: Tensor
+    layers: tuple[str, ...]
+    positions: tuple[int, ...]
+
+
+def logit_lens(
+    model: nn.Module,
+    inputs: Any,
+    layers: LayerSelector,
+    *,
+    norm: str,
+    unembed: str,
+    positions: Sequence[int] | None = None,
+    scale: Literal["own", "frozen"] = "own",
+) -> Lens:
+    """The logit lens: what each layer's residual stream would predict if the model stopped
+    there.
+
+    One forward records each layer's output (the residual stream, ``(batch, positions,
+    width)``); each is put through the final norm and the unembedding module. With
+    ``scale="own"`` the norm runs as it is, on each stream's own statistics (TransformerLens
+    3.x's ``accumulated_resid(apply_ln=True)`` followed by the unembedding). With
+    ``scale="frozen"`` every stream is divided by the final norm's scale of that forward (per
+    sample and position), centred first for a LayerNorm, then the norm's weight and bias are
+    applied (TransformerLens' ``apply_ln_to_stack``): the convention that makes the parts of
+    the stream add up, as direct logit attribution needs. Either way the last layer's row is
+    the model's own logits when the last layer is the stream the norm reads.
+
+    Args:
+        model: the model (its forward runs once, under ``torch.no_grad()``).
+        inputs: a tensor (``model(x)``), a dict (``model(**x)``) or a tuple (``model(*x)``).
+        layers: the layers whose outputs are the residual stream: for a Hugging Face GPT-2,
+            ``"transformer.drop"`` (before block 0) and ``"transformer.h.{i}"``.
+        norm: the final norm's name (``"transformer.ln_f"``, ``"model.norm"``).
+        unembed: the unembedding module's name (``"lm_head"``).
+        positions: read only these positions (negative from the end); default every one.
+        scale: ``"own"`` or ``"frozen"``, see above (``"frozen"`` needs a LayerNorm or an
+            RMSNorm).
+
+    Returns:
+        A :class:`Lens`: ``logits`` of shape ``(layers, batch, positions, vocabulary)``.
+
+    Raises:
+        UsageError: a layer whose output is not a tensor of the final norm's input's shape,
+            positions out of range, a frozen scale for a norm that is neither a LayerNorm
+            nor an RMSNorm.
+    """
+    if scale not in ("own", "frozen"):
+        raise UsageError(f"scale must be 'own' or 'frozen', not {scale!r}")
+    module = _module(model, norm, "norm")
+    head = _module(model, unembed, "unembed")
+    kind = _norm_kind(module, norm) if scale == "frozen" else None
+    with torch.no_grad(), capture(model, layers) as streams, capture(model, norm, inputs=True) as n:
+        _run(model, inputs)
+    names = tuple(streams.records)
+    bound = n[norm].inputs  # its arguments by name: the first tensor is the stream
+    values = bound.values() if isinstance(bound, Mapping) else [bound]
+    final = next((v for v in values if isinstance(v, Tensor)), None)
+    if not isinstance(final, Tensor):
+        raise UsageError(f"logit_lens: the input of {norm!r} is not one tensor: {type(bound)}")
+    grid = _positions(positions, final.shape[1])
+    rows = []
+    with torch.no_grad():
+        for name in names:
+            stream = streams[name].output
+            if not isinstance(stream, Tensor) or stream.shape != final.shape:
+                shape = tuple(stream.shape) if isinstance(stream, Tensor) else type(stream)
+                raise UsageError(
+                    f"logit_lens: {name!r} returned {shape}, the final norm's input is "
+                    f"{tuple(final.shape)}: choose layers whose output is the residual stream"
+                )
+            r = stream[:, grid]
+            normed = module(r) if kind is None else _frozen(module, r, final[:, grid], *kind)
+            rows.append(head(normed))
+    return Lens(torch.stack(rows), names, tuple(grid))
+
+
+def _frozen(module: nn.Module, r: Tensor, final: Tensor, centred: bool, eps: float) -> Tensor:
+    """The norm of ``r`` with the scale it had on ``final``: ``r`` (centred for a LayerNorm)
+    divided by that scale, then the norm's affine part (its own scale of the result undone)."""
+    v = (r - r.mean(-1, keepdim=True) if centred else r) / _scale(final, centred, eps)
+    bias = module(torch.zeros_like(v[:1, :1]))  # what the norm adds: its bias, or 0
+    out: Tensor = (module(v) - bias) * _scale(v, centred, eps) + bias
+    return out
+
+
+def _module(model: nn.Module, name: str, what: str) -> nn.Module:
+    if not isinstance(name, str):
+        raise UsageError(f"{what} must be a module's name, not {name!r}")
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        raise UsageError(f"{what}: the model has no module {name!r}") from None
+
+
+def _norm_kind(module: nn.Module, name: str) -> tuple[bool, float]:
+    """(centred: a LayerNorm, eps) of the final norm."""
+    kind = type(module).__name__
+    if isinstance(module, nn.LayerNorm) or kind.endswith("LayerNorm"):
+        centred = True
+    elif kind.endswith("RMSNorm"):
+        centred = False
+    else:
+        raise UsageError(
+            f"logit_lens: {name!r} is a {kind}; the final norm must be a LayerNorm or an "
+            "RMSNorm (its scale is frozen at the forward's)"
+        )
+    eps = getattr(module, "eps", None)
+    eps = getattr(module, "variance_epsilon", None) if eps is None else eps
+    weight = getattr(module, "weight", None)
+    dtype = weight.dtype if isinstance(weight, Tensor) else torch.float32
+    return centred, float(torch.finfo(dtype).eps if eps is None else eps)
+
+
+def _scale(x: Tensor, centred: bool, eps: float) -> Tensor:
+    if centred:
+        return (x.var(-1, unbiased=False, keepdim=True) + eps).sqrt()
+    return (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()

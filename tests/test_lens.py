@@ -1,0 +1,83 @@
+"""``hs.logit_lens`` refusals and a hand-computed lens on a small model (TransformerLens is the
+oracle on GPT-2 and Llama in ``tests/test_units_transformer_lens.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+
+
+class Stack(nn.Module):
+    """(N, T) ids -> logits through two residual blocks, a final LayerNorm and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(9, 6)
+        self.blocks = nn.ModuleList([nn.Linear(6, 6) for _ in range(2)])
+        self.outs = nn.ModuleList([nn.Identity() for _ in range(2)])
+        self.norm = nn.LayerNorm(6)
+        self.head = nn.Linear(6, 9)
+        self.act = nn.Tanh()
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        for block, out in zip(self.blocks, self.outs, strict=True):
+            h = out(h + self.act(block(h)))
+        return self.head(self.norm(h))
+
+
+def _model() -> Stack:
+    torch.manual_seed(0)
+    model = Stack().eval()
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+IDS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+LAYERS = ["embed", "outs.0", "outs.1"]
+
+
+def test_both_scales_by_hand() -> None:
+    model = _model()
+    streams = []
+    hooks = [
+        model.get_submodule(n).register_forward_hook(lambda m, a, o: streams.append(o))
+        for n in LAYERS
+    ]
+    with torch.no_grad():
+        logits = model(IDS)
+    for h in hooks:
+        h.remove()
+    final = streams[-1]
+    s = (final.var(-1, unbiased=False, keepdim=True) + model.norm.eps).sqrt()
+    w, b = model.norm.weight, model.norm.bias
+    with torch.no_grad():
+        own = torch.stack([model.head(model.norm(r)) for r in streams])
+        frozen = torch.stack(
+            [model.head((r - r.mean(-1, keepdim=True)) / s * w + b) for r in streams]
+        )
+    got = hs.logit_lens(model, IDS, LAYERS, norm="norm", unembed="head")
+    torch.testing.assert_close(got.logits, own, rtol=1e-6, atol=1e-6)
+    got = hs.logit_lens(model, IDS, LAYERS, norm="norm", unembed="head", scale="frozen")
+    torch.testing.assert_close(got.logits, frozen, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.logits[-1], logits, rtol=1e-6, atol=1e-6)
+    assert (own[0] - frozen[0]).abs().max() > 1e-2
+
+
+def test_refusals_name_the_problem() -> None:
+    model = _model()
+    with pytest.raises(hs.UsageError, match="scale must be 'own' or 'frozen'"):
+        hs.logit_lens(model, IDS, LAYERS, norm="norm", unembed="head", scale="mine")  # type: ignore[arg-type]
+    with pytest.raises(hs.UsageError, match="no module 'ln_f'"):
+        hs.logit_lens(model, IDS, LAYERS, norm="ln_f", unembed="head")
+    with pytest.raises(hs.UsageError, match="must be a LayerNorm or an RMSNorm"):
+        hs.logit_lens(model, IDS, LAYERS, norm="act", unembed="head", scale="frozen")
+    with pytest.raises(hs.UsageError, match="choose layers whose output is the residual stream"):
+        hs.logit_lens(model, IDS, ["head"], norm="norm", unembed="head")
+    with pytest.raises(hs.UsageError, match="not an index"):
+        hs.logit_lens(model, IDS, LAYERS, norm="norm", unembed="head", positions=[4])
