@@ -84,6 +84,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items.sort(key=cost)  # (stable: a file's tests keep their order)
 
 
+@pytest.hookimpl(optionalhook=True)  # (no error where pytest-xdist is missing or disabled)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Whole files to the workers, in the order of the collection (the costliest first: see
     :func:`pytest_collection_modifyitems`), the next file to the first worker with little left.
