@@ -13,6 +13,6 @@ fi
 .venv/bin/ruff check src tests bench examples
 .venv/bin/ruff format --check src tests bench examples
 .venv/bin/mypy
-# One worker per core (tests/conftest.py starts the files with slow tests first, so that no
-# long test runs alone at the end); pass -n 0 to run in this process.
+# One worker per core (tests/conftest.py hands each worker whole files, the costliest first, so
+# that no long file runs alone at the end); pass -n 0 to run in this process.
 .venv/bin/python -m pytest -p no:cacheprovider -n auto "$@"

@@ -35,14 +35,65 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+#: Seconds each of the costliest files took in a full run with a worker per core (2 cores,
+#: 2026-11, the sum of its tests' setup, call and teardown in ``--durations=0``). Only their
+#: order matters: a file missing here comes after them, by its ``slow`` tests and its size.
+FILE_SECONDS = {
+    "test_extract.py": 80,
+    "test_docs.py": 70,
+    "test_explain_contract.py": 55,
+    "test_hazards.py": 45,
+    "test_cli_subprocess.py": 41,
+    "test_sharded.py": 38,
+    "test_bench.py": 36,
+    "test_extract_tokens.py": 27,
+    "test_api.py": 24,
+    "test_extract_cli.py": 20,
+    "test_integrations_lightning.py": 18,
+    "test_hf.py": 16,
+    "test_zoo.py": 15,
+    "test_extract_pipeline.py": 13,
+    "test_explain_memory.py": 12,
+    "test_summary_hf.py": 11,
+    "test_report.py": 11,
+    "test_cli.py": 11,
+    "test_demo.py": 10,
+    "test_architecture.py": 10,
+    "test_residue.py": 9,
+    "test_summary_ops.py": 9,
+    "test_integrations_transformers.py": 8,
+    "test_residue_fixture.py": 8,
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The files that have a test marked ``slow`` first, each whole and in its order:
-    pytest-xdist's workers (``scripts/test.sh`` runs one per core) then end on short tests
-    together, rather than one waiting for the other's last long test, and a module-scoped
-    fixture is still made once (moving single tests would split its file and make it again).
-    Every worker sorts the same collection alike."""
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow)
+    """The costliest files first, each whole and in its order: pytest-xdist hands each worker
+    a whole file at a time (:func:`pytest_xdist_make_scheduler`), so the long files start at
+    once and the workers end on short ones together, rather than one waiting for the other's
+    last long file; a module-scoped fixture is made once. Every worker sorts alike."""
+    slow: dict[Path, int] = {}
+    size: dict[Path, int] = {}
+    for item in items:
+        size[item.path] = size.get(item.path, 0) + 1
+        slow[item.path] = slow.get(item.path, 0) + bool(item.get_closest_marker("slow"))
+
+    def cost(item: pytest.Item) -> tuple[float, int, int]:
+        path = item.path
+        return (-FILE_SECONDS.get(path.name, 0), -slow[path], -size[path])
+
+    items.sort(key=cost)  # (stable: a file's tests keep their order)
+
+
+@pytest.hookimpl(optionalhook=True)  # (no error where pytest-xdist is missing or disabled)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Whole files to the workers, in the order of the collection (the costliest first: see
+    :func:`pytest_collection_modifyitems`), the next file to the first worker with little left.
+    pytest-xdist's default hands out runs of tests instead, the first quarter of each worker's
+    share at once: one worker got every long file and ran for 207 s after the other ended."""
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # (xdist would order the files by their size)
+    return LoadFileScheduling(config, log)  # type: ignore[arg-type]
 
 
 @pytest.fixture(autouse=True)

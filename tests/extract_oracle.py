@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from functools import partial
 from typing import Any
 
@@ -187,3 +190,44 @@ def token_items() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     lengths = torch.randint(1, 41, (120,), generator=g).tolist()
     return [{"input_ids": torch.randint(0, 50, (k,), generator=g)} for k in lengths]
+
+
+# -- the SIGKILL tests' children ------------------------------------------------------------------
+# Run in a child process forked from the tests' forkserver (tests/zygote.py), which imports
+# this module rather than the test's own (test_extract_tokens.py imports transformers).
+
+
+def _die_at(module: nn.Module, kill_at: int, delay: float) -> None:
+    """The test's own hook on ``module``: the process kills itself with SIGKILL at forward
+    ``kill_at`` (1 is the first; 0: never), and sleeps ``delay`` seconds after each forward."""
+    calls = [0]
+
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        calls[0] += 1
+        if calls[0] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(delay)
+
+    module.register_forward_hook(hook)
+
+
+def killed_mlp_run(out: str, kill_at: int, delay: float, resume: bool) -> None:
+    """test_extract.py's extraction of :func:`mlp`, dying at forward ``kill_at``."""
+    import hookscope as hs
+
+    model, x = mlp()
+    _die_at(model[0], kill_at, delay)
+    hs.extract(model, x, ["0", "1"], out=out, batch_size=10, chunk=20, resume=resume)
+
+
+def killed_token_run(
+    out: str, kill_at: int, delay: float, resume: bool, kwargs: dict[str, Any]
+) -> None:
+    """test_extract_tokens.py's extraction of :class:`TokenModel`, dying at forward
+    ``kill_at``."""
+    import hookscope as hs
+
+    torch.manual_seed(0)
+    model = TokenModel()
+    _die_at(model.emb, kill_at, delay)
+    hs.extract(model, token_items(), ["mix", "emb"], out=out, resume=resume, **kwargs)

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import hookscope as hs
-from extract_oracle import TokenModel, mlp, token_items
+import zygote
+from extract_oracle import TokenModel, killed_mlp_run, mlp, token_items
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand_hooks as _hand_hooks
 
@@ -269,38 +270,19 @@ def test_image_folder_skip_records_errors_and_raise_names_the_file(tmp_path: Pat
 
 # -- resume after SIGKILL ------------------------------------------------------------------------
 
-#: A child the SIGKILL test kills; the uninterrupted run and the last resume run in the test's
-#: process (a kill needs a process of its own; a resume to the end does not, and a child's time
-#: goes mostly to importing torch).
-_CHILD = textwrap.dedent(
-    """
-    import os, signal, sys, time, torch
-    import hookscope as hs
-    sys.path.insert(0, sys.argv[5])
-    from extract_oracle import mlp
-    model, x = mlp()
-    kill_at, delay = int(sys.argv[2]), float(sys.argv[3])
-    calls = [0]
-    def hook(module, args, output):  # the test's own hook: dies at a chosen batch
-        calls[0] += 1
-        if calls[0] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(delay)
-    model[0].register_forward_hook(hook)
-    resume = sys.argv[4] == "resume"
-    hs.extract(model, x, ["0", "1"], out=sys.argv[1], batch_size=10, chunk=20, resume=resume)
-    """
-)
+#: When the timer kills a child, in seconds after its start (a child forked from the server
+#: makes its store ~0.1 s after it starts and ends ~0.25 s later on an idle machine)
+TIMER_S = (0.1, 0.4)
 
 
-def _child(
-    out: Path, kill_at: int, delay: float = 0.0, resume: bool = False
-) -> subprocess.Popen[bytes]:
+def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> zygote.Child:
     """A child extracting into ``out`` that kills itself with SIGKILL at forward ``kill_at``
-    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward."""
-    args = [str(out), str(kill_at), str(delay), "resume" if resume else "new"]
-    args += [str(Path(__file__).parent)]
-    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE)
+    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward. A kill needs a
+    process of its own; a resume to the end does not, so the uninterrupted run and the last
+    resume run in the test's process. The child is forked from a process that imported torch
+    and hookscope (see zygote.py): a fresh interpreter spent most of its time importing them."""
+    err = out.with_name(f"{out.name}.{kill_at}.{int(resume)}.stderr")
+    return zygote.Child(killed_mlp_run, str(out), kill_at, delay, resume, stderr_file=err)
 
 
 def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
@@ -317,8 +299,7 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
         out = tmp_path / f"kill{'_'.join(map(str, points))}"
         for i, point in enumerate(points):
             child = _child(out, kill_at=point, resume=i > 0)
-            _, err = child.communicate(timeout=120)
-            assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
+            assert child.wait(timeout=120) == -signal.SIGKILL, child.stderr[-2000:]
             with pytest.raises(hs.UsageError, match="unfinished"):
                 hs.open_features(out)
         return out, True
@@ -326,11 +307,8 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
     def killed_by_timer(seed: int) -> tuple[Path, bool]:
         out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
         child = _child(out, kill_at=0, delay=0.01)
-        try:
-            child.communicate(timeout=float(np.random.default_rng(seed).uniform(1.0, 3.0)))
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGKILL)
-            child.communicate()
+        if child.wait(timeout=float(np.random.default_rng(seed).uniform(*TIMER_S))) is None:
+            child.kill()
         return out, out.exists()  # killed before it made the store: start one
 
     # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first

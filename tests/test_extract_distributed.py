@@ -8,91 +8,94 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
-import sys
-import textwrap
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
 import hookscope as hs
+import zygote
 from extract_oracle import TokenModel, cnn, token_items
 
 zarr = pytest.importorskip("zarr")
 
-_RANK = textwrap.dedent(
-    """
-    import os, signal, sys, torch, torch.distributed as dist
-    sys.path.insert(0, sys.argv[1])
-    import hookscope as hs
-    from extract_oracle import TokenModel, cnn, token_items
+
+def _rank(rank: int, world: int, port: int, jobs: list[str]) -> None:
+    """Rank ``rank`` of ``world`` (in a child process): ``jobs`` in turn, each ``kind=out``."""
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     dist.init_process_group("gloo")
-    rank = dist.get_rank()
     torch.manual_seed(0)
     model, items = TokenModel(), token_items()
-    def tokens(out, **kwargs):
-        return hs.extract(model, items, ["mix", "emb"], out=out, unit="token", batch_size=6,
-                          chunk=12, positions=(1, None), engine="distributed", **kwargs)
-    for job in sys.argv[2:]:
+
+    def tokens(out: str, **kwargs: Any) -> hs.FeatureStore:
+        return hs.extract(
+            model,
+            items,
+            ["mix", "emb"],
+            out=out,
+            unit="token",
+            batch_size=6,
+            chunk=12,
+            positions=(1, None),
+            engine="distributed",
+            **kwargs,
+        )
+
+    for job in jobs:
         kind, out = job.split("=")
         if kind == "tokens":
-            store = tokens(out)
-            assert store.complete
+            assert tokens(out).complete
         elif kind == "samples":
             x = torch.randn(50, 3, 10, 10, generator=torch.Generator().manual_seed(1))
-            hs.extract(cnn(), x, ["1", "6"], out=out, batch_size=4, chunk=8,
-                       engine="distributed")
+            hs.extract(cnn(), x, ["1", "6"], out=out, batch_size=4, chunk=8, engine="distributed")
         elif kind == "resume":
             tokens(out, resume=True)
         elif kind == "killed":  # rank 1 dies in its third forward: its first block is done
             calls = [0]
-            def die(module, args, output):
+
+            def die(module: Any, args: Any, output: Any, calls: list[int] = calls) -> None:
                 calls[0] += 1
                 if rank == 1 and calls[0] == 3:
                     os.kill(os.getpid(), signal.SIGKILL)
+
             handle = model.emb.register_forward_hook(die)
             try:
                 tokens(out)
             finally:
                 handle.remove()
     dist.destroy_process_group()
-    """
-)
 
 
-def _launch(world: int, jobs: list[str], timeout: float = 240) -> list[tuple[int, str]]:
-    """``world`` ranks running ``jobs`` in turn: (exit status, stderr) per rank. Every rank is
-    killed at the timeout, and none outlives the call."""
+def _launch(
+    world: int, jobs: list[str], folder: Path, timeout: float = 240
+) -> list[tuple[int, str]]:
+    """``world`` ranks running ``jobs`` in turn: (exit status, stderr) per rank. The ranks are
+    forked from the tests' forkserver (see zygote.py: a fresh interpreter spent most of its
+    time importing torch). Every rank is killed at the timeout, and none outlives the call."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = []
+    ranks: list[zygote.Child] = []
     try:
         for rank in range(world):
-            env = {
-                **os.environ,
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-            }
-            ranks.append(
-                subprocess.Popen(
-                    [sys.executable, "-c", _RANK, str(Path(__file__).parent), *jobs],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        return [(p.wait(timeout=timeout), p.communicate()[1]) for p in ranks]
+            err = folder / f"rank{rank}of{world}.stderr"
+            ranks.append(zygote.Child(_rank, rank, world, port, jobs, stderr_file=err))
+        deadline = time.monotonic() + timeout
+        statuses = [child.wait(timeout=max(0.0, deadline - time.monotonic())) for child in ranks]
+        if None in statuses:
+            raise TimeoutError(f"the {world} ranks did not finish in {timeout:.0f} s")
+        return [(int(status or 0), child.stderr) for status, child in zip(statuses, ranks)]
     finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        for child in ranks:
+            if child.process.is_alive():
+                child.kill()
 
 
 def _local_tokens(out: Path) -> hs.FeatureStore:
@@ -123,7 +126,7 @@ def test_two_and_three_processes_write_the_local_store_also_after_a_kill(tmp_pat
     x = torch.randn(50, 3, 10, 10, generator=torch.Generator().manual_seed(1))
     samples = hs.extract(cnn(), x, ["1", "6"], out=tmp_path / "local_s", batch_size=4, chunk=8)
     t3, s3, killed, t2 = (tmp_path / n for n in ("t3", "s3", "killed", "t2"))
-    three = _launch(3, [f"tokens={t3}", f"samples={s3}", f"killed={killed}"])
+    three = _launch(3, [f"tokens={t3}", f"samples={s3}", f"killed={killed}"], tmp_path)
     assert three[1][0] == -signal.SIGKILL, three[1][1]
     for status, err in (three[0], three[2]):  # the others are told, and stop
         assert status == 1 and ("rank 1" in err or "Connection" in err), err
@@ -134,7 +137,7 @@ def test_two_and_three_processes_write_the_local_store_also_after_a_kill(tmp_pat
     ledger = zarr.open_group(str(killed), mode="r")
     assert 0 < ledger["done"][:].sum() < 10  # blocks finished before the kill are kept
     assert (ledger["block_tokens"][:] >= 0).all()  # the plan of every block
-    two = _launch(2, [f"tokens={t2}", f"resume={killed}"])
+    two = _launch(2, [f"tokens={t2}", f"resume={killed}"], tmp_path)
     assert [status for status, _ in two] == [0, 0], two
     _same(hs.open_features(t2), local)
     _same(hs.open_features(killed), local)

@@ -11,12 +11,12 @@ from __future__ import annotations
 import copy
 import importlib
 import json
+import os
 import signal
-import subprocess
-import sys
-import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
+import zygote
 from extract_oracle import cnn as _cnn
 from extract_oracle import hand as _hand
 from extract_oracle import mlp
@@ -234,32 +235,32 @@ def test_an_empty_dataset_gives_an_empty_store(tmp_path: Path, kind: str) -> Non
     assert len(again) == 0
 
 
-_KILLED = textwrap.dedent(
-    """
-    import os, signal, sys, zarr.api.asynchronous as za
-    import hookscope as hs
-    sys.path.insert(0, sys.argv[3])
-    from extract_oracle import mlp
+def _killed_run(out: str, kill_at: int) -> None:
+    """In a child: the extraction of :func:`_extract`, killed with SIGKILL as the store starts
+    making its ``kill_at``-th array."""
+    import zarr.api.asynchronous as za
+
     model, x = mlp(100)
-    kill_at, made = int(sys.argv[2]), [0]
+    made = [0]
     create = za.create_array  # what the store makes its arrays with
-    async def dying(*args, **kwargs):  # the test's own kill, as an array's creation starts
+
+    async def dying(*args: Any, **kwargs: Any) -> Any:  # the test's own kill
         made[0] += 1
         if made[0] == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
         return await create(*args, **kwargs)
+
     za.create_array = dying
-    hs.extract(model, x, ["0", "2"], out=sys.argv[1], batch_size=10, chunk=20)
-    """
-)
+    hs.extract(model, x, ["0", "2"], out=out, batch_size=10, chunk=20)
 
 
 def _killed(out: Path, kill_at: int) -> None:
     """A child process making a store at ``out``, killed as it starts making its
-    ``kill_at``-th array (5: after the last, before any row is marked done)."""
-    args = [sys.executable, "-c", _KILLED, str(out), str(kill_at), str(Path(__file__).parent)]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    ``kill_at``-th array (5: after the last, before any row is marked done). It is forked from
+    the tests' forkserver (see zygote.py: a fresh interpreter spent most of its time importing
+    torch)."""
+    child = zygote.Child(_killed_run, str(out), kill_at, stderr_file=out.with_suffix(".stderr"))
+    assert child.wait(timeout=120) == -signal.SIGKILL, child.stderr[-2000:]
 
 
 def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
@@ -518,28 +519,26 @@ def test_out_that_is_a_file_or_a_folder_of_files_gets_advice_that_works(tmp_path
     hs.extract(model, X, ["6"], out=tmp_path / "other", overwrite=True)
 
 
-_RACER = textwrap.dedent(
-    """
-    import json, sys, time, torch, torch.nn as nn
-    from pathlib import Path
-    import hookscope as hs
-    out, me, seed = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+def _racer(out: Path, me: str, seed: int) -> None:
+    """In a child: an extraction to ``out`` that waits, as it starts making the store, for the
+    other child to get there too; what happened, as JSON in ``result-<me>``."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(50, 6, generator=torch.Generator().manual_seed(3))
-    def barrier(module, args):  # the test's own: both runs start their store together
+
+    def barrier(module: Any, args: Any) -> None:  # the test's own: both start their store together
         (out.parent / f"ready-{me}").touch()
         deadline = time.monotonic() + 60
         while len(list(out.parent.glob("ready-*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
-    handle = model.register_forward_pre_hook(barrier)
-    try:
-        hs.extract(model, x, ["0", "2"], out=out, batch_size=10)  # the probe waits at the barrier
-        print(json.dumps({"ok": True}))
-    except hs.UsageError as e:
-        print(json.dumps({"ok": False, "error": str(e)}))
-    """
-)
+
+    result: dict[str, Any] = {"ok": True}
+    with model.register_forward_pre_hook(barrier):
+        try:
+            hs.extract(model, x, ["0", "2"], out=out, batch_size=10)  # the probe waits there
+        except hs.UsageError as e:
+            result = {"ok": False, "error": str(e)}
+    (out.parent / f"result-{me}").write_text(json.dumps(result))
 
 
 @pytest.mark.slow
@@ -549,20 +548,14 @@ def test_two_processes_creating_one_store_one_wins(tmp_path: Path) -> None:
     other is refused; the store holds exactly the winner's rows (oracle: the winner's model
     run by hand)."""
     out = tmp_path / "store"
-    runs = {
-        me: subprocess.Popen(
-            [sys.executable, "-c", _RACER, str(out), me, str(seed)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+    runs = {  # (forked from the tests' forkserver: see zygote.py)
+        me: zygote.Child(_racer, out, me, seed, stderr_file=tmp_path / f"{me}.stderr")
         for me, seed in (("a", 1), ("b", 2))
     }
     results = {}
     for me, run in runs.items():
-        stdout, stderr = run.communicate(timeout=300)
-        assert run.returncode == 0, stderr
-        results[me] = json.loads(stdout.strip().splitlines()[-1])
+        assert run.wait(timeout=300) == 0, run.stderr
+        results[me] = json.loads((tmp_path / f"result-{me}").read_text())
     winners = [me for me, r in results.items() if r["ok"]]
     assert len(winners) == 1, results
     (loser,) = set(results) - set(winners)

@@ -8,9 +8,6 @@ token once per epoch in an order that is not chunk-local; the Hugging Face expor
 from __future__ import annotations
 
 import signal
-import subprocess
-import sys
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,7 +17,16 @@ import pytest
 import torch
 
 import hookscope as hs
-from extract_oracle import TokenModel, hand_tokens, texts, tiny_lm, token_items, word_tokenizer
+import zygote
+from extract_oracle import (
+    TokenModel,
+    hand_tokens,
+    killed_token_run,
+    texts,
+    tiny_lm,
+    token_items,
+    word_tokenizer,
+)
 
 zarr = pytest.importorskip("zarr")
 pytest.importorskip("transformers")
@@ -313,36 +319,20 @@ _KWARGS: dict[str, Any] = {
     "drop_token_ids": [7],
 }
 
-_CHILD = textwrap.dedent(
-    f"""
-    import os, signal, sys, time, torch
-    import hookscope as hs
-    sys.path.insert(0, sys.argv[5])
-    from extract_oracle import TokenModel, token_items
-    torch.manual_seed(0)
-    model = TokenModel()
-    kill_at, delay = int(sys.argv[2]), float(sys.argv[3])
-    calls = [0]
-    def hook(module, args, output):  # the test's own hook: dies at a chosen batch
-        calls[0] += 1
-        if calls[0] == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(delay)
-    model.emb.register_forward_hook(hook)
-    resume = sys.argv[4] == "resume"
-    hs.extract(model, token_items(), ["mix", "emb"], out=sys.argv[1], resume=resume, **{_KWARGS!r})
-    """
-)
+#: When the timer kills a child, in seconds after its start (a child forked from the server
+#: makes its store ~0.1 s after it starts and ends ~0.4 s later on an idle machine)
+TIMER_S = (0.1, 0.6)
 
 
-def _child(
-    out: Path, kill_at: int, delay: float = 0.0, resume: bool = False
-) -> subprocess.Popen[bytes]:
+def _child(out: Path, kill_at: int, delay: float = 0.0, resume: bool = False) -> zygote.Child:
     """A child extracting into ``out`` that kills itself with SIGKILL at forward ``kill_at``
-    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward."""
-    args = [str(out), str(kill_at), str(delay), "resume" if resume else "new"]
-    args += [str(Path(__file__).parent)]
-    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stderr=subprocess.PIPE)
+    (1 is the first; 0: never), sleeping ``delay`` seconds after each forward. It is forked
+    from a process that imported torch and hookscope (see zygote.py): a fresh interpreter
+    spent most of its time importing them."""
+    err = out.with_name(f"{out.name}.{kill_at}.{int(resume)}.stderr")
+    return zygote.Child(
+        killed_token_run, str(out), kill_at, delay, resume, _KWARGS, stderr_file=err
+    )
 
 
 def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
@@ -362,18 +352,14 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
         out = tmp_path / f"kill{'_'.join(map(str, points))}"
         for i, point in enumerate(points):
             child = _child(out, kill_at=point, resume=i > 0)
-            _, err = child.communicate(timeout=120)
-            assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
+            assert child.wait(timeout=120) == -signal.SIGKILL, child.stderr[-2000:]
         return out, True
 
     def killed_by_timer(seed: int) -> tuple[Path, bool]:
         out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
         child = _child(out, kill_at=0, delay=0.02)
-        try:
-            child.communicate(timeout=float(np.random.default_rng(seed).uniform(1.5, 3.0)))
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGKILL)
-            child.communicate()
+        if child.wait(timeout=float(np.random.default_rng(seed).uniform(*TIMER_S))) is None:
+            child.kill()
         return out, out.exists()  # killed before it made the store: start one
 
     # batch 1 (nothing written), 5 (block 2's first batch: block 1 just committed), 12 (a

@@ -25,6 +25,7 @@ from torch import nn
 
 import hookscope as hs
 import wandb_reader
+import zygote
 
 L = pytest.importorskip("lightning.pytorch")
 from hookscope.integrations.lightning import HookscopeCallback, Maps  # noqa: E402
@@ -392,12 +393,16 @@ def _fit_and_by_hand(rank: int, part: Any, out: str, ranks: str) -> None:
 
 @contextlib.contextmanager
 def _processes(fn: Any, args: tuple[Any, ...], seconds: float) -> Iterator[None]:
-    """Two spawned processes running ``fn(rank, *args)``; killed after ``seconds`` (a rank
-    waiting for a peer that died would wait forever), none left behind either way."""
+    """Two processes running ``fn(rank, *args)``, forked from the tests' forkserver; killed
+    after ``seconds`` (a rank waiting for a peer that died would wait forever), none left
+    behind either way."""
     import time
 
     mp = pytest.importorskip("torch.multiprocessing")
-    context = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
+    zygote.context()  # forked from a server that imported torch once (see zygote.py)
+    context = mp.start_processes(
+        fn, args=args, nprocs=2, join=False, start_method=zygote.START_METHOD
+    )
     deadline = time.monotonic() + seconds
     try:
         while not context.join(timeout=1):

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
+import zygote
 
 
 def _net() -> nn.Module:
@@ -245,7 +246,10 @@ def _spawn(mp: Any, fn: Any, args: tuple[Any, ...], nprocs: int, seconds: float)
     died would hang the whole test run)."""
     import time
 
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    zygote.context()  # forked from a server that imported torch once (see zygote.py)
+    context = mp.start_processes(
+        fn, args=args, nprocs=nprocs, join=False, start_method=zygote.START_METHOD
+    )
     deadline = time.monotonic() + seconds
     while not context.join(timeout=1):
         if time.monotonic() > deadline:

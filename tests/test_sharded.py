@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
+import zygote
 
 pytestmark = pytest.mark.slow  # (the models live in the ranks: nothing of the parent changes)
 
@@ -300,7 +301,10 @@ def _spawn(fn: Any, args: tuple[Any, ...], out: Path, nprocs: int, seconds: floa
     waiting for a peer that died would hang the run) or once one has failed, none outlives the
     call. A failure fails the test with the tracebacks the ranks wrote to ``out``."""
     mp = pytest.importorskip("torch.multiprocessing")
-    context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    zygote.context()  # forked from a server that imported torch once (see zygote.py)
+    context = mp.start_processes(
+        fn, args=args, nprocs=nprocs, join=False, start_method=zygote.START_METHOD
+    )
     deadline = time.monotonic() + seconds
     try:
         while not context.join(timeout=1, grace_period=1):
