@@ -123,8 +123,12 @@ def test_page_examples_run(
     write land there), as a reader pasting them into one session would run them."""
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": "__docs__"}
-    for block in _python_blocks(page):
-        exec(compile(block, str(page), "exec"), namespace)
+    try:
+        for block in _python_blocks(page):
+            exec(compile(block, str(page), "exec"), namespace)
+    finally:  # a page's W&B run: its process-wide setup would hold the next test's WANDB_DIR
+        if "wandb" in sys.modules:
+            sys.modules["wandb"].teardown()
 
 
 # -- the built site -----------------------------------------------------------------------------

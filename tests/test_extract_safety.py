@@ -520,24 +520,29 @@ def test_out_that_is_a_file_or_a_folder_of_files_gets_advice_that_works(tmp_path
 
 
 def _racer(out: Path, me: str, seed: int) -> None:
-    """In a child: an extraction to ``out`` that waits, as it starts making the store, for the
-    other child to get there too; what happened, as JSON in ``result-<me>``."""
+    """In a child: an extraction to ``out`` that waits, once it has found the path new and is
+    about to claim it, for the other child to get there too (so both claim at once, whatever
+    the timing of their starts); what happened, as JSON in ``result-<me>``."""
+    from hookscope.extract import _store
+
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
     x = torch.randn(50, 6, generator=torch.Generator().manual_seed(3))
+    made = _store.Store._made.__func__  # type: ignore[attr-defined]
 
-    def barrier(module: Any, args: Any) -> None:  # the test's own: both start their store together
+    def claim_together(cls: Any, path: Path, meta: Any) -> Any:  # the test's own barrier
         (out.parent / f"ready-{me}").touch()
         deadline = time.monotonic() + 60
         while len(list(out.parent.glob("ready-*"))) < 2 and time.monotonic() < deadline:
             time.sleep(0.005)
+        return made(cls, path, meta)
 
+    _store.Store._made = classmethod(claim_together)  # type: ignore[method-assign,assignment]
     result: dict[str, Any] = {"ok": True}
-    with model.register_forward_pre_hook(barrier):
-        try:
-            hs.extract(model, x, ["0", "2"], out=out, batch_size=10)  # the probe waits there
-        except hs.UsageError as e:
-            result = {"ok": False, "error": str(e)}
+    try:
+        hs.extract(model, x, ["0", "2"], out=out, batch_size=10)
+    except hs.UsageError as e:
+        result = {"ok": False, "error": str(e)}
     (out.parent / f"result-{me}").write_text(json.dumps(result))
 
 

@@ -247,6 +247,7 @@ def test_the_trainers_loggers_hold_the_records_and_the_maps(
     records at the optimizer steps, parameter histograms, and the Grad-CAM maps of a fixed
     batch drawn at each epoch's end."""
     wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # a W&B setup an earlier test left would ignore this test's WANDB_* below
     request.addfinalizer(wandb.teardown)  # W&B's service process: none left behind
     pytest.importorskip("mlflow")
     import mlflow.tracking._tracking_service.utils as tracking

@@ -215,6 +215,7 @@ def test_report_to_trackers_hold_the_records_and_the_attention_maps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     wandb = pytest.importorskip("wandb")
+    wandb.teardown()  # a W&B setup an earlier test left would ignore this test's WANDB_* below
     request.addfinalizer(wandb.teardown)  # W&B's service process: none left behind
     pytest.importorskip("mlflow")
     from mlflow import MlflowClient
