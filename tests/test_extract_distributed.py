@@ -35,18 +35,7 @@ def _rank(rank: int, world: int, port: int, jobs: list[str]) -> None:
     model, items = TokenModel(), token_items()
 
     def tokens(out: str, **kwargs: Any) -> hs.FeatureStore:
-        return hs.extract(
-            model,
-            items,
-            ["mix", "emb"],
-            out=out,
-            unit="token",
-            batch_size=6,
-            chunk=12,
-            positions=(1, None),
-            engine="distributed",
-            **kwargs,
-        )
+        return hs.extract(model, items, out=out, engine="distributed", **TOKENS, **kwargs)
 
     for job in jobs:
         kind, out = job.split("=")
@@ -98,18 +87,19 @@ def _launch(
                 child.kill()
 
 
+#: the token extraction both engines run (the distributed ranks and the local oracle)
+TOKENS: dict[str, Any] = {
+    "layers": ["mix", "emb"],
+    "unit": "token",
+    "batch_size": 6,
+    "chunk": 12,
+    "positions": (1, None),
+}
+
+
 def _local_tokens(out: Path) -> hs.FeatureStore:
     torch.manual_seed(0)
-    return hs.extract(
-        TokenModel(),
-        token_items(),
-        ["mix", "emb"],
-        out=out,
-        unit="token",
-        batch_size=6,
-        chunk=12,
-        positions=(1, None),
-    )
+    return hs.extract(TokenModel(), token_items(), out=out, **TOKENS)
 
 
 def _same(a: hs.FeatureStore, b: hs.FeatureStore) -> None:
