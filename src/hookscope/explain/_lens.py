@@ -91,6 +91,7 @@ def logit_lens(
     grid = _positions(positions, final.shape[1])
     rows = []
     with torch.no_grad():
+        bias = _norm_bias(module, final)  # once: the same for every layer
         for name in names:
             stream = streams[name].output
             if not isinstance(stream, Tensor) or stream.shape != final.shape:
@@ -100,18 +101,25 @@ def logit_lens(
                     f"{tuple(final.shape)}: choose layers whose output is the residual stream"
                 )
             r = stream[:, grid]
-            normed = module(r) if kind is None else _frozen(module, r, final[:, grid], *kind)
+            normed = module(r) if kind is None else _frozen(module, r, final[:, grid], *kind, bias)
             rows.append(head(normed))
     return Lens(torch.stack(rows), names, tuple(grid))
 
 
-def _frozen(module: nn.Module, r: Tensor, final: Tensor, centred: bool, eps: float) -> Tensor:
+def _frozen(
+    module: nn.Module, r: Tensor, final: Tensor, centred: bool, eps: float, bias: Tensor
+) -> Tensor:
     """The norm of ``r`` with the scale it had on ``final``: ``r`` (centred for a LayerNorm)
-    divided by that scale, then the norm's affine part (its own scale of the result undone)."""
+    divided by that scale, then the norm's affine part (its own scale of the result undone;
+    ``bias``: :func:`_norm_bias`)."""
     v = (r - r.mean(-1, keepdim=True) if centred else r) / _scale(final, centred, eps)
-    bias = module(torch.zeros_like(v[:1, :1]))  # what the norm adds: its bias, or 0
     out: Tensor = (module(v) - bias) * _scale(v, centred, eps) + bias
     return out
+
+
+def _norm_bias(module: nn.Module, like: Tensor) -> Tensor:
+    """What the norm adds to a stream shaped as ``like``'s last axis: its bias, or 0."""
+    return module(like.new_zeros(1, 1, like.shape[-1]))  # type: ignore[no-any-return]
 
 
 def _module(model: nn.Module, name: str, what: str) -> nn.Module:
