@@ -8,6 +8,7 @@ the identity that makes it an attribution: the parts add up to the model's own l
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -281,3 +282,102 @@ def test_the_model_left_as_found_and_its_gradients_untouched() -> None:
     model.lm_head.weight.grad = None
     hs.logit_attribution(model, inputs, 5, **PARTS["gpt2"])
     assert all(p.grad is None for p in model.parameters())
+
+
+class Attention(nn.Module):
+    """Two heads of 4 through F.scaled_dot_product_attention, then the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(8, 24), nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        n, t, _ = x.shape
+        q, k, v = self.qkv(x).view(n, t, 3, 2, 4).permute(2, 0, 3, 1, 4)
+        z = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: Tensor = self.out(z.transpose(1, 2).flatten(2))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2, self.attn = nn.LayerNorm(8), nn.LayerNorm(8), Attention()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln1(x))
+        out: Tensor = x + self.mlp(self.ln2(x))
+        return out
+
+
+class Tiny(nn.Module):
+    """A two-block transformer written here: not Hugging Face's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.pos = nn.Embedding(20, 8), nn.Embedding(5, 8)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm, self.head = nn.LayerNorm(8), nn.Linear(8, 20)
+        _noisy(self)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        x = self.embed(ids) + self.pos(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        out: Tensor = self.head(self.norm(x))
+        return out
+
+
+TINY = {
+    "attention": "blocks.*.attn.out",
+    "mlps": "blocks.*.mlp",
+    "embeddings": ["embed", "pos"],
+    "norm": "norm",
+    "unembed": "head",
+}
+IDS = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+
+
+def test_a_model_written_by_hand_compiled_after_it_ran() -> None:
+    """Any model whose attention calls SDPA, compiled and already run: the attribution runs it
+    eagerly, equal to the uncompiled model's, and adds up to its logits (a bias on the
+    unembedding too)."""
+    plain = hs.logit_attribution(Tiny(), IDS, 3, positions=[-1, 1], **TINY)
+    with torch.no_grad():
+        logits = Tiny()(IDS)
+    torch.testing.assert_close(plain.values.sum(0), logits[:, [4, 1], 3], rtol=0, atol=1e-5)
+    assert plain.values.shape == (2 * 2 + 2 + 2 + 2 + 1, 2, 2) and plain.heads == 2
+    compiled = torch.compile(Tiny(), backend="eager")
+    with torch.no_grad():
+        compiled(IDS)
+    got = hs.logit_attribution(compiled, IDS, 3, positions=[-1, 1], **TINY)
+    torch.testing.assert_close(got.values, plain.values, rtol=0, atol=1e-6)
+
+
+def test_threads_another_session_and_a_transform() -> None:
+    """Hazards of tests/test_hazards.py that apply here (its image model has no norm or
+    attention): four threads attributing on one model at once, each with other inputs, see
+    their own forwards only; a capture the user holds open meanwhile records them as any
+    forward; inside a torch.func transform it refuses, naming it."""
+    model = Tiny()
+    runs = [IDS.roll(i, 1) for i in range(4)]
+    alone = [hs.logit_attribution(model, ids, 3, **TINY).values for ids in runs]
+    got: dict[int, Tensor] = {}
+
+    def work(i: int) -> None:
+        for _ in range(3):
+            got[i] = hs.logit_attribution(model, runs[i], 3, **TINY).values
+
+    with hs.capture(model, "norm") as outer:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i in range(4):
+        torch.testing.assert_close(got[i], alone[i], rtol=0, atol=0)
+    assert outer["norm"].count == 12  # the forwards; none of the norm applied by hand
+    with pytest.raises(hs.UnsupportedModelError, match=r"inside torch\.func\.vmap"):
+        torch.func.vmap(lambda ids: hs.logit_attribution(model, ids, 3, **TINY).values)(IDS[None])

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from ..core import Layers, LayerSelector, capture, keep_mask, run_eagerly
 from ..errors import LayerNotFoundError, UsageError
-from ._lens import _frozen, _module, _norm_bias, _norm_kind
+from ._lens import _frozen, _module, _norm_bias, _norm_kind, _ours
 from ._patching import _positions as _grid
 from ._patching import _run
 
@@ -94,7 +94,9 @@ def logit_attribution(
     the norm's weight, and read along the direction through the unembedding's weight; the
     final norm's and the unembedding's biases are the last component. The parts must add up
     to the final norm's input (checked): the values then add up to the model's own logit
-    (difference). Call ``model.eval()`` first: dropout breaks the sum.
+    (difference). Call ``model.eval()`` first: dropout breaks the sum. The norm, the
+    projections and the unembedding are applied after the forward with their ``forward``,
+    so hooks and sessions open on the model see the one forward only.
 
     Args:
         model: the model (its forward runs once).
@@ -110,8 +112,9 @@ def logit_attribution(
             ``"model.layers.*.self_attn.o_proj"``.
         mlps: the MLPs, whose outputs are added to the stream (``"transformer.h.*.mlp"``);
             ``[]`` for none.
-        embeddings: the modules whose outputs start the stream: GPT-2's
-            ``["transformer.wte", "transformer.wpe"]``, Llama's ``"model.embed_tokens"``.
+        embeddings: the modules whose outputs start the stream, ``(batch or 1, positions,
+            width)`` or ``(positions, width)``: GPT-2's ``["transformer.wte",
+            "transformer.wpe"]``, Llama's ``"model.embed_tokens"``.
         norm: the final norm's name (a LayerNorm or an RMSNorm).
         unembed: the unembedding module's name (``"lm_head"``); linear.
         positions: ``"last"`` (default: each sample's last real token, from the inputs'
@@ -137,8 +140,9 @@ def logit_attribution(
     sites = {p: f"{p.rpartition('.')[0]}::{SDPA}" for p in projections}
     mlp_names = list(layers.select(mlps)) if _given(mlps) else []
     embedding_names = list(layers.select(embeddings)) if _given(embeddings) else []
-    norm_module, head = _module(model, norm, "norm"), _module(model, unembed, "unembed")
+    norm_module = _module(model, norm, "norm")
     centred, eps = _norm_kind(norm_module, norm)
+    normed, head = _ours(norm_module), _ours(_module(model, unembed, "unembed"))
     out, inp = _record(
         model, inputs, [*sites.values(), *mlp_names, *embedding_names], [*projections, norm]
     )
@@ -149,10 +153,10 @@ def logit_attribution(
     readout = _readout(direction, head, stream)
     u = _unembedding_direction(head, readout, stream)
     with torch.no_grad():
-        bias = _norm_bias(norm_module, stream)
+        bias = _norm_bias(normed, stream)
 
         def attribute(parts: Tensor) -> Tensor:  # (..., N, P, D) -> (..., N, P)
-            linear = _frozen(norm_module, parts, stream, centred, eps, bias) - bias
+            linear = _frozen(normed, parts, stream, centred, eps, bias) - bias
             return (linear * u).sum(-1)
 
         heads: list[Tensor] = []
@@ -162,7 +166,7 @@ def logit_attribution(
             z = _once(out, site).output
             given = _first_tensor(_once(inp, projection).inputs, projection)
             parts, b = _head_parts(
-                model.get_submodule(projection), projection, site, z, given, take
+                _ours(model.get_submodule(projection)), projection, site, z, given, take
             )
             if heads and parts.shape[0] != heads[0].shape[0]:
                 raise UsageError(
@@ -179,7 +183,7 @@ def logit_attribution(
             total += part
         _check_sum(total, stream)
         end = readout(head(bias.expand_as(stream)))  # the norm's bias, the unembedding's
-        logits = readout(head(norm_module(stream)))
+        logits = readout(head(normed(stream)))
     n_heads = heads[0].shape[0] if heads else 0
     labels = [f"{p} head {h}" for p in projections for h in range(n_heads)]
     labels += [f"{p} bias" for p in projections] + mlp_names + embedding_names
@@ -194,8 +198,8 @@ def _record(model: nn.Module, inputs: Any, outputs: list[str], given: list[str])
         with (
             run_eagerly(model),
             torch.no_grad(),
-            capture(model, outputs) as out,
-            capture(model, given, inputs=True) as inp,
+            capture(model, outputs, recompile=True, this_thread=True) as out,
+            capture(model, given, inputs=True, recompile=True, this_thread=True) as inp,
         ):
             _run(model, inputs)
     except LayerNotFoundError as e:
@@ -281,7 +285,7 @@ def _taker(at: Tensor) -> Callable[[Tensor], Tensor]:
     return take
 
 
-def _readout(direction: Any, head: nn.Module, stream: Tensor) -> Readout:
+def _readout(direction: Any, head: Callable[[Tensor], Tensor], stream: Tensor) -> Readout:
     """The direction as a linear function of the logits ``(N, P, V) -> (N, P)``."""
     n, p = stream.shape[:2]
     with torch.no_grad():
@@ -335,7 +339,9 @@ def _ids(given: Any, n: int, p: int, vocabulary: int, device: torch.device) -> T
     return ids.long().expand(n, p)[..., None]
 
 
-def _unembedding_direction(head: nn.Module, readout: Readout, stream: Tensor) -> Tensor:
+def _unembedding_direction(
+    head: Callable[[Tensor], Tensor], readout: Readout, stream: Tensor
+) -> Tensor:
     """``(N, P, D)``: the gradient of the readout of the unembedding with respect to its
     input: the direction each sample and position reads (its weight's rows, for ids)."""
     x = torch.zeros_like(stream).requires_grad_()
@@ -348,7 +354,12 @@ def _unembedding_direction(head: nn.Module, readout: Readout, stream: Tensor) ->
 
 
 def _head_parts(
-    proj: nn.Module, name: str, site: str, z: Any, given: Tensor, take: Callable[[Tensor], Tensor]
+    proj: Callable[[Tensor], Tensor],
+    name: str,
+    site: str,
+    z: Any,
+    given: Tensor,
+    take: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Tensor]:
     """Each head's part of the stream ``(H, N, P, D)`` (its output through its slice of the
     output projection) and the projection's bias ``(D,)``."""
@@ -377,6 +388,10 @@ def _head_parts(
 
 
 def _stream_part(value: Any, name: str, final: Tensor) -> Tensor:
+    """A part of the stream as ``(N or 1, T, D)`` (a positional embedding may lack the
+    batch axis)."""
+    if isinstance(value, Tensor) and value.shape == final.shape[1:]:
+        value = value[None]
     if (
         not isinstance(value, Tensor)
         or value.shape[1:] != final.shape[1:]
