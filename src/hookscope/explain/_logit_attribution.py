@@ -159,23 +159,9 @@ def logit_attribution(
             linear = _frozen(normed, parts, stream, centred, eps, bias) - bias
             return (linear * u).sum(-1)
 
-        heads: list[Tensor] = []
-        own: list[Tensor] = []
-        total = torch.zeros_like(stream)
-        for projection, site in sites.items():
-            z = _once(out, site).output
-            given = _first_tensor(_once(inp, projection).inputs, projection)
-            parts, b = _head_parts(
-                _ours(model.get_submodule(projection)), projection, site, z, given, take
-            )
-            if heads and parts.shape[0] != heads[0].shape[0]:
-                raise UsageError(
-                    f"logit_attribution: {site!r} has {parts.shape[0]} heads, the first "
-                    f"attention layer {heads[0].shape[0]}"
-                )
-            heads.append(attribute(parts))
-            own.append(attribute(b.expand_as(stream)))
-            total += parts.sum(0) + b
+        modules = {p: _ours(layers.modules[p]) for p in projections}
+        total = torch.zeros_like(stream)  # the parts' sum, to check
+        heads, own = _attention(modules, sites, out, inp, take, attribute, total)
         rest = []
         for name in [*mlp_names, *embedding_names]:
             part = take(_stream_part(_once(out, name).output, name, final))
@@ -190,6 +176,34 @@ def logit_attribution(
     labels.append(f"{norm} + {unembed} bias")
     values = torch.cat([*heads, torch.stack([*own, *rest, end])])
     return LogitAttribution(values, tuple(labels), logits, at, tuple(projections), n_heads)
+
+
+def _attention(
+    projections: Mapping[str, Callable[[Tensor], Tensor]],
+    sites: Mapping[str, str],
+    out: Any,
+    inp: Any,
+    take: Callable[[Tensor], Tensor],
+    attribute: Callable[[Tensor], Tensor],
+    total: Tensor,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """Per attention layer: its heads' values ``(H, N, P)`` and its bias's ``(N, P)``; their
+    parts of the stream are added to ``total``."""
+    heads: list[Tensor] = []
+    own: list[Tensor] = []
+    for name, site in sites.items():
+        z = _once(out, site).output
+        given = _first_tensor(_once(inp, name).inputs, name)
+        parts, bias = _head_parts(projections[name], name, site, z, given, take)
+        if heads and parts.shape[0] != heads[0].shape[0]:
+            raise UsageError(
+                f"logit_attribution: {site!r} has {parts.shape[0]} heads, the first "
+                f"attention layer {heads[0].shape[0]}"
+            )
+        heads.append(attribute(parts))
+        own.append(attribute(bias.expand_as(parts[0])))
+        total += parts.sum(0) + bias
+    return heads, own
 
 
 def _record(model: nn.Module, inputs: Any, outputs: list[str], given: list[str]) -> tuple[Any, Any]:
