@@ -197,6 +197,68 @@ def _report(model: nn.Module, x: Tensor, *, tmp: Path) -> bool:
     return "Grad-CAM at <code>" in text
 
 
+# Patching and the logit lens on the image model: its channels stand for positions (axis 1),
+# the corrupted input is the batch in another order.
+POSITIONS = [0, 2]
+
+
+def _metric(out: Tensor) -> Tensor:
+    return out[:, 0].sum()
+
+
+def _patching(model: nn.Module, x: Tensor) -> Tensor:
+    return hs.patching(model, x, x.flip(0), _metric, [LAYER], positions=POSITIONS).values
+
+
+def _patching_reference(model: nn.Module, x: Tensor) -> Tensor:
+    clean, cells = _layer_output(model, x), []
+    for p in POSITIONS:
+
+        def patch(m: nn.Module, a: Any, out: Tensor, p: int = p) -> Tensor:
+            out = out.clone()
+            out[:, p] = clean[:, p]
+            return out
+
+        handle = model.get_submodule(LAYER).register_forward_hook(patch)
+        try:
+            with torch.no_grad(), _eval(model):
+                cells.append(_metric(model(x.flip(0))))
+        finally:
+            handle.remove()
+    return torch.stack(cells)[None]
+
+
+def _attribution(model: nn.Module, x: Tensor) -> Tensor:
+    return hs.attribution_patching(
+        model, x, x.flip(0), _metric, [LAYER], positions=POSITIONS
+    ).values
+
+
+def _attribution_reference(model: nn.Module, x: Tensor) -> Tensor:
+    """The metric at the corrupted run plus its gradient there times (clean - corrupted)."""
+    clean, kept = _layer_output(model, x), []
+    handle = model.get_submodule(LAYER).register_forward_hook(lambda m, a, out: kept.append(out))
+    try:
+        with torch.enable_grad(), _eval(model):
+            score = _metric(model(x.flip(0)))
+            (grad,) = torch.autograd.grad(score, kept[0])
+    finally:
+        handle.remove()
+    change = grad * (clean - kept[0].detach())
+    return (score.detach() + torch.stack([change[:, p].sum() for p in POSITIONS]))[None]
+
+
+def _lens(model: nn.Module, x: Tensor) -> Tensor:
+    """The layer read through the pool (as the norm) and the whole head (as the unembedding):
+    pooling twice is pooling once, so its one row is the model's logits."""
+    return hs.logit_lens(model, x, [LAYER], norm="head.0", unembed="head").logits
+
+
+def _lens_reference(model: nn.Module, x: Tensor) -> Tensor:
+    with torch.no_grad(), _eval(model):
+        return model(x)[None]
+
+
 @dataclass(frozen=True)
 class Entry:
     run: Callable[..., Any]
@@ -217,6 +279,9 @@ ENTRIES: dict[str, Entry] = {
     "GradCAM": Entry(_gradcam, _gradcam_reference, wraps=False),
     "extract": Entry(_extract, _layer_output, wraps=False, needs_tmp=True),
     "report": Entry(_report, lambda m, x: True, wraps=False, needs_tmp=True),
+    "patching": Entry(_patching, _patching_reference, wraps=False),
+    "attribution_patching": Entry(_attribution, _attribution_reference, wraps=False),
+    "logit_lens": Entry(_lens, _lens_reference, wraps=False),
 }
 
 
@@ -330,6 +395,9 @@ GRAD_MODES: dict[str, dict[str, type[Exception] | str]] = {
     "GradCAM": {"no_grad": "works", "inference_mode": hs.UsageError},
     "extract": {"no_grad": "works", "inference_mode": "works"},
     "report": {"no_grad": "works", "inference_mode": "no cam"},
+    "patching": {"no_grad": "works", "inference_mode": "works"},
+    "attribution_patching": {"no_grad": "works", "inference_mode": hs.UsageError},
+    "logit_lens": {"no_grad": "works", "inference_mode": "works"},
 }
 
 

@@ -81,3 +81,13 @@ def test_refusals_name_the_problem() -> None:
         hs.logit_lens(model, IDS, ["head"], norm="norm", unembed="head")
     with pytest.raises(hs.UsageError, match="not an index"):
         hs.logit_lens(model, IDS, LAYERS, norm="norm", unembed="head", positions=[4])
+
+
+def test_a_session_open_on_the_model_sees_the_forward_only() -> None:
+    """The lens applies the norm and the head to each layer's stream after the forward: those
+    are not calls of the model, and a capture the user holds open records one call of each
+    (it recorded one more per layer)."""
+    model = _model()
+    with hs.capture(model, ["norm", "head"]) as outer:
+        hs.logit_lens(model, IDS, LAYERS, norm="norm", unembed="head", scale="frozen")
+    assert outer["norm"].count == 1 and outer["head"].count == 1

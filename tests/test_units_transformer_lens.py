@@ -32,11 +32,24 @@ pytestmark = [
 ]
 
 
-def _gpt2(fold_ln: bool = False) -> tuple[nn.Module, Any]:
+def _noisy(model: nn.Module) -> nn.Module:
+    """Every bias and norm weight random (Hugging Face starts them at 0 and 1, which would
+    hide a bias put in the wrong place)."""
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "ln" in name or "norm" in name:
+                p.copy_(torch.rand(p.shape, generator=generator) + 0.5 * (p.dim() == 1))
+    return model
+
+
+def _gpt2(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
     ).eval()
+    if noisy:
+        _noisy(hf)
     cfg = lens.HookedTransformerConfig(
         d_model=64,
         d_head=16,
@@ -54,7 +67,7 @@ def _gpt2(fold_ln: bool = False) -> tuple[nn.Module, Any]:
     return hf, _converted(cfg, conversions.convert_gpt2_weights(hf, cfg), fold_ln)
 
 
-def _llama(fold_ln: bool = False) -> tuple[nn.Module, Any]:
+def _llama(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         num_hidden_layers=2,
@@ -65,6 +78,8 @@ def _llama(fold_ln: bool = False) -> tuple[nn.Module, Any]:
         vocab_size=100,
     )
     hf = transformers.LlamaForCausalLM(config).eval()
+    if noisy:
+        _noisy(hf)
     rope = getattr(config, "rope_parameters", None) or {}
     cfg = lens.HookedTransformerConfig(
         d_model=64,
@@ -283,3 +298,69 @@ def test_logit_lens_equals_transformer_lens_accumulated_resid(kind: str) -> None
     assert (own.logits[0] - frozen.logits[0]).abs().max() > 0.1  # the conventions differ
     last = hs.logit_lens(hf, ids, layers, norm=norm, unembed="lm_head", positions=[-1])
     torch.testing.assert_close(last.logits, own.logits[:, :, -1:], rtol=0, atol=1e-6)
+
+
+#: per model: the keywords naming its parts for hs.logit_attribution
+PARTS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        "attention": "transformer.h.*.attn.c_proj",
+        "mlps": "transformer.h.*.mlp",
+        "embeddings": ["transformer.wte", "transformer.wpe"],
+        "norm": "transformer.ln_f",
+        "unembed": "lm_head",
+    },
+    "llama": {
+        "attention": "model.layers.*.self_attn.o_proj",
+        "mlps": "model.layers.*.mlp",
+        "embeddings": "model.embed_tokens",
+        "norm": "model.norm",
+        "unembed": "lm_head",
+    },
+}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_logit_attribution_equals_transformer_lens_logit_attrs(kind: str) -> None:
+    """Direct logit attribution of a logit difference at two positions, every bias and norm
+    weight random: each head equals TransformerLens' logit_attrs of stack_head_results, each
+    MLP and embedding of decompose_resid, the output projections' biases together its
+    get_full_resid_decomposition "bias" row (TransformerLens adds them into one), and the
+    final norm's and unembedding's biases its b_U[a] - b_U[b]. TransformerLens' apply_ln_to_stack
+    centres and divides by the cached final scale only, so its model folds the final norm's
+    weight and bias into W_U and b_U (fold_ln=True): its logit_attrs is then the attribution
+    through the whole norm. The heads' outputs are the SDPA calls' on the unmodified Hugging
+    Face model."""
+    make = {"gpt2": _gpt2, "llama": _llama}[kind]
+    hf, tl = make(fold_ln=True, noisy=True)
+    ids = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(5))
+    a, b, at = 7, 11, [5, 2]
+    got = hs.logit_attribution(hf, ids, (a, b), positions=[-1, 2], **PARTS[kind])
+    with torch.no_grad():
+        _, cache = tl.run_with_cache(ids)
+
+        def attrs(stack: torch.Tensor) -> torch.Tensor:
+            return cache.logit_attrs(stack, torch.tensor(a), torch.tensor(b), pos_slice=at)
+
+        heads = attrs(cache.stack_head_results(pos_slice=at))  # (L * H, N, P)
+        mlps = attrs(cache.decompose_resid(mode="mlp", incl_embeds=False, pos_slice=at))
+        full, labels = cache.get_full_resid_decomposition(
+            expand_neurons=False, pos_slice=at, return_labels=True
+        )
+        full = attrs(full)
+        logits = hf(ids).logits[:, at]
+    embeddings = [full[labels.index(e)] for e in ("embed", "pos_embed") if e in labels]
+    n = len(got.labels)
+    torch.testing.assert_close(got.values[:8], heads, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.by_head.flatten(0, 1), heads, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.values[10:12], mlps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.values[12 : n - 1], torch.stack(embeddings), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        got.values[8:10].sum(0), full[labels.index("bias")], rtol=0, atol=1e-5
+    )
+    end = (tl.b_U[a] - tl.b_U[b]).expand(2, 2)
+    torch.testing.assert_close(got.values[-1], end, rtol=0, atol=1e-5)
+    # the identity, on both sides: the parts add up to the model's own logit difference
+    difference = logits[..., a] - logits[..., b]
+    torch.testing.assert_close(got.values.sum(0), difference, rtol=0, atol=1e-5)
+    torch.testing.assert_close(full.sum(0) + end, difference, rtol=0, atol=1e-5)
+    assert got.values[8:10].abs().max() > 1e-2 or kind == "llama"  # GPT-2's biases count

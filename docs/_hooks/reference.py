@@ -51,7 +51,8 @@ AREAS: dict[str, tuple[str, str]] = {
     "explain": (
         "Attribution maps",
         "The CAM family, input-space, path and perturbation methods, transformer attention "
-        "maps, overlays and activation patching sweeps.",
+        "maps, overlays, activation patching sweeps, the logit lens and direct logit "
+        "attribution.",
     ),
     "extract": ("Extraction", "Dataset-scale feature extraction into Zarr stores."),
     "show": ("Report", "The self-contained HTML report."),

@@ -2,8 +2,8 @@
 the CAM family, input-space gradients, Captum's path and perturbation methods (integrated
 gradients, layer conductance, occlusion, feature ablation) and transformer attention maps
 (rollout, gradient-weighted relevance) from fused attention, and activation patching over
-a grid of layers x positions (:func:`patching`, :func:`attribution_patching`), and the logit
-lens (:func:`logit_lens`).
+a grid of layers x positions (:func:`patching`, :func:`attribution_patching`), the logit
+lens (:func:`logit_lens`) and direct logit attribution (:func:`logit_attribution`).
 
 Every method is listed in :data:`METHODS` (a :class:`MethodInfo` each). A new CAM method is
 one file in ``methods/``: a :class:`LayerMethod` subclass whose ``combine(ctx)`` turns a
@@ -19,6 +19,7 @@ from ._base import Context, Explanation, LayerMethod, normalize
 from ._combined import GuidedGradCAM, SmoothGrad
 from ._input import GuidedBackprop, InputMethod, Saliency
 from ._lens import Lens, logit_lens
+from ._logit_attribution import LogitAttribution, logit_attribution
 from ._overlay import overlay
 from ._patching import Patching, attribution_patching, patching
 from ._perturb import Perturbation
@@ -69,6 +70,7 @@ __all__ = [
     "LayerIntegratedGradients",
     "LayerMethod",
     "Lens",
+    "LogitAttribution",
     "MethodInfo",
     "Occlusion",
     "Patching",
@@ -79,6 +81,7 @@ __all__ = [
     "TransformerRelevance",
     "XGradCAM",
     "attribution_patching",
+    "logit_attribution",
     "logit_lens",
     "metrics",
     "normalize",

@@ -5,14 +5,14 @@ apply_ln=True)`` at the unembedding), or with its scale frozen at the full forwa
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
-from ..core import LayerSelector, capture
+from ..core import LayerSelector, capture, run_eagerly
 from ..errors import UsageError
 from ._patching import _positions, _run
 
@@ -80,7 +80,12 @@ def logit_lens(
     module = _module(model, norm, "norm")
     head = _module(model, unembed, "unembed")
     kind = _norm_kind(module, norm) if scale == "frozen" else None
-    with torch.no_grad(), capture(model, layers) as streams, capture(model, norm, inputs=True) as n:
+    with (
+        run_eagerly(model),
+        torch.no_grad(),
+        capture(model, layers, recompile=True, this_thread=True) as streams,
+        capture(model, norm, inputs=True, recompile=True, this_thread=True) as n,
+    ):
         _run(model, inputs)
     names = tuple(streams.records)
     bound = n[norm].inputs  # its arguments by name: the first tensor is the stream
@@ -91,6 +96,8 @@ def logit_lens(
     grid = _positions(positions, final.shape[1])
     rows = []
     with torch.no_grad():
+        apply, unembedding = _ours(module), _ours(head)
+        bias = _norm_bias(apply, final)  # once: the same for every layer
         for name in names:
             stream = streams[name].output
             if not isinstance(stream, Tensor) or stream.shape != final.shape:
@@ -100,18 +107,38 @@ def logit_lens(
                     f"{tuple(final.shape)}: choose layers whose output is the residual stream"
                 )
             r = stream[:, grid]
-            normed = module(r) if kind is None else _frozen(module, r, final[:, grid], *kind)
-            rows.append(head(normed))
+            normed = apply(r) if kind is None else _frozen(apply, r, final[:, grid], *kind, bias)
+            rows.append(unembedding(normed))
     return Lens(torch.stack(rows), names, tuple(grid))
 
 
-def _frozen(module: nn.Module, r: Tensor, final: Tensor, centred: bool, eps: float) -> Tensor:
+def _frozen(
+    module: Callable[[Tensor], Tensor],
+    r: Tensor,
+    final: Tensor,
+    centred: bool,
+    eps: float,
+    bias: Tensor,
+) -> Tensor:
     """The norm of ``r`` with the scale it had on ``final``: ``r`` (centred for a LayerNorm)
-    divided by that scale, then the norm's affine part (its own scale of the result undone)."""
+    divided by that scale, then the norm's affine part (its own scale of the result undone;
+    ``bias``: :func:`_norm_bias`)."""
     v = (r - r.mean(-1, keepdim=True) if centred else r) / _scale(final, centred, eps)
-    bias = module(torch.zeros_like(v[:1, :1]))  # what the norm adds: its bias, or 0
     out: Tensor = (module(v) - bias) * _scale(v, centred, eps) + bias
     return out
+
+
+def _norm_bias(module: Callable[[Tensor], Tensor], like: Tensor) -> Tensor:
+    """What the norm adds to a stream shaped as ``like``'s last axis: its bias, or 0."""
+    return module(like.new_zeros(1, 1, like.shape[-1]))
+
+
+def _ours(module: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``module``'s forward, not its ``__call__``: what a lens computes with the model's
+    modules after the forward is none of the model's calls, so no hook (the user's, another
+    session's, an edit's) sees or changes it."""
+    forward: Callable[[Tensor], Tensor] = module.forward
+    return forward
 
 
 def _module(model: nn.Module, name: str, what: str) -> nn.Module:

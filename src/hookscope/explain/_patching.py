@@ -18,8 +18,18 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core import Edit, EditContext, LayerSelector, capture, edit, leaves, map_tensors
+from ..core import (
+    Edit,
+    EditContext,
+    LayerSelector,
+    capture,
+    edit,
+    leaves,
+    map_tensors,
+    run_eagerly,
+)
 from ..errors import UsageError
+from ._path import need_grad
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ def patching(
             name: Edit(_patcher(name, chunk, sources[name], batch, heads), name="patch cells")
             for name in dict.fromkeys(name for name, _, _ in chunk)
         }
-        with torch.no_grad(), edit(model, edits):
+        with run_eagerly(model), torch.no_grad(), edit(model, edits, recompile=True):
             out = _run(model, _repeat(corrupted, len(chunk)))
         for i in range(len(chunk)):
             scores.append(_score(metric, _copy(out, i, batch, len(chunk))))
@@ -178,6 +188,7 @@ def attribution_patching(
     """
     if not callable(metric):
         raise UsageError(f"metric must be a function of the model's output, not {metric!r}")
+    need_grad("attribution_patching")
     batch = _batch_size(corrupted, "corrupted")
     names, sources, grid = _clean_run(model, clean, layers, positions, batch)
     live: dict[str, Tensor] = {}
@@ -191,14 +202,16 @@ def attribution_patching(
 
         return fn
 
-    with torch.enable_grad(), edit(model, {n: Edit(keep(n), name="keep") for n in names}):
+    edits = {n: Edit(keep(n), name="keep") for n in names}
+    with run_eagerly(model), torch.enable_grad(), edit(model, edits, recompile=True):
         score = metric(_run(model, corrupted))
-    if not isinstance(score, Tensor) or score.numel() != 1 or not score.requires_grad:
-        raise UsageError(
-            "metric must return a 0-d tensor computed from the output (with its gradient), "
-            f"got {score!r}"
-        )
-    grads = torch.autograd.grad(score.reshape(()), [live[n] for n in names], allow_unused=True)
+        if not isinstance(score, Tensor) or score.numel() != 1 or not score.requires_grad:
+            raise UsageError(
+                "metric must return a 0-d tensor computed from the output (with its gradient), "
+                f"got {score!r}"
+            )
+        score = score.reshape(())  # (with its gradient under the caller's torch.no_grad())
+    grads = torch.autograd.grad(score, [live[n] for n in names], allow_unused=True)
     rows = []
     for name, grad in zip(names, grads, strict=True):
         now = live[name].detach()
@@ -223,7 +236,11 @@ def _clean_run(
     heads: bool = False,
 ) -> tuple[tuple[str, ...], dict[str, Tensor], list[int]]:
     """The layers' outputs in the clean run (checked), and the grid's positions."""
-    with torch.no_grad(), capture(model, layers) as cap:
+    with (
+        run_eagerly(model),
+        torch.no_grad(),
+        capture(model, layers, recompile=True, this_thread=True) as cap,
+    ):
         _run(model, clean)
     names = tuple(cap.records)
     sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
