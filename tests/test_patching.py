@@ -4,6 +4,7 @@ oracle on GPT-2 in ``tests/test_units_transformer_lens.py``.)"""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
@@ -234,3 +235,43 @@ def test_a_sweep_over_heads_needs_sdpa_shaped_layers() -> None:
         grid.at("block", 0, head=1)
     with pytest.raises(hs.UsageError, match="not in this grid"):
         grid.at("block", 3)
+
+
+class _Midway(nn.Module):
+    """The model's head, which first runs ``during()`` when called on thread ``main``."""
+
+    def __init__(self, head: nn.Module, main: int, during: Any) -> None:
+        super().__init__()
+        self.head, self.main, self.during = head, main, during
+
+    def forward(self, h: Tensor) -> Tensor:
+        if threading.get_ident() == self.main:
+            self.during()
+        out: Tensor = self.head(h)
+        return out
+
+
+@pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
+def test_another_threads_forward_during_a_sweep_runs_unedited(sweep: Any) -> None:
+    """The sweep's edits (and captures) are its own thread's: a forward another thread runs on
+    the same model in the middle of each of the sweep's forwards is the plain model's."""
+    model = _model()
+    clean, corrupt = _ids(1), _ids(2)
+    with torch.no_grad():
+        plain = model(corrupt)
+    seen: list[Tensor] = []
+
+    def other() -> None:
+        with torch.no_grad():
+            seen.append(model(corrupt))
+
+    def during() -> None:
+        worker = threading.Thread(target=other)
+        worker.start()
+        worker.join()
+
+    model.head = _Midway(model.head, threading.get_ident(), during)
+    sweep(model, clean, corrupt, _metric, LAYERS)
+    assert len(seen) == 2  # one in the clean run, one in the corrupted one
+    for out in seen:
+        assert torch.equal(out, plain)

@@ -167,6 +167,57 @@ def test_edits_apply_to_every_threads_forward_and_count_exactly() -> None:
     assert ed.applied == {"2": len(xs)}
 
 
+def test_this_thread_sessions_see_only_the_threads_inside_them() -> None:
+    """``this_thread=True``: the capture records and the edit changes only the forwards of
+    the thread that opened it; another thread's forwards, run while it is open (and
+    overlapping its own), are neither recorded nor edited."""
+    model = make_model()
+    xs = inputs(2 * ROUNDS)
+    with torch.no_grad():
+        want = [model(x) for x in xs]
+        ablated = model[3](torch.zeros(3, 8))
+    inside = threading.Barrier(2)
+    got: dict[int, list[Tensor]] = {0: [], 1: []}
+
+    def run(t: int) -> None:
+        for r in range(ROUNDS):
+            inside.wait()
+            with torch.no_grad():
+                got[t].append(model(xs[t * ROUNDS + r]))
+
+    def opener() -> None:
+        with (
+            hs.capture(model, "0", keep="all", this_thread=True) as cap,
+            hs.edit(model, {"2": hs.ablate()}, this_thread=True) as ed,
+        ):
+            run(0)
+        calls = cap["0"].calls
+        assert len(calls) == ROUNDS and ed.applied == {"2": ROUNDS}
+        with torch.no_grad():
+            assert all(torch.equal(c.output, model[0](xs[r])) for r, c in enumerate(calls))
+
+    workers = [threading.Thread(target=opener), threading.Thread(target=run, args=(1,))]
+    errors: list[BaseException] = []
+    for w in workers:
+        w.run = _reporting(w.run, errors)  # type: ignore[method-assign]
+        w.start()
+    for w in workers:
+        w.join()
+    assert not errors, errors
+    assert all(torch.equal(out, ablated) for out in got[0])
+    assert all(torch.equal(out, want[ROUNDS + r]) for r, out in enumerate(got[1]))
+
+
+def _reporting(run: Callable[[], None], errors: list[BaseException]) -> Callable[[], None]:
+    def wrapped() -> None:
+        try:
+            run()
+        except BaseException as e:  # handed to the test's thread
+            errors.append(e)
+
+    return wrapped
+
+
 def test_a_private_forward_in_one_thread_hides_nothing_of_another_threads() -> None:
     """hs.names(..., ops=True) runs a private forward; a NaN tracer replays one. Captures of
     another model in another thread record every call meanwhile."""

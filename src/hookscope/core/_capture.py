@@ -140,6 +140,9 @@ class Capture(Session):
             hand): ``{selector: axis names}``, e.g. ``{"blocks.*.attn::softmax": "batch
             heads positions keys"}`` (the batch first; ``positions``, ``heads`` and
             ``neurons`` are narrowed, other words name axes left whole).
+        this_thread: see only the forwards of the threads inside the ``with`` block (or
+            between :meth:`open` and :meth:`close`); forwards other threads run on the model
+            meanwhile are not recorded. Off: every thread's forwards are.
 
     Narrowing keeps every axis (``positions=[-1]``: a position axis of size 1) and
     applies to each floating-point tensor of the output and the gradient w.r.t. it,

@@ -100,6 +100,9 @@ class Editor(Session):
             weights, of query, key and value projections).
         neurons: change only these indices of the output's last dimension.
         layout: where units lie in sites hookscope has no layout for; see :class:`Capture`.
+        this_thread: edit only the forwards of the threads inside the ``with`` block (or
+            between :meth:`open` and :meth:`close`): another thread's forward of the model
+            meanwhile runs unedited. Off: every thread's forwards are edited.
 
     With ``positions=``, ``heads=`` or ``neurons=``, an output edit sees the selected units
     only, in the shape a capture with the same units records (``hs.patch`` of such a capture
@@ -107,7 +110,7 @@ class Editor(Session):
     and gradients are refused with units.
 
     A context manager: edits apply only inside the ``with`` block (gradient edits only to
-    backward passes run inside it), to the forwards of every thread.
+    backward passes run inside it), to the forwards of every thread (``this_thread=False``).
 
     Attributes:
         applied: how many times edits were applied per layer (forward edits when they run,
@@ -136,6 +139,7 @@ class Editor(Session):
         heads: Indices | None = None,
         neurons: Indices | None = None,
         layout: Mapping[str, str] | None = None,
+        this_thread: bool = False,
     ) -> None:
         if not isinstance(edits, Mapping):
             raise UsageError(
@@ -143,7 +147,7 @@ class Editor(Session):
                 f"not {type(edits).__name__}"
             )
         units = Units.of(positions, heads, neurons)
-        super().__init__(model, recompile=recompile)
+        super().__init__(model, recompile=recompile, this_thread=this_thread)
         self._entry = "hs.edit"
         plan: dict[str, list[Edit]] = {}
         where: dict[str, tuple[nn.Module, OpSelector | None]] = {}

@@ -142,7 +142,11 @@ def patching(
             name: Edit(_patcher(name, chunk, sources[name], batch, heads), name="patch cells")
             for name in dict.fromkeys(name for name, _, _ in chunk)
         }
-        with run_eagerly(model), torch.no_grad(), edit(model, edits, recompile=True):
+        with (
+            run_eagerly(model),
+            torch.no_grad(),
+            edit(model, edits, recompile=True, this_thread=True),
+        ):
             out = _run(model, _repeat(corrupted, len(chunk)))
         for i in range(len(chunk)):
             scores.append(_score(metric, _copy(out, i, batch, len(chunk))))
@@ -203,7 +207,11 @@ def attribution_patching(
         return fn
 
     edits = {n: Edit(keep(n), name="keep") for n in names}
-    with run_eagerly(model), torch.enable_grad(), edit(model, edits, recompile=True):
+    with (
+        run_eagerly(model),
+        torch.enable_grad(),
+        edit(model, edits, recompile=True, this_thread=True),
+    ):
         score = metric(_run(model, corrupted))
         if not isinstance(score, Tensor) or score.numel() != 1 or not score.requires_grad:
             raise UsageError(
