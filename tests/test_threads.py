@@ -218,6 +218,47 @@ def _reporting(run: Callable[[], None], errors: list[BaseException]) -> Callable
     return wrapped
 
 
+class Noted(nn.Module):
+    """Notes which thread ran it."""
+
+    def __init__(self, notes: list[str]) -> None:
+        super().__init__()
+        self.notes = notes
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.notes.append(threading.current_thread().name)
+        return x
+
+
+def test_a_thread_that_joins_mid_section_waits_for_the_first_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first thread's capture hot path takes no lock while it is the session's only
+    thread; a second thread that starts a forward while the first is inside such a section
+    waits for it to end (the handshake of ``Session._join``) before its forward runs."""
+    notes: list[str] = []
+    model = nn.Sequential(nn.Linear(4, 4), Noted(notes))
+    x = torch.randn(2, 4)
+    original = hs.LayerRecord._evict_all
+    later = threading.Thread(target=lambda: model(x), name="later")
+
+    def slow(record: hs.LayerRecord, *, grads: bool) -> None:
+        if later.ident is None and notes == ["MainThread"]:  # layer 0, the second pass
+            later.start()
+            time.sleep(0.05)  # the later thread runs meanwhile, up to its join
+            notes.append("section ends")
+        original(record, grads=grads)
+
+    monkeypatch.setattr(hs.LayerRecord, "_evict_all", slow)
+    with torch.no_grad(), hs.capture(model, ["0", "1"]) as cap:
+        model(x)
+        model(x)
+        later.join()
+    assert sorted(notes) == ["MainThread", "MainThread", "later", "section ends"]
+    assert notes.index("later") > notes.index("section ends")  # it waited
+    assert cap["1"].count == 3
+
+
 def test_a_private_forward_in_one_thread_hides_nothing_of_another_threads() -> None:
     """hs.names(..., ops=True) runs a private forward; a NaN tracer replays one. Captures of
     another model in another thread record every call meanwhile."""

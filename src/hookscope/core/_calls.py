@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -93,13 +93,19 @@ class Now:
         #: this thread's private forwards (the list :func:`private_forward` pushes onto, empty
         #: almost always): a hot path tests it without a second thread-local read
         self.private = _PRIVATE.blocks
+        #: inside a section of shared state this thread entered without the session's lock,
+        #: as the session's only thread (see ``Session._join``)
+        self.busy = False
 
 
 class PerThread(threading.local):
-    """A session's per-thread state: ``now``, made fresh on each thread's first read."""
+    """A session's per-thread state: ``now``, made fresh on each thread's first read, which
+    ``joined(now)`` is told of."""
 
-    def __init__(self) -> None:
+    def __init__(self, joined: Callable[[Now], None] | None = None) -> None:
         self.now = Now()
+        if joined is not None:
+            joined(self.now)
 
 
 class _Private(threading.local):

@@ -517,7 +517,10 @@ class Capture(Session):
             if site.used_in != pass_index:  # the layer's first call in this pass: _enter_pass
                 if _functorch_level() is not None:
                     raise transformed_error(name, self._entry)
-                lock.acquire()
+                now.busy = True  # before reading _solo: Session._join
+                shared = self._solo is not now  # the solo thread takes no lock (_join)
+                if shared:
+                    lock.acquire()
                 try:
                     if pass_index < site.used_in:  # another thread's later forward ran it
                         record._unordered = True
@@ -527,7 +530,9 @@ class Capture(Session):
                         if per_pass:
                             record._evict_all(grads=grads)
                 finally:
-                    lock.release()
+                    if shared:
+                        lock.release()
+                    now.busy = False
             if ring is not None:
                 self._make_room(record)
             if type(output) is not Tensor:

@@ -62,6 +62,7 @@ import functools
 import itertools
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, ClassVar
@@ -136,9 +137,11 @@ class Session:
         self._hooks: HookSet | None = None
         self._exit = contextlib.ExitStack()
         self._entered = 0  # nesting of `with` blocks
-        self._local = PerThread()  # what each thread's forward is doing (`_now`)
+        self._mutex = threading.RLock()  # for what threads share: records, pass bookkeeping
+        #: the session's only thread so far (its capture hot path takes no lock), or _SHARED
+        self._solo: object = None
+        self._local = PerThread(self._join)  # what each thread's forward is doing (`_now`)
         self._passes = itertools.count()
-        self._lock = threading.RLock()  # for what threads share: records, pass bookkeeping
         #: the highest pass index started so far, by any thread
         self.latest_pass = -1
         # call tracking (_track)
@@ -174,6 +177,27 @@ class Session:
         """What the forward running on this thread is doing (its pass, its running calls);
         ``now.extra`` holds a client's own per-pass state."""
         return self._local.now
+
+    @property
+    def _lock(self) -> threading.RLock:
+        """The lock for what threads share (records, pass bookkeeping). A thread that takes it
+        has joined the session first (its state exists: :meth:`_join`)."""
+        _ = self._local.now  # (a thread's first read of its state joins it)
+        return self._mutex
+
+    def _join(self, now: Now) -> None:
+        """A thread's first read of its state. The first thread is the session's solo thread:
+        the capture hot path skips the lock there (a lock's acquire and release cost more than
+        the rest of a layer's first call in a pass). The next thread makes the session shared
+        until it closes, and waits until the solo thread is out of any section it entered
+        without the lock; from then on every thread takes the lock. This is Peterson's
+        handshake: the solo thread sets ``now.busy`` before it reads ``_solo``, a joining
+        thread sets ``_solo`` before it reads ``busy``, so one of them sees the other."""
+        with self._mutex:
+            solo = self._solo
+            self._solo = now if solo is None else _SHARED
+        while isinstance(solo, Now) and solo.busy:
+            time.sleep(0)  # (hands the interpreter to the solo thread, which ends its section)
 
     @property
     def _now(self) -> Now:
@@ -253,7 +277,8 @@ class Session:
                     self._threads.clear()
                 if self._ops is not None:
                     self._ops.close()
-                self._local = PerThread()  # every thread's forward state starts afresh
+                self._solo = None  # every thread's state starts afresh
+                self._local = PerThread(self._join)
                 self._tracked, self._reported = {}, set()
                 self._closed()
 
@@ -603,6 +628,7 @@ class Session:
         return out
 
 
+_SHARED = object()  # Session._solo once a second thread has joined
 _backward_id = _torch.backward_id
 _stack_length = _torch.function_stack_length
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
