@@ -1,0 +1,196 @@
+"""The report's interpretability sections: a patching grid as a heatmap (an HTML table whose
+cells carry their values, coloured on a scale that diverges at 0) and the logit lens as a
+table of the likeliest tokens per layer and position.
+
+Tables rather than images: every number stays readable, selectable and exact (each cell's
+``data-value`` is the metric as Python prints the float), the token labels are text, and a
+wide grid scrolls inside its box on a phone instead of shrinking."""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+from ..explain import Lens, Patching
+
+__all__ = [
+    "NAN_COLOUR",
+    "NEGATIVE",
+    "POSITIVE",
+    "cell_colour",
+    "interp_sections",
+    "lens_html",
+    "patching_html",
+]
+
+#: The diverging scale (ColorBrewer RdBu's ends): the largest |value| of a grid gets the full
+#: colour of its sign, 0 is white, and the colours in between are linear in the value.
+POSITIVE, NEGATIVE = (178, 24, 43), (33, 102, 172)
+NAN_COLOUR = (208, 213, 222)  # a cell whose metric is not finite
+_WHITE = (255, 255, 255)
+_CSS = (
+    "<style>table.heat td { text-align: right; font-variant-numeric: tabular-nums; "
+    "min-width: 3.2em; } table.heat td.dark { color: #fff; } "
+    ".scale { height: 0.9em; width: 16em; display: inline-block; vertical-align: middle; "
+    "border: 1px solid #d0d5de; }</style>"
+)
+
+
+def cell_colour(value: float, largest: float) -> tuple[int, int, int]:
+    """The RGB colour of ``value`` on a grid whose largest ``|value|`` is ``largest``."""
+    if not math.isfinite(value):
+        return NAN_COLOUR
+    if largest <= 0:
+        return _WHITE
+    end = POSITIVE if value > 0 else NEGATIVE
+    t = min(abs(value) / largest, 1.0)
+    r, g, b = (round(w + (e - w) * t) for w, e in zip(_WHITE, end, strict=True))
+    return r, g, b
+
+
+def _hex(rgb: tuple[int, int, int]) -> str:
+    return "#{:02x}{:02x}{:02x}".format(*rgb)
+
+
+def _dark(rgb: tuple[int, int, int]) -> bool:
+    return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] < 140
+
+
+def _labels(positions: Sequence[int], tokens: Sequence[str] | None) -> list[str]:
+    """Column headings: the position, and its token when the user gave the input's tokens."""
+    if tokens is None:
+        return [str(p) for p in positions]
+    if isinstance(tokens, str) or not all(isinstance(t, str) for t in tokens):
+        raise UsageError(f"tokens must be a list of strings, one per position, not {tokens!r}")
+    if positions and max(positions) >= len(tokens):
+        raise UsageError(
+            f"tokens has {len(tokens)} strings; the grid reaches position {max(positions)}: "
+            "give one token per position of the input"
+        )
+    return [f"{p} {tokens[p]!r}" for p in positions]
+
+
+def _head(corner: str, labels: Sequence[str]) -> str:
+    cells = "".join(f'<th scope="col">{html.escape(c)}</th>' for c in labels)
+    return f'<thead><tr><th scope="col">{html.escape(corner)}</th>{cells}</tr></thead>'
+
+
+def _heatmap(grid: Patching, tokens: Sequence[str] | None) -> str:
+    values = grid.values.double()
+    finite = values[values.isfinite()]
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    rows = []
+    for i, layer in enumerate(grid.layers):
+        for k, head in enumerate(grid.heads or [None]):
+            name = layer if head is None else f"{layer} head {head}"
+            cells = []
+            for j, position in enumerate(grid.positions):
+                value = float(values[i, j] if head is None else values[i, j, k])
+                rgb = cell_colour(value, largest)
+                dark = ' class="dark"' if _dark(rgb) else ""
+                head_attr = "" if head is None else f' data-head="{head}"'
+                cells.append(
+                    f'<td{dark} style="background:{_hex(rgb)}" data-layer="{html.escape(layer)}"'
+                    f' data-position="{position}"{head_attr} data-value="{value!r}"'
+                    f' title="{html.escape(name)}, position {position}: {value!r}">'
+                    f"{value:.3g}</td>"
+                )
+            rows.append(f'<tr><th scope="row">{html.escape(name)}</th>{"".join(cells)}</tr>')
+    corner = "layer, head \\ position" if grid.heads else "layer \\ position"
+    table = f'<table class="heat">{_head(corner, _labels(grid.positions, tokens))}'
+    scale = (
+        f'<span class="scale" style="background:linear-gradient(to right, '
+        f'{_hex(NEGATIVE)}, #ffffff, {_hex(POSITIVE)})"></span>'
+    )
+    legend = (
+        f'<p class="muted">colour: {-largest:.3g} {scale} {largest:.3g} (0 is white; '
+        "grey: not finite)</p>"
+    )
+    return f'<div class="scroll">{table}<tbody>{"".join(rows)}</tbody></table></div>{legend}'
+
+
+def patching_html(grids: Patching | Sequence[Patching], tokens: Sequence[str] | None) -> str:
+    """The body of the patching section: a heatmap per grid."""
+    grids = [grids] if isinstance(grids, Patching) else list(grids)
+    if not grids or not all(isinstance(g, Patching) for g in grids):
+        raise UsageError("patching must be a Patching (what hs.patching returns) or a list of them")
+    out = [
+        "<p>Each cell is the metric of the corrupted run with that layer's output at that "
+        "position (and head) patched from the clean run (<code>hs.patching</code>). Rows are "
+        "layers in the grid's order, columns positions; the colours diverge at 0 on each "
+        "grid's own scale.</p>",
+        _CSS,
+    ]
+    for n, grid in enumerate(grids):
+        shape = " x ".join(str(s) for s in grid.values.shape)
+        axes = "layers x positions x heads" if grid.heads else "layers x positions"
+        out.append(f"<h3>Grid {n + 1}: {axes} ({shape})</h3>{_heatmap(grid, tokens)}")
+    return "\n".join(out)
+
+
+def _decoder(tokenizer: Any) -> Callable[[int], str]:
+    if tokenizer is None:
+        return lambda i: f"#{i}"
+    if callable(getattr(tokenizer, "decode", None)):
+        return lambda i: str(tokenizer.decode([i]))
+    if callable(tokenizer):
+        return lambda i: str(tokenizer(i))
+    raise UsageError(
+        f"tokenizer must have a decode method or be a function of a token id, not {tokenizer!r}"
+    )
+
+
+def lens_html(lens: Lens, tokens: Sequence[str] | None, tokenizer: Any, k: int = 3) -> str:
+    """The body of the logit-lens section: for the first sample, a row per layer and a column
+    per position, each cell the ``k`` likeliest tokens with their probabilities (the first
+    one's shading its probability)."""
+    if not isinstance(lens, Lens):
+        raise UsageError(f"lens must be what hs.logit_lens returns, not {type(lens).__name__}")
+    decode = _decoder(tokenizer)
+    probs = torch.softmax(lens.logits[:, 0].double(), dim=-1)  # (layers, positions, vocab)
+    top = probs.topk(min(k, probs.shape[-1]), dim=-1)
+    rows = []
+    for i, layer in enumerate(lens.layers):
+        cells = []
+        for j, position in enumerate(lens.positions):
+            ids, ps = top.indices[i, j].tolist(), top.values[i, j].tolist()
+            lines = "<br>".join(
+                f"{html.escape(repr(decode(t)))} {p:.2f}" for t, p in zip(ids, ps, strict=True)
+            )
+            rgb = _hex(cell_colour(ps[0], 1.0))
+            cells.append(
+                f'<td style="background:{rgb}" data-layer="{html.escape(layer)}" '
+                f'data-position="{position}" data-tokens="{" ".join(map(str, ids))}">{lines}</td>'
+            )
+        rows.append(f'<tr><th scope="row">{html.escape(layer)}</th>{"".join(cells)}</tr>')
+    n = lens.logits.shape[1]
+    which = "the sample" if n == 1 else f"sample 0 of {n}"
+    text = (
+        f"<p>Each layer's residual stream through the final norm and the unembedding "
+        f"(<code>hs.logit_lens</code>), {which}: the {k} likeliest tokens at each position "
+        "with their probabilities (softmax over the vocabulary); the shading is the first "
+        "one's.</p>"
+    )
+    head = _head("layer \\ position", _labels(lens.positions, tokens))
+    table = f'<table class="heat">{head}<tbody>{"".join(rows)}</tbody></table>'
+    return f'{text}{_CSS}<div class="scroll">{table}</div>'
+
+
+def interp_sections(
+    patching: Patching | Sequence[Patching] | None,
+    lens: Lens | None,
+    tokens: Sequence[str] | None,
+    tokenizer: Any,
+) -> list[tuple[str, str, str]]:
+    """The report's sections for what it was given."""
+    parts = []
+    if patching is not None:
+        parts.append(("patching", "Activation patching", patching_html(patching, tokens)))
+    if lens is not None:
+        parts.append(("lens", "Logit lens", lens_html(lens, tokens, tokenizer)))
+    return parts
