@@ -11,6 +11,7 @@ interrupted. ``nan``: 1 means a NaN or Inf was found, and a model that raised ex
 from __future__ import annotations
 
 import functools
+import html
 import json
 import re
 import sys
@@ -617,6 +618,128 @@ def report_(o: dict[str, Any]) -> None:
         targets=_targets(o),
     )
     click.echo(f"report: {path.resolve()}")
+
+
+def _lm_options(fn: F) -> F:
+    decorators = [
+        click.argument("model"),
+        click.option(
+            "--hf-class",
+            help="transformers Auto class of the directory (default AutoModelForCausalLM).",
+        ),
+        click.option(
+            "--layer",
+            "layers",
+            multiple=True,
+            help="A layer whose output is the residual stream (repeatable; default: every "
+            "block, found as the list of config.num_hidden_layers modules).",
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON."),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+@cli.command("patching")
+@_lm_options
+@click.option("--clean", required=True, help="The clean prompt.")
+@click.option("--corrupted", required=True, help="The corrupted prompt (as many tokens).")
+@click.option("--answer", required=True, help="The clean answer: one token, e.g. ' Paris'.")
+@click.option("--wrong", required=True, help="The corrupted answer: one token, e.g. ' Rome'.")
+@click.option(
+    "--cells-per-forward",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Cells of the grid that share one forward.",
+)
+@click.option("--out", default="patching.html", show_default=True, help="The HTML page.")
+@_with_options
+def patching_(o: dict[str, Any]) -> None:
+    """Activation patching of a Hugging Face causal LM (a directory with its tokenizer): each
+    layer's output at each position from the clean prompt into the corrupted one, scored by
+    the logit difference answer - wrong at the last position. Prints the grid and writes it
+    as a heatmap."""
+    from ..explain import patching
+    from ._interp import patching_html
+    from ._lm import blocks, encode, load_lm, logit_difference, one_token, score, write_page
+
+    model, tokenizer = load_lm(o["model"], o["hf_class"])
+    (clean, tokens), (corrupted, _) = (
+        encode(tokenizer, o["clean"]),
+        encode(tokenizer, o["corrupted"]),
+    )
+    if clean.shape != corrupted.shape:
+        raise UsageError(
+            f"--clean is {clean.shape[1]} tokens and --corrupted {corrupted.shape[1]}: patching "
+            "compares the same positions, give prompts of as many tokens"
+        )
+    a, b = (
+        one_token(tokenizer, o["answer"], "--answer"),
+        one_token(tokenizer, o["wrong"], "--wrong"),
+    )
+    metric, layers = logit_difference(a, b), list(o["layers"]) or blocks(model)
+    grid = patching(
+        model, clean, corrupted, metric, layers, cells_per_forward=o["cells_per_forward"]
+    )
+    runs = {"clean": score(model, clean, metric), "corrupted": score(model, corrupted, metric)}
+    what = f"logit({o['answer']!r}) - logit({o['wrong']!r}) at the last position"
+    if o["as_json"]:
+        values = [[v if v == v else None for v in row] for row in grid.values.tolist()]
+        fields = {"layers": list(grid.layers), "positions": list(grid.positions)}
+        _echo_json({"metric": what, **runs, **fields, "tokens": tokens, "values": values})
+    else:
+        click.echo(
+            f"metric: {what}; clean run {runs['clean']:.4g}, corrupted {runs['corrupted']:.4g}"
+        )
+        click.echo(grid.to_text(tokens))
+    body = f"<p>Metric: {html.escape(what)}: clean run {runs['clean']:.4g}, corrupted run "
+    body += f"{runs['corrupted']:.4g}.</p>" + patching_html(grid, tokens)
+    path = write_page(o["out"], "Activation patching", ("patching", "Activation patching", body))
+    click.echo(f"heatmap: {path.resolve()}", err=True)
+
+
+@cli.command("lens")
+@_lm_options
+@click.option("--text", required=True, help="The prompt.")
+@click.option("--norm", help="The final norm (default: the last norm outside the blocks).")
+@click.option("--unembed", help="The unembedding (default: the model's output embedding).")
+@click.option(
+    "--top-k", type=click.IntRange(min=1), default=3, show_default=True, help="Tokens a cell."
+)
+@click.option("--out", help="Also write the table as an HTML page (.html).")
+@_with_options
+def lens_(o: dict[str, Any]) -> None:
+    """The logit lens of a Hugging Face causal LM (a directory with its tokenizer) on one
+    prompt: each block's residual stream through the final norm and the unembedding, as the
+    likeliest tokens and their probabilities per layer and position."""
+    from ..explain import logit_lens
+    from ._interp import lens_html
+    from ._lm import blocks, encode, final_norm, load_lm, unembedding, write_page
+
+    model, tokenizer = load_lm(o["model"], o["hf_class"])
+    ids, tokens = encode(tokenizer, o["text"])
+    layers = list(o["layers"]) or blocks(model)
+    norm, unembed = o["norm"] or final_norm(model, layers), o["unembed"] or unembedding(model)
+    lens = logit_lens(model, ids, layers, norm=norm, unembed=unembed)
+    if o["as_json"]:
+        probs = torch.softmax(lens.logits[:, 0].double(), dim=-1).topk(o["top_k"], dim=-1)
+        cells = [
+            [
+                [[str(tokenizer.decode([t])), p] for t, p in zip(ids_, ps, strict=True)]
+                for ids_, ps in zip(ti, pi, strict=True)
+            ]
+            for ti, pi in zip(probs.indices.tolist(), probs.values.tolist(), strict=True)
+        ]
+        fields = {"layers": list(lens.layers), "norm": norm, "unembed": unembed}
+        _echo_json({**fields, "tokens": tokens, "top": cells})
+    else:
+        click.echo(lens.to_text(tokenizer, tokens=tokens, k=o["top_k"]))
+    if o["out"]:
+        body = lens_html(lens, tokens, tokenizer, o["top_k"])
+        path = write_page(o["out"], "Logit lens", ("lens", "Logit lens", body))
+        click.echo(f"table: {path.resolve()}", err=True)
 
 
 def _verbose(ctx: click.Context, _: click.Parameter, value: bool) -> None:
