@@ -19,6 +19,8 @@ import hookscope as hs
 click_testing = pytest.importorskip("click.testing")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
+Image = pytest.importorskip("PIL.Image")
+pytest.importorskip("matplotlib")
 from extract_oracle import word_tokenizer  # noqa: E402
 from hookscope.show._cli import cli  # noqa: E402
 
@@ -79,6 +81,17 @@ def test_patching_prints_the_grid_and_writes_its_heatmap(saved: Path, tmp_path: 
     cells = [float(v) for v in re.findall(r'data-value="([^"]+)"', page)]
     assert cells == pytest.approx(values.flatten().tolist(), abs=1e-12)
     assert "logit(&#x27;w7&#x27;) - logit(&#x27;w8&#x27;)" in page
+
+    png = tmp_path / "grid.png"
+    shared = ["--answer", "w7", "--wrong", "w8", "--out", str(out), "--json", "--png", str(png)]
+    share = run(*args, *shared, "--normalized")
+    assert share.exit_code == 0, share.output
+    normalized = torch.tensor(json.loads(share.stdout)["values"], dtype=torch.float64)
+    gap = got["clean"] - got["corrupted"]
+    torch.testing.assert_close(normalized, (values - got["corrupted"]) / gap, rtol=0, atol=1e-4)
+    assert normalized[1].tolist() == pytest.approx([0, 0, 0, 0, 1], abs=1e-3)  # causality
+    with Image.open(png) as figure:
+        assert figure.size[0] > 300  # a figure, decoded
 
     text = run(*args, "--answer", "w7", "--wrong", "w8", "--out", str(out), "--layer", "*.h.1")
     assert text.exit_code == 0, text.output

@@ -7,6 +7,7 @@ page against ``Patching.at`` of its labels, in the nested order of layers, heads
 
 from __future__ import annotations
 
+import io
 import os
 from html.parser import HTMLParser
 from pathlib import Path
@@ -241,3 +242,24 @@ def test_the_heatmap_in_a_real_browser(tmp_path: Path) -> None:
     assert colours["blocks.0", 2] == "rgb(255, 255, 255)"  # 0
     assert colours["blocks.1", 2] == "rgb(208, 213, 222)"  # NaN
     assert all(w > 0 for *_, w in painted) and len(painted) == 6 + 4 * 40
+
+
+def test_the_png_heatmap_paints_the_scale_and_not_finite_cells() -> None:
+    """The PNG (``hookscope patching --png``) uses the HTML's colours: the largest |value|
+    of each sign at the scale's ends, grey only where a cell is not finite (each cell covers
+    thousands of pixels; the colour bar's ends a few)."""
+    from PIL import Image
+
+    from hookscope.show._interp import NAN_COLOUR, NEGATIVE, POSITIVE, patching_png
+
+    def pixels(values: list[list[float]]) -> dict[tuple[int, int, int], int]:
+        grid = hs.Patching(torch.tensor(values), ("blocks.0",), (0, 1, 2))
+        image = Image.open(io.BytesIO(patching_png(grid, ["a", "b", "c"], "title")))
+        return {rgb: n for n, rgb in image.convert("RGB").getcolors(maxcolors=1 << 24)}
+
+    with_nan = pixels([[-2.0, NAN, 2.0]])
+    assert with_nan.get(NEGATIVE, 0) > 1000 and with_nan.get(POSITIVE, 0) > 1000
+    assert with_nan.get(NAN_COLOUR, 0) > 1000
+    finite = pixels([[-2.0, 0.5, 1.0]])
+    assert finite.get(NAN_COLOUR, 0) == 0 and finite.get(NEGATIVE, 0) > 1000
+    assert finite.get(POSITIVE, 0) < 100  # 1.0 is half the scale: only the bar's end

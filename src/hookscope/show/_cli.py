@@ -10,6 +10,7 @@ interrupted. ``nan``: 1 means a NaN or Inf was found, and a model that raised ex
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import json
@@ -655,6 +656,13 @@ def _lm_options(fn: F) -> F:
     help="Cells of the grid that share one forward.",
 )
 @click.option("--out", default="patching.html", show_default=True, help="The HTML page.")
+@click.option("--png", help="Also draw the heatmap as this PNG file (needs matplotlib).")
+@click.option(
+    "--normalized",
+    is_flag=True,
+    help="Show each cell as the share of the gap it restores: (metric - corrupted run's) / "
+    "(clean run's - corrupted run's), 0 corrupted, 1 clean.",
+)
 @_with_options
 def patching_(o: dict[str, Any]) -> None:
     """Activation patching of a Hugging Face causal LM (a directory with its tokenizer): each
@@ -662,7 +670,7 @@ def patching_(o: dict[str, Any]) -> None:
     the logit difference answer - wrong at the last position. Prints the grid and writes it
     as a heatmap."""
     from ..explain import patching
-    from ._interp import patching_html
+    from ._interp import patching_html, patching_png
     from ._lm import blocks, encode, load_lm, logit_difference, one_token, score, write_page
 
     model, tokenizer = load_lm(o["model"], o["hf_class"])
@@ -685,6 +693,12 @@ def patching_(o: dict[str, Any]) -> None:
     )
     runs = {"clean": score(model, clean, metric), "corrupted": score(model, corrupted, metric)}
     what = f"logit({o['answer']!r}) - logit({o['wrong']!r}) at the last position"
+    if o["normalized"]:  # 0: the corrupted run's metric, 1: the clean run's
+        gap = runs["clean"] - runs["corrupted"]
+        if gap == 0:
+            raise UsageError("--normalized: the clean and corrupted runs score the same")
+        grid = dataclasses.replace(grid, values=(grid.values - runs["corrupted"]) / gap)
+        what = f"({what} - corrupted) / (clean - corrupted)"
     if o["as_json"]:
         values = [[v if v == v else None for v in row] for row in grid.values.tolist()]
         fields = {"layers": list(grid.layers), "positions": list(grid.positions)}
@@ -698,6 +712,11 @@ def patching_(o: dict[str, Any]) -> None:
     body += f"{runs['corrupted']:.4g}.</p>" + patching_html(grid, tokens)
     path = write_page(o["out"], "Activation patching", ("patching", "Activation patching", body))
     click.echo(f"heatmap: {path.resolve()}", err=True)
+    if o["png"]:
+        png = Path(o["png"])
+        png.parent.mkdir(parents=True, exist_ok=True)
+        png.write_bytes(patching_png(grid, tokens, f"Activation patching: {what}"))
+        click.echo(f"png: {png.resolve()}", err=True)
 
 
 @cli.command("lens")

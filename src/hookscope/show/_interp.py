@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from .._extras import require
 from ..errors import UsageError
 from ..explain import Lens, Patching
 
@@ -26,6 +28,7 @@ __all__ = [
     "interp_sections",
     "lens_html",
     "patching_html",
+    "patching_png",
 ]
 
 #: The diverging scale (ColorBrewer RdBu's ends): the largest |value| of a grid gets the full
@@ -131,6 +134,58 @@ def patching_html(grids: Patching | Sequence[Patching], tokens: Sequence[str] | 
         axes = "layers x positions x heads" if grid.heads else "layers x positions"
         out.append(f"<h3>Grid {n + 1}: {axes} ({shape})</h3>{_heatmap(grid, tokens)}")
     return "\n".join(out)
+
+
+def _rows(grid: Patching) -> tuple[list[str], Any]:
+    """The grid's row labels and its values as rows (layers, or layers x heads) x positions."""
+    if not grid.heads:
+        return list(grid.layers), grid.values.double()
+    names = [f"{layer} head {h}" for layer in grid.layers for h in grid.heads]
+    return names, grid.values.double().permute(0, 2, 1).flatten(0, 1)
+
+
+def patching_png(grid: Patching, tokens: Sequence[str] | None, title: str) -> bytes:
+    """The grid as a PNG heatmap (matplotlib): the same colours as the HTML one (the scale
+    diverging at 0, grey where not finite), every row and column labelled, a colour bar, and
+    each cell's value written in it when the grid has at most 400 cells."""
+    from ._plots import _png, _pyplot
+
+    plt = _pyplot()
+    colors = require("matplotlib.colors", "plots", purpose="a PNG heatmap")
+    names, values = _rows(grid)
+    finite = values[values.isfinite()]
+    largest = float(finite.abs().max()) if finite.numel() else 0.0
+    ends = [tuple(c / 255 for c in rgb) for rgb in (NEGATIVE, _WHITE, POSITIVE)]
+    cmap = colors.LinearSegmentedColormap.from_list("hookscope_diverging", ends)
+    cmap = cmap.with_extremes(bad=tuple(c / 255 for c in NAN_COLOUR))
+    labels = _labels(grid.positions, tokens)
+    width = min(2.5 + 0.5 * len(labels) + 0.06 * max(map(len, names)), 24)
+    fig, ax = plt.subplots(figsize=(width, min(1.6 + 0.32 * len(names), 24)))
+    span = largest or 1.0
+    image = ax.imshow(values.numpy(), cmap=cmap, vmin=-span, vmax=span, aspect="auto")
+    ax.set_xticks(range(len(labels)), labels, rotation=90, fontsize=8)
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel("position (token)", fontsize=9)
+    ax.set_title(textwrap.fill(title, int(width * 9)), fontsize=9, loc="left")
+    fig.colorbar(image, ax=ax, label="metric (0 is white)")
+    if values.numel() <= 400:
+        for (i, j), v in ((ij, float(values[ij])) for ij in _cells(values.shape)):
+            dark = _dark(cell_colour(v, largest))
+            ax.text(
+                j,
+                i,
+                f"{v:.2g}",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color="white" if dark else "black",
+            )
+    fig.tight_layout()
+    return _png(plt, fig)
+
+
+def _cells(shape: Any) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(shape[0]) for j in range(shape[1])]
 
 
 def _decoder(tokenizer: Any) -> Callable[[int], str]:
