@@ -100,6 +100,30 @@ def test_patching_prints_the_grid_and_writes_its_heatmap(saved: Path, tmp_path: 
     assert lines[2].split()[0] == "transformer.h.1" and len(lines) == 3
 
 
+def test_patching_heads_sweeps_every_sdpa_call(saved: Path, tmp_path: Path) -> None:
+    args = ["patching", str(saved), "--clean", CLEAN, "--corrupted", CORRUPTED, "--heads"]
+    result = run(*args, "--answer", "w7", "--wrong", "w8", "--out", str(tmp_path / "h.html"))
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert lines[1].startswith("layer, head \\ position") and len(lines) == 2 + 2 * 4
+    as_json = run(
+        *args, "--answer", "w7", "--wrong", "w8", "--json", "--out", str(tmp_path / "h.html")
+    )
+    got = json.loads(as_json.stdout)
+    sites = [f"transformer.h.{i}.attn::scaled_dot_product_attention" for i in range(2)]
+    assert got["layers"] == sites and got["heads"] == [0, 1, 2, 3]
+    model = _model(saved)
+
+    def metric(o: Any) -> torch.Tensor:
+        return o.logits[0, -1, 11] - o.logits[0, -1, 12]
+
+    direct = hs.patching(model, _ids(CLEAN), _ids(CORRUPTED), metric, sites, heads=True)
+    values = torch.tensor(got["values"], dtype=torch.float64)  # (layers, positions, heads)
+    torch.testing.assert_close(values, direct.values.double(), rtol=0, atol=1e-6)
+    # the last block's heads before the last position cannot reach the last logits
+    assert values[1, :-1].flatten().tolist() == pytest.approx([got["corrupted"]] * 16, abs=1e-5)
+
+
 def test_lens_prints_the_likeliest_tokens_per_layer(saved: Path, tmp_path: Path) -> None:
     out = tmp_path / "l.html"
     result = run("lens", str(saved), "--text", CLEAN, "--top-k", "2", "--json", "--out", str(out))

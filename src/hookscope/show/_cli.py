@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import html
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -658,6 +659,12 @@ def _lm_options(fn: F) -> F:
 @click.option("--out", default="patching.html", show_default=True, help="The HTML page.")
 @click.option("--png", help="Also draw the heatmap as this PNG file (needs matplotlib).")
 @click.option(
+    "--heads",
+    is_flag=True,
+    help="Patch each attention head at each position: the layers are the model's SDPA calls "
+    "(each head's output before the output projection), found by running it once.",
+)
+@click.option(
     "--normalized",
     is_flag=True,
     help="Show each cell as the share of the gap it restores: (metric - corrupted run's) / "
@@ -671,7 +678,16 @@ def patching_(o: dict[str, Any]) -> None:
     as a heatmap."""
     from ..explain import patching
     from ._interp import patching_html, patching_png
-    from ._lm import blocks, encode, load_lm, logit_difference, one_token, score, write_page
+    from ._lm import (
+        blocks,
+        encode,
+        load_lm,
+        logit_difference,
+        one_token,
+        score,
+        sdpa_sites,
+        write_page,
+    )
 
     model, tokenizer = load_lm(o["model"], o["hf_class"])
     (clean, tokens), (corrupted, _) = (
@@ -687,9 +703,11 @@ def patching_(o: dict[str, Any]) -> None:
         one_token(tokenizer, o["answer"], "--answer"),
         one_token(tokenizer, o["wrong"], "--wrong"),
     )
-    metric, layers = logit_difference(a, b), list(o["layers"]) or blocks(model)
+    metric = logit_difference(a, b)
+    layers = list(o["layers"]) or (sdpa_sites(model, clean) if o["heads"] else blocks(model))
+    per = o["cells_per_forward"]
     grid = patching(
-        model, clean, corrupted, metric, layers, cells_per_forward=o["cells_per_forward"]
+        model, clean, corrupted, metric, layers, heads=o["heads"], cells_per_forward=per
     )
     runs = {"clean": score(model, clean, metric), "corrupted": score(model, corrupted, metric)}
     what = f"logit({o['answer']!r}) - logit({o['wrong']!r}) at the last position"
@@ -700,8 +718,9 @@ def patching_(o: dict[str, Any]) -> None:
         grid = dataclasses.replace(grid, values=(grid.values - runs["corrupted"]) / gap)
         what = f"({what} - corrupted) / (clean - corrupted)"
     if o["as_json"]:
-        values = [[v if v == v else None for v in row] for row in grid.values.tolist()]
+        values = _finite_or_none(grid.values.tolist())
         fields = {"layers": list(grid.layers), "positions": list(grid.positions)}
+        fields |= {"heads": list(grid.heads)} if grid.heads else {}
         _echo_json({"metric": what, **runs, **fields, "tokens": tokens, "values": values})
     else:
         click.echo(
@@ -717,6 +736,13 @@ def patching_(o: dict[str, Any]) -> None:
         png.parent.mkdir(parents=True, exist_ok=True)
         png.write_bytes(patching_png(grid, tokens, f"Activation patching: {what}"))
         click.echo(f"png: {png.resolve()}", err=True)
+
+
+def _finite_or_none(values: Any) -> Any:
+    """Nested lists of floats with ``None`` for NaN and infinities (JSON has neither)."""
+    if isinstance(values, list):
+        return [_finite_or_none(v) for v in values]
+    return values if math.isfinite(values) else None
 
 
 @cli.command("lens")

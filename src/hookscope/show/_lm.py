@@ -14,12 +14,24 @@ import torch
 from torch import Tensor, nn
 
 from .._version import __version__
+from ..core import names
 from ..errors import UsageError
 from . import _html
 from ._load import tokenizer_of
 from ._models import load_model
 
-__all__ = ["blocks", "encode", "final_norm", "load_lm", "one_token", "unembedding", "write_page"]
+__all__ = [
+    "blocks",
+    "encode",
+    "final_norm",
+    "load_lm",
+    "one_token",
+    "sdpa_sites",
+    "unembedding",
+    "write_page",
+]
+
+SDPA = "::scaled_dot_product_attention"
 
 
 def load_lm(spec: str, hf_class: str | None) -> tuple[nn.Module, Any]:
@@ -64,6 +76,17 @@ def blocks(model: nn.Module) -> list[str]:
         "found no list of the model's blocks (an nn.ModuleList of config.num_hidden_layers "
         "modules): name the layers with --layer (see `hookscope names`)"
     )
+
+
+def sdpa_sites(model: nn.Module, ids: Tensor) -> list[str]:
+    """The model's ``scaled_dot_product_attention`` calls, as operation sites, in order."""
+    found = [n for n in names(model, ops=True, inputs=ids) if n.endswith(SDPA)]
+    if not found:
+        raise UsageError(
+            "--heads: the model calls no scaled_dot_product_attention (load it with "
+            "attn_implementation='sdpa', the default), or name the sites with --layer"
+        )
+    return found
 
 
 def unembedding(model: nn.Module) -> str:
