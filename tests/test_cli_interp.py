@@ -138,7 +138,7 @@ def test_lens_prints_the_likeliest_tokens_per_layer(saved: Path, tmp_path: Path)
         assert [t for t, _ in cell] == [words[i] for i in top.indices[position].tolist()]
         assert [p for _, p in cell] == pytest.approx(top.values[position].tolist(), abs=1e-6)
     assert len(got["top"]) == 2 and out.read_text().count("data-tokens") == 2 * 5
-    text = run("lens", str(saved), "--text", CLEAN)
+    text = run("lens", str(saved), "--text", CLEAN, "--device", "cpu")
     assert text.exit_code == 0 and text.stdout.splitlines()[0].startswith("layer \\ position")
 
 
@@ -148,6 +148,7 @@ def test_lens_prints_the_likeliest_tokens_per_layer(saved: Path, tmp_path: Path)
         (["--corrupted", "w9 w2"], "give prompts of as many tokens"),
         (["--answer", "w7 w8"], "is 2 tokens for this tokenizer"),
         (["--out", "grid.png"], "must be an .html file"),
+        (["--device", "nonsense"], "is not a torch device"),
     ],
 )
 def test_patching_usage_errors(saved: Path, extra: list[str], hint: str) -> None:

@@ -636,6 +636,9 @@ def _lm_options(fn: F) -> F:
             help="A layer whose output is the residual stream (repeatable; default: every "
             "block, found as the list of config.num_hidden_layers modules).",
         ),
+        click.option(
+            "--device", help="Run on this device: cpu, cuda, cuda:1, mps (default: the CPU)."
+        ),
         click.option("--json", "as_json", is_flag=True, help="Print JSON."),
     ]
     for decorator in reversed(decorators):
@@ -694,6 +697,7 @@ def patching_(o: dict[str, Any]) -> None:
         encode(tokenizer, o["clean"]),
         encode(tokenizer, o["corrupted"]),
     )
+    model, (clean, corrupted) = prepare(model, (clean, corrupted), device=o["device"], dtype=None)
     if clean.shape != corrupted.shape:
         raise UsageError(
             f"--clean is {clean.shape[1]} tokens and --corrupted {corrupted.shape[1]}: patching "
@@ -765,6 +769,7 @@ def lens_(o: dict[str, Any]) -> None:
 
     model, tokenizer = load_lm(o["model"], o["hf_class"])
     ids, tokens = encode(tokenizer, o["text"])
+    model, ids = prepare(model, ids, device=o["device"], dtype=None)
     layers = list(o["layers"]) or blocks(model)
     norm, unembed = o["norm"] or final_norm(model, layers), o["unembed"] or unembedding(model)
     lens = logit_lens(model, ids, layers, norm=norm, unembed=unembed)
