@@ -9,6 +9,7 @@ wide grid scrolls inside its box on a phone instead of shrinking."""
 from __future__ import annotations
 
 import html
+import itertools
 import math
 import textwrap
 from collections.abc import Callable, Sequence
@@ -169,23 +170,12 @@ def patching_png(grid: Patching, tokens: Sequence[str] | None, title: str) -> by
     ax.set_title(textwrap.fill(title, int(width * 9)), fontsize=9, loc="left")
     fig.colorbar(image, ax=ax, label="metric (0 is white)")
     if values.numel() <= 400:
-        for (i, j), v in ((ij, float(values[ij])) for ij in _cells(values.shape)):
-            dark = _dark(cell_colour(v, largest))
-            ax.text(
-                j,
-                i,
-                f"{v:.2g}",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="white" if dark else "black",
-            )
+        for i, j in itertools.product(range(values.shape[0]), range(values.shape[1])):
+            v = float(values[i, j])
+            colour = "white" if _dark(cell_colour(v, largest)) else "black"
+            ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7, color=colour)
     fig.tight_layout()
     return _png(plt, fig)
-
-
-def _cells(shape: Any) -> list[tuple[int, int]]:
-    return [(i, j) for i in range(shape[0]) for j in range(shape[1])]
 
 
 def _decoder(tokenizer: Any) -> Callable[[int], str]:
