@@ -10,7 +10,6 @@ interrupted. ``nan``: 1 means a NaN or Inf was found, and a model that raised ex
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import html
 import json
@@ -679,48 +678,11 @@ def patching_(o: dict[str, Any]) -> None:
     layer's output at each position from the clean prompt into the corrupted one, scored by
     the logit difference answer - wrong at the last position. Prints the grid and writes it
     as a heatmap."""
-    from ..explain import patching
     from ._interp import patching_html, patching_png
-    from ._lm import (
-        blocks,
-        encode,
-        load_lm,
-        logit_difference,
-        one_token,
-        score,
-        sdpa_sites,
-        write_page,
-    )
+    from ._lm import load_lm, sweep, write_page
 
     model, tokenizer = load_lm(o["model"], o["hf_class"])
-    (clean, tokens), (corrupted, _) = (
-        encode(tokenizer, o["clean"]),
-        encode(tokenizer, o["corrupted"]),
-    )
-    model, (clean, corrupted) = prepare(model, (clean, corrupted), device=o["device"], dtype=None)
-    if clean.shape != corrupted.shape:
-        raise UsageError(
-            f"--clean is {clean.shape[1]} tokens and --corrupted {corrupted.shape[1]}: patching "
-            "compares the same positions, give prompts of as many tokens"
-        )
-    a, b = (
-        one_token(tokenizer, o["answer"], "--answer"),
-        one_token(tokenizer, o["wrong"], "--wrong"),
-    )
-    metric = logit_difference(a, b)
-    layers = list(o["layers"]) or (sdpa_sites(model, clean) if o["heads"] else blocks(model))
-    per = o["cells_per_forward"]
-    grid = patching(
-        model, clean, corrupted, metric, layers, heads=o["heads"], cells_per_forward=per
-    )
-    runs = {"clean": score(model, clean, metric), "corrupted": score(model, corrupted, metric)}
-    what = f"logit({o['answer']!r}) - logit({o['wrong']!r}) at the last position"
-    if o["normalized"]:  # 0: the corrupted run's metric, 1: the clean run's
-        gap = runs["clean"] - runs["corrupted"]
-        if gap == 0:
-            raise UsageError("--normalized: the clean and corrupted runs score the same")
-        grid = dataclasses.replace(grid, values=(grid.values - runs["corrupted"]) / gap)
-        what = f"({what} - corrupted) / (clean - corrupted)"
+    grid, runs, what, tokens = sweep(model, tokenizer, o)
     if o["as_json"]:
         values = _finite_or_none(grid.values.tolist())
         fields = {"layers": list(grid.layers), "positions": list(grid.positions)}

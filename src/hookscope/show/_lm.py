@@ -5,6 +5,7 @@ unembedding, and the standalone page that shows a grid or a lens."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,8 +17,9 @@ from torch import Tensor, nn
 from .._version import __version__
 from ..core import names
 from ..errors import UsageError
+from ..explain import Patching, patching
 from . import _html
-from ._load import tokenizer_of
+from ._load import prepare, tokenizer_of
 from ._models import load_model
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "load_lm",
     "one_token",
     "sdpa_sites",
+    "sweep",
     "unembedding",
     "write_page",
 ]
@@ -124,6 +127,42 @@ def logit_difference(answer: int, wrong: int) -> Any:
 def score(model: nn.Module, ids: Tensor, metric: Any) -> float:
     with torch.no_grad():
         return float(metric(model(ids)))
+
+
+def sweep(
+    model: nn.Module, tokenizer: Any, o: dict[str, Any]
+) -> tuple[Patching, dict[str, float], str, list[str]]:
+    """``hookscope patching``'s grid (its options ``o``), the metric of the clean and
+    corrupted runs, what the metric is, and the clean prompt's tokens."""
+    (clean, tokens), (corrupted, _) = (
+        encode(tokenizer, o["clean"]),
+        encode(tokenizer, o["corrupted"]),
+    )
+    model, (clean, corrupted) = prepare(model, (clean, corrupted), device=o["device"], dtype=None)
+    if clean.shape != corrupted.shape:
+        raise UsageError(
+            f"--clean is {clean.shape[1]} tokens and --corrupted {corrupted.shape[1]}: patching "
+            "compares the same positions, give prompts of as many tokens"
+        )
+    answer, wrong = (
+        one_token(tokenizer, o["answer"], "--answer"),
+        one_token(tokenizer, o["wrong"], "--wrong"),
+    )
+    metric = logit_difference(answer, wrong)
+    layers = list(o["layers"]) or (sdpa_sites(model, clean) if o["heads"] else blocks(model))
+    cells = o["cells_per_forward"]
+    grid = patching(
+        model, clean, corrupted, metric, layers, heads=o["heads"], cells_per_forward=cells
+    )
+    runs = {"clean": score(model, clean, metric), "corrupted": score(model, corrupted, metric)}
+    what = f"logit({o['answer']!r}) - logit({o['wrong']!r}) at the last position"
+    if o["normalized"]:  # 0: the corrupted run's metric, 1: the clean run's
+        gap = runs["clean"] - runs["corrupted"]
+        if gap == 0:
+            raise UsageError("--normalized: the clean and corrupted runs score the same")
+        grid = dataclasses.replace(grid, values=(grid.values - runs["corrupted"]) / gap)
+        what = f"({what} - corrupted) / (clean - corrupted)"
+    return grid, runs, what, tokens
 
 
 def write_page(out: str, title: str, section: tuple[str, str, str]) -> Path:
