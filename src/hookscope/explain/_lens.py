@@ -32,6 +32,29 @@ class Lens:
     layers: tuple[str, ...]
     positions: tuple[int, ...]
 
+    def to_text(
+        self,
+        tokenizer: Any = None,
+        *,
+        tokens: Sequence[str] | None = None,
+        k: int = 1,
+        sample: int = 0,
+    ) -> str:
+        """A plain-text table of one sample: a row per layer, a column per position, the ``k``
+        likeliest tokens with their probabilities (``tokenizer``: a Hugging Face tokenizer or
+        a function of a token id; ``tokens``: one label per position of the input)."""
+        from ._tables import lens_text
+
+        return lens_text(
+            self.logits,
+            self.layers,
+            self.positions,
+            tokenizer=tokenizer,
+            tokens=tokens,
+            k=k,
+            sample=sample,
+        )
+
 
 def logit_lens(
     model: nn.Module,

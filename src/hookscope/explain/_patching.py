@@ -64,6 +64,16 @@ class Patching:
             cell.append(self.heads.index(head))
         return float(self.values[tuple(cell)])
 
+    def to_text(self, tokens: Sequence[str] | None = None) -> str:
+        """The grid as a plain-text table: a row per layer (per layer and head), a column per
+        position, labelled with ``tokens`` (one string per position of the input) if given."""
+        from ._tables import grid_text
+
+        return grid_text(self.values, self.layers, self.positions, self.heads, tokens)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
 
 def patching(
     model: nn.Module,

@@ -11,7 +11,9 @@ interrupted. ``nan``: 1 means a NaN or Inf was found, and a model that raised ex
 from __future__ import annotations
 
 import functools
+import html
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -617,6 +619,139 @@ def report_(o: dict[str, Any]) -> None:
         targets=_targets(o),
     )
     click.echo(f"report: {path.resolve()}")
+
+
+def _lm_options(fn: F) -> F:
+    decorators = [
+        click.argument("model"),
+        click.option(
+            "--hf-class",
+            help="transformers Auto class of the directory (default AutoModelForCausalLM).",
+        ),
+        click.option(
+            "--layer",
+            "layers",
+            multiple=True,
+            help="A layer whose output is the residual stream (repeatable; default: every "
+            "block, found as the list of config.num_hidden_layers modules).",
+        ),
+        click.option(
+            "--device", help="Run on this device: cpu, cuda, cuda:1, mps (default: the CPU)."
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Print JSON."),
+    ]
+    for decorator in reversed(decorators):
+        fn = decorator(fn)
+    return fn
+
+
+@cli.command("patching")
+@_lm_options
+@click.option("--clean", required=True, help="The clean prompt.")
+@click.option("--corrupted", required=True, help="The corrupted prompt (as many tokens).")
+@click.option("--answer", required=True, help="The clean answer: one token, e.g. ' Paris'.")
+@click.option("--wrong", required=True, help="The corrupted answer: one token, e.g. ' Rome'.")
+@click.option(
+    "--cells-per-forward",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Cells of the grid that share one forward.",
+)
+@click.option("--out", default="patching.html", show_default=True, help="The HTML page.")
+@click.option("--png", help="Also draw the heatmap as this PNG file (needs matplotlib).")
+@click.option(
+    "--heads",
+    is_flag=True,
+    help="Patch each attention head at each position: the layers are the model's SDPA calls "
+    "(each head's output before the output projection), found by running it once.",
+)
+@click.option(
+    "--normalized",
+    is_flag=True,
+    help="Show each cell as the share of the gap it restores: (metric - corrupted run's) / "
+    "(clean run's - corrupted run's), 0 corrupted, 1 clean.",
+)
+@_with_options
+def patching_(o: dict[str, Any]) -> None:
+    """Activation patching of a Hugging Face causal LM (a directory with its tokenizer): each
+    layer's output at each position from the clean prompt into the corrupted one, scored by
+    the logit difference answer - wrong at the last position. Prints the grid and writes it
+    as a heatmap."""
+    from ._interp import patching_html, patching_png
+    from ._lm import load_lm, sweep, write_page
+
+    model, tokenizer = load_lm(o["model"], o["hf_class"])
+    grid, runs, what, tokens = sweep(model, tokenizer, o)
+    if o["as_json"]:
+        values = _finite_or_none(grid.values.tolist())
+        fields = {"layers": list(grid.layers), "positions": list(grid.positions)}
+        fields |= {"heads": list(grid.heads)} if grid.heads else {}
+        _echo_json({"metric": what, **runs, **fields, "tokens": tokens, "values": values})
+    else:
+        click.echo(
+            f"metric: {what}; clean run {runs['clean']:.4g}, corrupted {runs['corrupted']:.4g}"
+        )
+        click.echo(grid.to_text(tokens))
+    body = f"<p>Metric: {html.escape(what)}: clean run {runs['clean']:.4g}, corrupted run "
+    body += f"{runs['corrupted']:.4g}.</p>" + patching_html(grid, tokens)
+    path = write_page(o["out"], "Activation patching", ("patching", "Activation patching", body))
+    click.echo(f"heatmap: {path.resolve()}", err=True)
+    if o["png"]:
+        png = Path(o["png"])
+        png.parent.mkdir(parents=True, exist_ok=True)
+        png.write_bytes(patching_png(grid, tokens, f"Activation patching: {what}"))
+        click.echo(f"png: {png.resolve()}", err=True)
+
+
+def _finite_or_none(values: Any) -> Any:
+    """Nested lists of floats with ``None`` for NaN and infinities (JSON has neither)."""
+    if isinstance(values, list):
+        return [_finite_or_none(v) for v in values]
+    return values if math.isfinite(values) else None
+
+
+@cli.command("lens")
+@_lm_options
+@click.option("--text", required=True, help="The prompt.")
+@click.option("--norm", help="The final norm (default: the last norm outside the blocks).")
+@click.option("--unembed", help="The unembedding (default: the model's output embedding).")
+@click.option(
+    "--top-k", type=click.IntRange(min=1), default=3, show_default=True, help="Tokens a cell."
+)
+@click.option("--out", help="Also write the table as an HTML page (.html).")
+@_with_options
+def lens_(o: dict[str, Any]) -> None:
+    """The logit lens of a Hugging Face causal LM (a directory with its tokenizer) on one
+    prompt: each block's residual stream through the final norm and the unembedding, as the
+    likeliest tokens and their probabilities per layer and position."""
+    from ..explain import logit_lens
+    from ._interp import lens_html
+    from ._lm import blocks, encode, final_norm, load_lm, unembedding, write_page
+
+    model, tokenizer = load_lm(o["model"], o["hf_class"])
+    ids, tokens = encode(tokenizer, o["text"])
+    model, ids = prepare(model, ids, device=o["device"], dtype=None)
+    layers = list(o["layers"]) or blocks(model)
+    norm, unembed = o["norm"] or final_norm(model, layers), o["unembed"] or unembedding(model)
+    lens = logit_lens(model, ids, layers, norm=norm, unembed=unembed)
+    if o["as_json"]:
+        probs = torch.softmax(lens.logits[:, 0].double(), dim=-1).topk(o["top_k"], dim=-1)
+        cells = [
+            [
+                [[str(tokenizer.decode([t])), p] for t, p in zip(ids_, ps, strict=True)]
+                for ids_, ps in zip(ti, pi, strict=True)
+            ]
+            for ti, pi in zip(probs.indices.tolist(), probs.values.tolist(), strict=True)
+        ]
+        fields = {"layers": list(lens.layers), "norm": norm, "unembed": unembed}
+        _echo_json({**fields, "tokens": tokens, "top": cells})
+    else:
+        click.echo(lens.to_text(tokenizer, tokens=tokens, k=o["top_k"]))
+    if o["out"]:
+        body = lens_html(lens, tokens, tokenizer, o["top_k"])
+        path = write_page(o["out"], "Logit lens", ("lens", "Logit lens", body))
+        click.echo(f"table: {path.resolve()}", err=True)
 
 
 def _verbose(ctx: click.Context, _: click.Parameter, value: bool) -> None:

@@ -30,10 +30,11 @@ from ..core import LayerSelector, call_model, leaves, map_tensors, own_forward, 
 from ..core import names as names_of
 from ..diagnose import Monitor, nonfinite
 from ..errors import NonFiniteError, UsageError
-from ..explain import METHODS, Explanation, MethodInfo, overlay, target_scores
+from ..explain import METHODS, Explanation, Lens, MethodInfo, Patching, overlay, target_scores
 from ..look import Summary, feature_grids, format_shape, summary
 from . import _html
 from ._findings import DEAD, Finding, by_kind, findings, findings_html
+from ._interp import interp_sections
 from ._plots import Panel, colour_scale, layer_panels
 
 __all__ = ["Section", "image_batch", "probabilities", "report", "requiring_grad"]
@@ -57,6 +58,10 @@ def report(
     classes: Sequence[str] | None = None,
     max_images: int = 8,
     sections: Sequence[Section] = (),
+    patching: Patching | Sequence[Patching] | None = None,
+    lens: Lens | None = None,
+    tokens: Sequence[str] | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write a self-contained HTML report about ``model`` on ``inputs`` and return its path.
 
@@ -83,6 +88,15 @@ def report(
         classes: class names for the CAM captions (default: ``model.config.id2label`` if any).
         max_images: CAM overlays shown at most.
         sections: extra ``(id, heading, html)`` sections placed after the overview.
+        patching: a :class:`~hookscope.Patching` (what :func:`hookscope.patching` returns) or
+            a list of them, each drawn as a heatmap: a row per layer (per layer and head), a
+            column per position, each cell's colour on a scale diverging at 0.
+        lens: a :class:`~hookscope.Lens` (what :func:`hookscope.logit_lens` returns), drawn
+            as a table of its first sample: the 3 likeliest tokens and their probabilities
+            per layer and position.
+        tokens: the input's tokens, one string per position: the columns' labels.
+        tokenizer: what turns the lens' token ids into text: a Hugging Face tokenizer (its
+            ``decode``) or a function of an id (default: ``#id``).
 
     Needs the ``images`` and ``plots`` extras (Pillow, matplotlib).
 
@@ -107,6 +121,7 @@ def report(
     pillow(_PURPOSE)  # fail before any work when an extra is missing
     require("matplotlib", "plots", purpose="plots in the HTML report")
     names = classes if classes is not None else _id2label(model)
+    interp = interp_sections(patching, lens, tokens, tokenizer)  # bad arguments fail here
 
     with own_forward():  # the report's forwards are its own: open sessions do not see them
         shape = summary(model, inputs)
@@ -117,7 +132,7 @@ def report(
     types = names_of(model)
     found = findings(shape, records, nonfinite_found, _batch_size(inputs), types)
     parts: list[Section] = [("overview", "Overview", _overview(model, shape, found))]
-    parts += list(sections)
+    parts += list(sections) + interp
     parts.append(("summary", "Summary", _summary_table(shape)))
     n = _batch_size(inputs)
     parts.append(("statistics", "Activations and gradients", _statistics_html(records, types, n)))
