@@ -14,9 +14,10 @@ over the process group that shards them (:func:`_sharded_parameters`, through
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +107,11 @@ class StepEnd:
     histograms: bool | str  # False, True (parameters) or "all" (activations too)
     world: int  # processes whose values are combined (1: none)
     rank: int | None  # the ``rank`` key of every record, or None
+    #: tensor parallelism: the layers whose outputs are this rank's slice of their features
+    #: (where it starts, the whole width), and the size of the tensor-parallel group, over
+    #: which every other layer's output is the same (1: none)
+    shards: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    replicas: int = 1
 
 
 #: a device value waiting for the transfer: the position of its :meth:`_Gather.add`
@@ -146,7 +152,7 @@ class Ended:
         host = self._gather.read(self._world)
         step, records = self.step, []
         for name, kind, count, slices, channels, centered in self._entries:
-            numel = int(host[count[0]][0]) if isinstance(count, tuple) else count
+            numel = round(host[count[0]][0]) if isinstance(count, tuple) else count
             stats = summary(numel, [host[s] for s in slices], channels, centered)
             records.append({"step": step, "layer": name, "kind": kind, **stats})
         records += [
@@ -182,8 +188,11 @@ def _moments(inputs: StepEnd, gather: _Gather) -> list[_Entry]:
                 if across:  # sums and norms combine across ranks; means and variances do not
                     m = m.uncentered()
                 numel: Slot | int = m.numel
+                count = float(m.numel)
+                if across and inputs.replicas > 1:  # (tensor parallelism: see _spread)
+                    m, count = _spread(m, inputs.shards.get(name), inputs.replicas)
                 if across:  # every rank's count of values, added up with the rest
-                    numel = (gather.add(torch.full((), m.numel, device=m.total.device), SUM),)
+                    numel = (gather.add(torch.full((), count, device=m.total.device), SUM),)
                 channels = (
                     "alive"
                     if m.alive is not None
@@ -193,6 +202,43 @@ def _moments(inputs: StepEnd, gather: _Gather) -> list[_Entry]:
                 )
                 entries.append((name, kind, numel, gather.moments(m), channels, m.centered))
     return entries
+
+
+def _spread(m: Moments, piece: tuple[int, int] | None, replicas: int) -> tuple[Moments, float]:
+    """Under tensor parallelism, a layer's uncentered moments (and its count of values) as
+    this rank adds them to the sum over every rank: a slice of the output features
+    (``piece``) is the only copy of its values, and its per-channel counts go to their place
+    in a vector of the whole width (concatenated, not added, over the tensor-parallel group);
+    a whole output is held by each of the ``replicas`` ranks of the group, so each adds
+    ``1 / replicas`` of its sums and counts (its norm: of the sum of squares)."""
+    if piece is not None:
+        start, width = piece
+
+        def placed(v: Tensor | None) -> Tensor | None:
+            if v is None or v.dim() == 0:
+                return v
+            whole = v.new_zeros(width)
+            whole[start : start + v.shape[0]] = v
+            return whole
+
+        alive = placed(m.alive)
+        nonzero_finite = placed(m.nonzero_finite)
+        assert nonzero_finite is not None
+        return dataclasses.replace(m, nonzero_finite=nonzero_finite, alive=alive), float(m.numel)
+    share = 1.0 / replicas
+
+    def part(v: Tensor, by: float = share) -> Tensor:
+        return v.to(torch.float64) * by  # (float64: counts above 2**24 stay exact)
+
+    spread = dataclasses.replace(
+        m,
+        total=part(m.total),
+        norm=part(m.norm, math.sqrt(share)),
+        nonzero=part(m.nonzero),
+        nonzero_finite=part(m.nonzero_finite),
+        alive=None if m.alive is None else part(m.alive),
+    )
+    return spread, m.numel * share
 
 
 def _parameters(
