@@ -275,6 +275,7 @@ def _tp_rank(rank: int, world: int, out: str, two_d: bool) -> None:
             for ranks in ("reduce", "each"):
                 _check_monitor(kind, mesh, rank, world, two_d, ranks)
             _check_tracer(kind, mesh, rank, world, two_d)
+        _check_summary(mesh, rank, world, two_d)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -539,3 +540,34 @@ def test_tp_two_ranks_clip_monitor_nonfinite_like_unsharded(tmp_path: Path) -> N
 
 def test_fsdp2_tp_two_by_two_clip_monitor_nonfinite_like_unsharded(tmp_path: Path) -> None:
     _spawn(_tp_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=360)
+
+
+#: the MLP's parameters each rank holds, counted by hand from the plan. TP: "0" column-parallel
+#: (rows 6 -> 3 + 3, and its bias), "2" row-parallel (columns 6 -> 3 + 3; its bias whole on
+#: both), "4" whole on both: 3*3 + 3 + 4*3 + 4 + 4 + 1. FSDP2+TP: FSDP splits each TP piece's
+#: rows over the data-parallel pair (3 -> 2 + 1, 4 -> 2 + 2, 1 -> 1 + 0): data-parallel rank
+#: 0 holds 2*3 + 2 + 2*3 + 2 + 1*4 + 1, rank 1 1*3 + 1 + 2*3 + 2 + 0 + 0
+_HELD = {False: [33, 33], True: [21, 12]}
+
+
+def _check_summary(mesh: Any, rank: int, world: int, two_d: bool) -> None:
+    """hs.summary of the sharded MLP on this rank's batch: parameters of the whole model (57)
+    and those this rank holds (:data:`_HELD`); FLOPs of the matrix products this rank ran (its
+    share of each parallel layer, all of the layer left whole: 2 x batch x in x out each) and
+    of all ranks together, against counts by hand."""
+    model = _parallelize(_make("mlp"), "mlp", mesh, two_d)
+    dp = 2 if two_d else 1
+    x = _batches("mlp", 1)[0].chunk(dp)[rank // 2 if two_d else 0]
+    s = hs.summary(model, x)
+    assert s.total_params == 6 * 3 + 6 + 4 * 6 + 4 + 4 + 1 == 57
+    held = _HELD[two_d][rank // 2 if two_d else 0]
+    assert (s.ranks, s.rank, s.rank_params, s.rank_param_bytes) == (world, rank, held, 4 * held)
+    n = x.shape[0]
+    mine = {"0": 2 * n * 3 * 3, "2": 2 * n * 3 * 4, "4": 2 * n * 4 * 1}
+    assert {r.name: r.flops for r in s.rows if r.name in mine} == mine
+    assert s.total_flops == sum(mine.values())
+    assert s.world_flops == world * sum(mine.values())  # (every rank's share is the same)
+    text = str(s)
+    assert f"Params on rank {rank} of {world}: {held} ({4 * held} B)" in text, text
+    assert f"FLOPs on all {world} ranks: {world * sum(mine.values())}" in text, text
+    assert hs.Summary.from_json(s.to_json()) == s

@@ -9,6 +9,9 @@ The mode can be *muted* for a stretch of the forward (:meth:`Counter.mute`): the
 then run without any Python call. The recorder does this for module calls whose operators it
 already knows (``_profiles``).
 
+A ``DTensor``'s operators (tensor parallelism, FSDP2) are counted as this rank runs them, on its
+local pieces: a column-parallel layer's FLOPs are its share of the layer's.
+
 Convention (PyTorch's): one multiply-accumulate is 2 FLOPs; only matrix products,
 convolutions and attention are counted. Operators that do arithmetic but have no formula
 (elementwise ops, norms, softmax, pooling) are reported with their call counts, never counted
@@ -17,6 +20,7 @@ as zero silently; operators that do no arithmetic (views, copies, creation, inde
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,6 +91,16 @@ def _has_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(x, Tensor) and x.is_nested for x in (*args, *kwargs.values()))
 
 
+def _distributed(types: Any) -> bool:
+    """Whether an operator's tensor types include ``DTensor`` (tensor parallelism, FSDP2) or
+    another tensor subclass of ``torch.distributed`` (an all-reduce in flight): the counter
+    lets the subclass run it, and counts the operators it runs on this rank's own tensors,
+    so that a sharded layer's FLOPs are the rank's share, not the whole layer's."""
+    if "torch.distributed.tensor" not in sys.modules:  # (then no tensor can be one)
+        return False
+    return any(getattr(t, "__module__", "").startswith("torch.distributed.") for t in types)
+
+
 class Counter(DispatchInterceptor):
     """Charges every operator that runs while active to ``self.target`` (a :class:`Tally`).
 
@@ -103,6 +117,8 @@ class Counter(DispatchInterceptor):
 
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _distributed(types):  # DTensor runs it on this rank's pieces, which come back here
+            return NotImplemented
         kwargs = kwargs or {}
         op = self._ops.get(func) or self._learn(func)
         target = self.target
