@@ -49,8 +49,8 @@ class Summary(Protocol):
     uncounted: dict[str, int]
     inputs: dict[str, Any]
     units: str
-    ranks: int
-    rank: int | None
+    world_size: int
+    global_rank: int | None
     rank_params: int | None
     rank_param_bytes: int | None
     world_flops: int | None
@@ -334,14 +334,15 @@ def footer(summary: Summary) -> list[str]:
     ]
     if s.rank_params is not None and s.rank_param_bytes is not None:  # a sharded model
         lines[3:3] = [
-            f"Params on rank {s.rank} of {s.ranks}: {s.rank_params:,} ({_size(s.rank_param_bytes)})"
+            f"Params on rank {s.global_rank} of {s.world_size}: {s.rank_params:,} "
+            f"({_size(s.rank_param_bytes)})"
         ]
         lines[-2:] = [
-            f"FLOPs on rank {s.rank}: {_exact(s.total_flops)}",
-            f"MACs on rank {s.rank}: {_exact(s.total_macs)}",
+            f"FLOPs on rank {s.global_rank}: {_exact(s.total_flops)}",
+            f"MACs on rank {s.global_rank}: {_exact(s.total_macs)}",
         ]
         if s.world_flops is not None:
-            lines.append(f"FLOPs on all {s.ranks} ranks: {_exact(s.world_flops)}")
+            lines.append(f"FLOPs on all {s.world_size} ranks: {_exact(s.world_flops)}")
     if s.uncounted:
         ops = ", ".join(f"{op} x{n}" for op, n in s.uncounted.items())
         lines.append(f"Not counted (no FLOP formula): {ops}")

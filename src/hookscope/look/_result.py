@@ -33,8 +33,9 @@ class Summary:
     (``total_params``, each row's) are the whole model's; ``rank_params`` and
     ``rank_param_bytes`` what this rank holds (its pieces, and whole copies of what is not
     split); FLOPs (``total_flops``, each row's) are this rank's, counted on the operators it
-    ran on its pieces, and ``world_flops`` those of all ``ranks`` ranks together (one
-    all-reduce). Otherwise ``ranks`` is 1 and the three are None.
+    ran on its pieces, and ``world_flops`` those of all ``world_size`` ranks together (one
+    all-reduce); ``global_rank`` is this rank's. Otherwise ``world_size`` is 1 and the four
+    are None.
     """
 
     model: str
@@ -47,8 +48,8 @@ class Summary:
     uncounted: dict[str, int]
     inputs: dict[str, ShapeTree] = field(default_factory=dict)
     units: str = UNITS
-    ranks: int = 1
-    rank: int | None = None
+    world_size: int = 1
+    global_rank: int | None = None
     rank_params: int | None = None
     rank_param_bytes: int | None = None
     world_flops: int | None = None

@@ -166,8 +166,8 @@ def _per_rank(result: Summary, count: int, nbytes: int) -> Summary:
     dist.all_reduce(flops)
     return dataclasses.replace(
         result,
-        ranks=dist.get_world_size(),
-        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        global_rank=dist.get_rank(),
         rank_params=count,
         rank_param_bytes=nbytes,
         world_flops=int(flops.item()),
