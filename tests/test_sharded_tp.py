@@ -356,6 +356,19 @@ def _check_clipping(kind: str, mesh: Any, rank: int, two_d: bool) -> None:
             whole, oracle_grad = _whole(p.grad), params[n].grad  # type: ignore[arg-type]
             slack = _slack(kind) * float(oracle_grad.abs().max())
             torch.testing.assert_close(whole, oracle_grad, rtol=1e-6, atol=slack, msg=case)
+    # a NaN in rank 1's piece of the first layer's weight gradient: named with its rank on
+    # every rank, nothing clipped (the ranks: one all-reduce more per group, on the way)
+    restore(model, saved)
+    first = "0.weight" if _base(kind) == "mlp" else "q.weight"  # (column-parallel: split)
+    if rank == 1:
+        _piece(dict(model.named_parameters())[first].grad).view(-1)[0] = math.nan  # type: ignore[arg-type]
+    with _Collectives() as seen, pytest.raises(hs.NonFiniteError, match=r"\(rank 1\)") as info:
+        hs.clip_grad_norm(model, 0.05, error_if_nonfinite=True)
+    assert info.value.module == first and info.value.stats["ranks"] == {first: [1]}
+    assert seen.ops == ["c10d.allreduce_.default"] * 2 * (1 + two_d), seen.ops
+    if rank != 1:
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(_piece(p.grad), saved[n], rtol=0, atol=0)  # type: ignore[arg-type]
 
 
 def _check_monitor(kind: str, mesh: Any, rank: int, world: int, two_d: bool, ranks: str) -> None:
@@ -534,6 +547,14 @@ def _check_tracer(kind: str, mesh: Any, rank: int, world: int, two_d: bool) -> N
     assert (error.module, error.call, error.op) == ("0", 1, "aten.log"), str(error)
     assert "on rank 1 (forward 2)" in str(error), str(error)
     assert error.stats["inputs"]["min"] == -1.0 and error.stats["outputs"]["nan"] == 1
+    # a backward: rank 1's loss is infinite; the column-parallel layers' all-reduces carry
+    # it into its peer's gradients, where it arrives later in the backward: rank 1's <loss>
+    model.zero_grad(set_to_none=True)
+    with hs.nonfinite(model) as report, pytest.raises(hs.NonFiniteError) as info:
+        (model(x).pow(2).sum() * (math.inf if rank == 1 else 1.0)).backward()
+    error = info.value
+    assert (error.rank, error.step, error.phase, error.module) == (1, 1, "backward", "<loss>")
+    assert report.findings == [error]
     model.zero_grad(set_to_none=True)
 
 

@@ -443,10 +443,11 @@ class _Tracer(Session):
             if mine is not None:
                 self._backward(*mine)
         elif self.ranks.any(mine is not None):
-            # FSDP reduce-scatters the gradients: a NaN one rank made reaches the pieces of
-            # others, so a finding in the parameters' gradients alone is a consequence
-            consequence = mine is not None and "parameters" in mine[4]
-            self._found_somewhere(p, mine, self.report.backwards, int(consequence))
+            # FSDP reduce-scatters the gradients, tensor parallelism all-reduces them between
+            # layers: a NaN one rank made reaches the others later in the backward (a finding
+            # in the parameters' gradients alone, last), so the earliest finding is the first
+            order = _arrival(arrived, kinds, mine) if mine is not None else 0
+            self._found_somewhere(p, mine, self.report.backwards, order)
 
     def _backward_finding(
         self,
@@ -573,6 +574,17 @@ class _Ranks:
         torch.distributed.all_gather_object(every, None if mine is None else (order, mine))
         found = [(o, r, f) for r, item in enumerate(every) if item is not None for o, f in [item]]
         return min(found, key=lambda orf: orf[:2])[1:] if found else None
+
+
+def _arrival(
+    arrived: list[tuple[_Pass, _Rec | None, int, int]], kinds: list[int], mine: Finding
+) -> int:
+    """When in the backward this rank's finding arrived: -1 for the loss's gradient, else
+    the position of the first non-finite gradient among those that arrived (every rank's
+    backward runs the same nodes in the same order), after them all for a parameter's."""
+    if mine[1] == LOSS:
+        return -1
+    return next((i for i, a in enumerate(arrived) if kinds[a[3]]), len(arrived))
 
 
 def _position(p: _Pass, kinds: list[int]) -> int:
