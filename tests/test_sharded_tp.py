@@ -91,7 +91,16 @@ _KINDS = ("mlp", "block", "mlp64")
 
 
 def _base(kind: str) -> str:
-    return kind.removesuffix("64")
+    return kind.removesuffix("64").removesuffix("-dtensor")
+
+
+def _styles(kind: str) -> dict[str, Callable[[], Any]]:
+    """The plan's styles; ``-dtensor``: a column-parallel layer hands on a ``DTensor``
+    (``use_local_output=False``), and the layers after it get one."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    local = not kind.endswith("-dtensor")
+    return {"col": lambda: ColwiseParallel(use_local_output=local), "row": RowwiseParallel}
 
 
 def _dtype(kind: str) -> torch.dtype:
@@ -123,14 +132,10 @@ def _batches(kind: str, n: int) -> list[Tensor]:
 def _parallelize(model: nn.Module, kind: str, mesh: Any, two_d: bool) -> nn.Module:
     """TP over the mesh's "tp" dimension, then (2x2) FSDP2 over its "dp" dimension."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     _, plan, own, _ = _MODELS[_base(kind)]
-    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    styles = _styles(kind)
     parallelize_module(model, mesh["tp"], {n: styles[s]() for n, s in plan.items()})
     if two_d:
         for name in own:
@@ -279,6 +284,9 @@ def _tp_rank(rank: int, world: int, out: str, two_d: bool) -> None:
             for ranks in ("reduce", "each"):
                 _check_monitor(kind, mesh, rank, world, two_d, ranks)
             _check_tracer(kind, mesh, rank, world, two_d)
+        if not two_d:  # DTensor activations: measured on their pieces, by their placement
+            for ranks in ("reduce", "each"):
+                _check_monitor("mlp-dtensor", mesh, rank, world, two_d, ranks)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -509,13 +517,9 @@ def _check_tracer(kind: str, mesh: Any, rank: int, world: int, two_d: bool) -> N
     model = nn.Sequential(_Log(), _make(kind))
     shifted = (f"1.{n}" for n in own)
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {"col": ColwiseParallel, "row": RowwiseParallel}
+    styles = _styles(kind)
     parallelize_module(model, mesh["tp"], {f"1.{n}": styles[s]() for n, s in plan.items()})
     if two_d:
         for name in shifted:
