@@ -399,7 +399,7 @@ def _check_monitor(kind: str, mesh: Any, rank: int, world: int, two_d: bool, ran
 
     with _Collectives() as plain:  # step 0 without the monitor: TP's and FSDP's own
         train(batches[0])
-    sink = _Sink()
+    sink = _AllSink()
     seen: list[_Collectives] = []
     with hs.Monitor(model, every=2, optimizer=opt, ranks=ranks, sinks=[sink]) as mon:  # type: ignore[arg-type]
         for x in batches[1:]:
@@ -438,6 +438,32 @@ def _check_monitor(kind: str, mesh: Any, rank: int, world: int, two_d: bool, ran
                 w_stats, w_counts = want[k + 1][layer, f"hist/{hist}"]
                 _same_histogram(stats, w_stats, _slack(kind), (kind, k, layer, hist))
                 assert counts == w_counts, (kind, k, layer, hist)
+        # activations and output gradients (one buffer with the rest: no collective more)
+        for layer in _watched(kind):
+            for hist in ("activation", "gradient"):
+                t = want[k + 1][layer, hist]
+                if ranks == "each":
+                    t = _local_view(t.chunk(dp)[dp_rank], layer, kind, tp_rank, tp)
+                stats, counts = sink.hists[f"{layer}/{hist}", k]
+                w_stats, w_counts = _hand_histogram([t])
+                _same_histogram(stats, w_stats, _slack(kind), (kind, k, layer, hist))
+                assert _near_buckets(counts, w_counts, _slack(kind)), (kind, k, layer, hist)
+
+
+class _AllSink(_Sink):
+    """A sink that draws histograms of activations and output gradients too."""
+
+    histograms = "all"
+
+
+def _near_buckets(got: list[float], want: list[float], slack: float) -> bool:
+    """The same bucket counts; with ``slack`` (float32 under TP: its order of sums), as many
+    values in all, each bucket's count off by at most 1 and within one bucket of where the
+    unsharded model's value fell (a value on a bucket's edge may fall on either side)."""
+    if not slack or got == want:
+        return got == want
+    moved = [g - w for g, w in zip(got, want, strict=True)]
+    return sum(moved) == 0 and all(abs(m) <= 1 for m in moved)
 
 
 def _same_histogram(

@@ -444,10 +444,12 @@ def _histograms(
             if (name, kind) in inputs.hist:
                 found = inputs.moments.get((name, kind))
                 if found:
-                    made = _histogram_entry(
-                        name, kind, merged(found).uncentered(), inputs.hist[name, kind], gather
-                    )
-                    out.append(made)
+                    made, share = merged(found).uncentered(), 1.0
+                    if inputs.world > 1 and inputs.replicas > 1 and name not in inputs.shards:
+                        made, _ = _spread(made, None, inputs.replicas)  # (a whole output, on
+                        share = 1.0 / inputs.replicas  # every rank of the TP group: once)
+                    counts = inputs.hist[name, kind]
+                    out.append(_histogram_entry(name, kind, made, counts, gather, share))
         for kind, tensors in parts.items():
             if tensors:
                 found = [m for t in tensors if (m := Moments.of(t)) is not None]
@@ -458,8 +460,12 @@ def _histograms(
 
 
 def _histogram_entry(
-    name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather
+    name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather, share: float = 1.0
 ) -> tuple[str, str, Any]:
+    """A histogram's moments and bucket counts, gathered (``share``: the part of its counts
+    this rank adds, where other ranks hold the same values); its ``num``, the finite values,
+    is the sum of the counts (every finite value is in a bucket), so that it is every
+    rank's where the counts are combined."""
     slices = gather.moments(
         Moments(
             m.numel,
@@ -472,11 +478,11 @@ def _histogram_entry(
         )
     )
     total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
-    counted = gather.add(total, SUM)
+    counted = gather.add(total if share == 1.0 else total * share, SUM)
 
     def make(host: list[list[float]]) -> tuple[dict[str, float], list[float]]:
-        total_, norm, nonzero, nonzero_finite, low, high = (host[s][0] for s in slices)
-        num = m.numel - (nonzero - nonzero_finite)
+        total_, norm, _, _, low, high = (host[s][0] for s in slices)
+        num = round(sum(host[counted]))
         stats = {"num": num, "sum": total_, "sum_squares": norm * norm, "min": low, "max": high}
         return stats, host[counted]
 
