@@ -453,9 +453,12 @@ def _histograms(
         for kind, tensors in parts.items():
             if tensors:
                 found = [m for t in tensors if (m := Moments.of(t)) is not None]
-                moments = merged([m.uncentered() for m in found])
+                moments, share = merged([m.uncentered() for m in found]), 1.0
+                if inputs.world > 1:  # (plain parameters, DDP's: the same on every rank)
+                    moments, _ = _spread(moments, None, inputs.world)
+                    share = 1.0 / inputs.world
                 counts = [_stats.histogram(tensors)]
-                out.append(_histogram_entry(name, kind, moments, counts, gather))
+                out.append(_histogram_entry(name, kind, moments, counts, gather, share))
     return out
 
 
