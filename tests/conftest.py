@@ -45,6 +45,7 @@ FILE_SECONDS = {
     "test_hazards.py": 45,
     "test_cli_subprocess.py": 41,
     "test_sharded.py": 38,
+    "test_sharded_tp.py": 36,
     "test_bench.py": 36,
     "test_extract_tokens.py": 27,
     "test_api.py": 24,

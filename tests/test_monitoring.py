@@ -223,17 +223,48 @@ def _ddp_rank(rank: int, init: str, out: str) -> None:
             model = nn.parallel.DistributedDataParallel(_net())
             x = torch.randn(8, 3, generator=torch.Generator().manual_seed(10 + rank))  # its own
             sink = f"{out}/{ranks}/rank{rank}.jsonl"
-            with hs.Monitor(model, every=1, sinks=[sink], ranks=ranks) as mon:
+            drawn = _Histograms()
+            with hs.Monitor(model, every=1, sinks=[sink, drawn], ranks=ranks) as mon:
                 model(x).pow(2).sum().backward()
                 mon.step()
             modules = [model, *model.modules()]
             assert not any(m._forward_hooks for m in modules), "hooks left after close"
+            if ranks == "each" or rank == 0:  # (the same on every rank: counted once)
+                for tag, tensors in (
+                    ("0/parameter", list(model.module[0].parameters())),
+                    ("0/parameter_gradient", [p.grad for p in model.module[0].parameters()]),
+                ):
+                    values = torch.cat([t.detach().reshape(-1) for t in tensors]).double()
+                    stats, counts = drawn.hists[tag]
+                    assert stats["num"] == values.numel() == sum(counts), (ranks, tag)
+                    assert stats["sum"] == pytest.approx(float(values.sum()), rel=1e-6)
     finally:
         dist.destroy_process_group()
     # Done: leave without the interpreter's shutdown. On a loaded 2-core machine a gloo
     # process sometimes never finishes exiting after destroy_process_group (seen with plain
     # DDP and no hookscope, about 1 run in 15); a failure above still raises to the parent.
     os._exit(0)
+
+
+class _Histograms:
+    """A sink that keeps the histograms it is given (by tag)."""
+
+    histograms = True
+
+    def __init__(self) -> None:
+        self.hists: dict[str, tuple[dict[str, float], list[float]]] = {}
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def histogram(self, tag: str, step: int, stats: Any, counts: Any, edges: Any) -> None:
+        self.hists[tag] = (dict(stats), list(counts))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _read(path: Path) -> dict[tuple[str, str], dict[str, float]]:

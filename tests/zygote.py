@@ -27,6 +27,7 @@ PRELOAD = [
     "torch.distributed",
     "torch.distributed.fsdp",
     "torch.distributed.tensor",
+    "torch.distributed.tensor.parallel",
     "torch.nn.parallel",
     "numpy",
     "pytest",

@@ -14,9 +14,10 @@ over the process group that shards them (:func:`_sharded_parameters`, through
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -106,6 +107,11 @@ class StepEnd:
     histograms: bool | str  # False, True (parameters) or "all" (activations too)
     world: int  # processes whose values are combined (1: none)
     rank: int | None  # the ``rank`` key of every record, or None
+    #: tensor parallelism: the layers whose outputs are this rank's slice of their features
+    #: (where it starts, the whole width), and the size of the tensor-parallel group, over
+    #: which every other layer's output is the same (1: none)
+    shards: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    replicas: int = 1
 
 
 #: a device value waiting for the transfer: the position of its :meth:`_Gather.add`
@@ -146,7 +152,7 @@ class Ended:
         host = self._gather.read(self._world)
         step, records = self.step, []
         for name, kind, count, slices, channels, centered in self._entries:
-            numel = int(host[count[0]][0]) if isinstance(count, tuple) else count
+            numel = round(host[count[0]][0]) if isinstance(count, tuple) else count
             stats = summary(numel, [host[s] for s in slices], channels, centered)
             records.append({"step": step, "layer": name, "kind": kind, **stats})
         records += [
@@ -182,8 +188,11 @@ def _moments(inputs: StepEnd, gather: _Gather) -> list[_Entry]:
                 if across:  # sums and norms combine across ranks; means and variances do not
                     m = m.uncentered()
                 numel: Slot | int = m.numel
+                count = float(m.numel)
+                if across and inputs.replicas > 1:  # (tensor parallelism: see _spread)
+                    m, count = _spread(m, inputs.shards.get(name), inputs.replicas)
                 if across:  # every rank's count of values, added up with the rest
-                    numel = (gather.add(torch.full((), m.numel, device=m.total.device), SUM),)
+                    numel = (gather.add(torch.full((), count, device=m.total.device), SUM),)
                 channels = (
                     "alive"
                     if m.alive is not None
@@ -193,6 +202,43 @@ def _moments(inputs: StepEnd, gather: _Gather) -> list[_Entry]:
                 )
                 entries.append((name, kind, numel, gather.moments(m), channels, m.centered))
     return entries
+
+
+def _spread(m: Moments, piece: tuple[int, int] | None, replicas: int) -> tuple[Moments, float]:
+    """Under tensor parallelism, a layer's uncentered moments (and its count of values) as
+    this rank adds them to the sum over every rank: a slice of the output features
+    (``piece``) is the only copy of its values, and its per-channel counts go to their place
+    in a vector of the whole width (concatenated, not added, over the tensor-parallel group);
+    a whole output is held by each of the ``replicas`` ranks of the group, so each adds
+    ``1 / replicas`` of its sums and counts (its norm: of the sum of squares)."""
+    if piece is not None:
+        start, width = piece
+
+        def placed(v: Tensor | None) -> Tensor | None:
+            if v is None or v.dim() == 0:
+                return v
+            whole = v.new_zeros(width)
+            whole[start : start + v.shape[0]] = v
+            return whole
+
+        alive = placed(m.alive)
+        nonzero_finite = placed(m.nonzero_finite)
+        assert nonzero_finite is not None
+        return dataclasses.replace(m, nonzero_finite=nonzero_finite, alive=alive), float(m.numel)
+    share = 1.0 / replicas
+
+    def part(v: Tensor, by: float = share) -> Tensor:
+        return v.to(torch.float64) * by  # (float64: counts above 2**24 stay exact)
+
+    spread = dataclasses.replace(
+        m,
+        total=part(m.total),
+        norm=part(m.norm, math.sqrt(share)),
+        nonzero=part(m.nonzero),
+        nonzero_finite=part(m.nonzero_finite),
+        alive=None if m.alive is None else part(m.alive),
+    )
+    return spread, m.numel * share
 
 
 def _parameters(
@@ -398,22 +444,31 @@ def _histograms(
             if (name, kind) in inputs.hist:
                 found = inputs.moments.get((name, kind))
                 if found:
-                    made = _histogram_entry(
-                        name, kind, merged(found).uncentered(), inputs.hist[name, kind], gather
-                    )
-                    out.append(made)
+                    made, share = merged(found).uncentered(), 1.0
+                    if inputs.world > 1 and inputs.replicas > 1 and name not in inputs.shards:
+                        made, _ = _spread(made, None, inputs.replicas)  # (a whole output, on
+                        share = 1.0 / inputs.replicas  # every rank of the TP group: once)
+                    counts = inputs.hist[name, kind]
+                    out.append(_histogram_entry(name, kind, made, counts, gather, share))
         for kind, tensors in parts.items():
             if tensors:
                 found = [m for t in tensors if (m := Moments.of(t)) is not None]
-                moments = merged([m.uncentered() for m in found])
+                moments, share = merged([m.uncentered() for m in found]), 1.0
+                if inputs.world > 1:  # (plain parameters, DDP's: the same on every rank)
+                    moments, _ = _spread(moments, None, inputs.world)
+                    share = 1.0 / inputs.world
                 counts = [_stats.histogram(tensors)]
-                out.append(_histogram_entry(name, kind, moments, counts, gather))
+                out.append(_histogram_entry(name, kind, moments, counts, gather, share))
     return out
 
 
 def _histogram_entry(
-    name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather
+    name: str, kind: str, m: Moments, counts: list[Tensor], gather: _Gather, share: float = 1.0
 ) -> tuple[str, str, Any]:
+    """A histogram's moments and bucket counts, gathered (``share``: the part of its counts
+    this rank adds, where other ranks hold the same values); its ``num``, the finite values,
+    is the sum of the counts (every finite value is in a bucket), so that it is every
+    rank's where the counts are combined."""
     slices = gather.moments(
         Moments(
             m.numel,
@@ -426,11 +481,11 @@ def _histogram_entry(
         )
     )
     total = counts[0] if len(counts) == 1 else torch.stack(counts).sum(0)
-    counted = gather.add(total, SUM)
+    counted = gather.add(total if share == 1.0 else total * share, SUM)
 
     def make(host: list[list[float]]) -> tuple[dict[str, float], list[float]]:
-        total_, norm, nonzero, nonzero_finite, low, high = (host[s][0] for s in slices)
-        num = m.numel - (nonzero - nonzero_finite)
+        total_, norm, _, _, low, high = (host[s][0] for s in slices)
+        num = round(sum(host[counted]))
         stats = {"num": num, "sum": total_, "sum_squares": norm * norm, "min": low, "max": high}
         return stats, host[counted]
 

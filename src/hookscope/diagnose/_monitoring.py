@@ -133,8 +133,14 @@ class Monitor(Session):
             dead on every rank, parameter statistics averaged) with three all-reduces per
             logging step, and only rank 0 writes to the sinks; ``"each"``: every rank logs its
             own, with a ``rank`` key (give each rank its own files). Sharded parameters
-            (FSDP2, HSDP: ``DTensor``) are measured on each rank's piece and combined over
-            the group that shards them under both: their statistics are the whole tensors'.
+            (FSDP2, HSDP, tensor parallelism: ``DTensor``) are measured on each rank's piece
+            and combined over the groups that shard them under both: their statistics are
+            the whole tensors'. Under tensor parallelism (``parallelize_module``) activation
+            and output-gradient records are the whole tensors' under ``"reduce"``: a
+            column-parallel layer's output (and that of an elementwise layer after it) is
+            each rank's slice of the features, its channels put side by side for dead
+            units, every other output the same on every rank of the tensor-parallel group,
+            counted once; under ``"each"``, what the rank holds.
         recompile: watch a ``torch.compile``d model that already ran (its compiled code then
             runs eagerly while the monitor is open); otherwise CompiledModelError.
         scaler: the ``torch.amp.GradScaler`` of a mixed-precision loop: the gradients reaching
@@ -218,6 +224,12 @@ class Monitor(Session):
         self._names: set[str] = set()  # the names logged in this step, logged or not
         self._gap: _Gap | None = None  # from a step's end to the next step's first forward
         self._layout: dict[int, tuple[weakref.ref[Tensor], int]] = {}
+        #: tensor parallelism: outputs that are this rank's slice of their features, the
+        #: layers whose outputs are (see ``_sharded.output_piece``), and the size of the
+        #: tensor-parallel group, over which every other output is the same
+        self._pieces: dict[int, tuple[weakref.ref[Tensor], _sharded.Piece]] = {}
+        self._shards: dict[str, _sharded.Piece] = {}
+        self._replicas = 1
         self._before: dict[int, Tensor] = {}
         self._stepped: dict[int, int] = {}
         self._writer: _Writer | None = None
@@ -316,6 +328,7 @@ class Monitor(Session):
         if self._paused:
             return
         self._layout.clear()
+        self._pieces.clear()
         self._end_gap()
 
     def _returned(self, call: ModuleCall, args: tuple[Any, ...], output: Any) -> None:
@@ -325,21 +338,47 @@ class Monitor(Session):
     def _output(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if not self.logging or self._paused:
             return
-        t = _first_float(output)
-        if t is None or not _stats.has_values(t):  # a meta tensor: left out
+        out = _first_float(output)
+        if out is None or not _stats.has_values(out):  # a meta tensor: left out
             return
+        t = self._placed(name, module, args, out)
         dim = self._channel_dim(module, args, t)  # always: later layers take its layout
         moments = Moments.of(t, dim, no_gradient_at(module))
         if moments is not None:
             self._moments.setdefault((name, "activation"), []).append(moments)
         if self.histograms == "all":
             self._hist.setdefault((name, "activation"), []).append(_stats.histogram([t]))
-        if t.requires_grad:
-            self.hooks.tensor(t, lambda g: self._on_grad(name, g))
+        if out.requires_grad:
+            self.hooks.tensor(out, lambda g: self._on_grad(name, g))
+
+    def _placed(self, name: str, module: nn.Module, args: tuple[Any, ...], out: Tensor) -> Tensor:
+        """The values of ``out`` to measure, and under tensor parallelism where they lie:
+        this rank's slice of the layer's output features (a column-parallel layer's, and
+        those of the layers after it that keep its shape), or the whole output, the same on
+        every rank of the tensor-parallel group (see ``_sharded.py``)."""
+        piece: _sharded.Piece | None = None
+        if _sharded.is_sharded(out):
+            out, piece, size = _sharded.placed(out)
+            self._replicas = max(self._replicas, size)
+        else:
+            source = _first_tensor(args)
+            if source is not None and _sharded.is_sharded(source):  # a parallelized layer
+                piece, size = _sharded.output_piece(module, source, out)
+                self._replicas = max(self._replicas, size)
+            elif source is not None:  # an elementwise layer after a column-parallel one
+                known = self._pieces.get(id(source))
+                if known is not None and known[0]() is source and source.shape == out.shape:
+                    piece = known[1]
+        if piece is not None:
+            self._pieces[id(out)] = (weakref.ref(out), piece)
+            self._shards[name] = piece
+        return out
 
     def _on_grad(self, name: str, grad: Tensor) -> None:
         if not _stats.has_values(grad):
             return
+        if _sharded.is_sharded(grad):  # (a DTensor output's: placed as the output)
+            grad = _sharded.placed(grad)[0]
         moments = Moments.of(grad)
         unscale = self._unscale(grad) if self.scaler is not None else None
         if moments is not None:
@@ -446,6 +485,8 @@ class Monitor(Session):
                 histograms=self.histograms,
                 world=world if self.ranks == "reduce" else 1,
                 rank=_rank() if self.ranks == "each" and world > 1 else None,
+                shards=self._shards,
+                replicas=self._replicas,
             )
         )
         ended.log(self._scalars)
@@ -584,6 +625,12 @@ def _first_float(obj: Any) -> Tensor | None:
     from ..core import leaves
 
     return next((t for _, t in leaves(obj) if t.is_floating_point() or t.is_complex()), None)
+
+
+def _first_tensor(obj: Any) -> Tensor | None:
+    from ..core import leaves
+
+    return next((t for _, t in leaves(obj)), None)
 
 
 def _world() -> int:

@@ -18,13 +18,17 @@ them from inputs without them. Non-finite values that never reach the output (a 
 attention mask, a ``-inf`` padding a max-pool drops) are intended and not reported. Tier 2
 (``_replay``) replays the step at operator level to name the operator the same way.
 
-Sharded (parameters that are ``DTensor``s, as under FSDP2, in an initialised process group):
-each rank checks its own values (its pieces of the gradients), and each check's flag is
-combined over the world with one small all-reduce, so a NaN on one rank is found on every
+Sharded (parameters that are ``DTensor``s, as under FSDP2 and tensor parallelism, in an
+initialised process group): each rank checks its own values (its pieces of the gradients, and
+of the ``DTensor`` activations tensor parallelism passes between layers), and each check's flag
+is combined over the world with one small all-reduce, so a NaN on one rank is found on every
 rank. Then every rank replays the forward, in lock step (each forward all-gathers the
-parameters: a rank that replayed alone would wait forever), and every rank's finding is
-gathered; the lowest rank's is raised on all of them (``NonFiniteError.rank``). The backward
-is not replayed there: its layer is named, not its operator.
+parameters, or all-reduces a row-parallel layer's output: a rank that replayed alone would
+wait forever), and every rank's finding is gathered; the one whose origin ran first in the
+forward is raised on all of them, the lowest rank's among equals (``NonFiniteError.rank``):
+under tensor parallelism a NaN made on one rank reaches the others through the next
+all-reduce, where they would find it later in the forward. The backward is not replayed
+there: its layer is named, not its operator.
 """
 
 from __future__ import annotations
@@ -115,8 +119,12 @@ class _Checks:
     one host transfer; on the CPU each result is read when computed, and a large tensor is
     checked at once). A tensor seen again at the same version shares its slot."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharded: bool = False) -> None:
         self._slots: dict[int, tuple[weakref.ref[Tensor], int, int]] = {}
+        #: ``sharded``: slots by the memory their values lie in too, so that a ``DTensor`` a
+        #: tensor-parallel layer's input hook made of the previous layer's output shares that
+        #: output's slot (the data is followed back through it)
+        self._places: dict[tuple[Any, ...], int] | None = {} if sharded else None
         self._pending: dict[tuple[torch.device, torch.dtype], list[tuple[int, Tensor]]] = {}
         self._bytes: dict[tuple[torch.device, torch.dtype], int] = {}
         self._norms: list[Tensor | int | None] = []  # a norm to read, or a kind known already
@@ -129,11 +137,20 @@ class _Checks:
         hit = self._slots.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
+        piece = local(t)  # (a DTensor, as tensor parallelism passes between layers: its piece)
+        place = _place(piece, version) if self._places is not None else None
+        if place is not None and place in self._places:  # type: ignore[operator]
+            slot = self._places[place]  # type: ignore[index]
+            self._slots[id(t)] = (weakref.ref(t), version, slot)
+            return slot
         slot = len(self._norms)
         self._norms.append(None)
         self._slots[id(t)] = (weakref.ref(t), version, slot)
+        if place is not None:
+            self._places[place] = slot  # type: ignore[index]
         if t.is_meta:  # no values to check (a meta-device model): finite as far as known
             return slot
+        t = piece
         if t.is_nested or t.is_complex() or t.layout != torch.strided:
             t = plain(t)  # the values of nested and sparse tensors
         if not t.numel():
@@ -178,6 +195,16 @@ class _Checks:
             for (slot, _), v in zip(items, values, strict=True):
                 kinds[slot] = NAN if math.isnan(v) else INF if math.isinf(v) else FINITE
         return kinds
+
+
+def _place(t: Tensor, version: int) -> tuple[Any, ...] | None:
+    """Where ``t``'s values lie (its storage, offset, shape and strides) and their version;
+    None for a tensor without storage of its own (a wrapper subclass)."""
+    try:
+        address = t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return address, t.storage_offset(), tuple(t.shape), tuple(t.stride()), version
 
 
 def _kinds_now(ts: list[Tensor]) -> list[int]:
@@ -283,6 +310,7 @@ class _Tracer(Session):
             self.report.forwards += 1
             state = _rng_state(), autocast_state()
             self.pass_ = _Pass(call.module, Inputs(args, kwargs), *state)
+            self.pass_.checks = _Checks(sharded=self.ranks is not None)
         p = self.pass_
         if p is None:
             return
@@ -327,15 +355,15 @@ class _Tracer(Session):
 
     def _end_forward_sharded(self, p: _Pass, kinds: list[int]) -> None:
         """Every rank learns whether any rank's output is non-finite (one all-reduce), then,
-        if one is, replays in lock step (the forward all-gathers) and raises the finding of
-        the lowest rank that has one."""
+        if one is, replays in lock step (the forward all-gathers) and raises the finding
+        whose origin ran first, the lowest rank's among equals (see the module docstring)."""
         assert self.ranks is not None
         bad = any(kinds[s] != FINITE for s in p.recs[-1].outputs)
         if not self.ranks.any(bad):
             return
         replayed = self._replay_forward(p, True) if self.replay else (None, None)
         mine = self._forward_finding(p, kinds, lambda: replayed) if bad else None
-        self._found_somewhere(p, mine, self.report.forwards)
+        self._found_somewhere(p, mine, self.report.forwards, _position(p, kinds) if bad else 0)
 
     def _forward_finding(
         self, p: _Pass, kinds: list[int], replay: Callable[[], tuple[Any, str | None]]
@@ -415,10 +443,11 @@ class _Tracer(Session):
             if mine is not None:
                 self._backward(*mine)
         elif self.ranks.any(mine is not None):
-            # FSDP reduce-scatters the gradients: a NaN one rank made reaches the pieces of
-            # others, so a finding in the parameters' gradients alone is a consequence
-            consequence = mine is not None and "parameters" in mine[4]
-            self._found_somewhere(p, mine, self.report.backwards, int(consequence))
+            # FSDP reduce-scatters the gradients, tensor parallelism all-reduces them between
+            # layers: a NaN one rank made reaches the others later in the backward (a finding
+            # in the parameters' gradients alone, last), so the earliest finding is the first
+            order = _arrival(arrived, kinds, mine) if mine is not None else 0
+            self._found_somewhere(p, mine, self.report.backwards, order)
 
     def _backward_finding(
         self,
@@ -545,6 +574,30 @@ class _Ranks:
         torch.distributed.all_gather_object(every, None if mine is None else (order, mine))
         found = [(o, r, f) for r, item in enumerate(every) if item is not None for o, f in [item]]
         return min(found, key=lambda orf: orf[:2])[1:] if found else None
+
+
+def _arrival(
+    arrived: list[tuple[_Pass, _Rec | None, int, int]], kinds: list[int], mine: Finding
+) -> int:
+    """When in the backward this rank's finding arrived: -1 for the loss's gradient, else
+    the position of the first non-finite gradient among those that arrived (every rank's
+    backward runs the same nodes in the same order), after them all for a parameter's."""
+    if mine[1] == LOSS:
+        return -1
+    return next((i for i, a in enumerate(arrived) if kinds[a[3]]), len(arrived))
+
+
+def _position(p: _Pass, kinds: list[int]) -> int:
+    """Where in the forward this rank's non-finite output was first made: the position of
+    its origin among the calls in completion order (-1: the inputs). Every rank of a model
+    runs the same calls; under tensor parallelism a NaN one rank makes reaches the others
+    through the layers' all-reduces, later in the forward, so the earliest origin of all
+    ranks is the producer and a later one a consequence."""
+    root = p.recs[-1]
+    bad = [s for s in root.outputs if kinds[s] != FINITE]
+    want = NAN if any(kinds[s] == NAN for s in bad) else INF
+    origin = _origin(p.recs, kinds, next(s for s in bad if kinds[s] == want), want)
+    return -1 if origin is None else p.recs.index(origin)
 
 
 def _origin(recs: list[_Rec], kinds: list[int], start: int, want: int) -> _Rec | None:

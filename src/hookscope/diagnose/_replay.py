@@ -46,6 +46,7 @@ from ..core import (
     private_forward,
 )
 from ..core._torch import node_sequence_nr, sequence_nr
+from ._sharded import among
 from ._stats import stored
 
 __all__ = [
@@ -281,6 +282,8 @@ class _Record(DispatchInterceptor):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if among(types):  # (tensor parallelism's activations: measured on their pieces)
+            return NotImplemented
         if func.is_view or func.overloadpacket is _torch.LOCAL_SCALAR_DENSE:
             return func(*args, **kwargs)
         ins = floats((args, kwargs))

@@ -20,6 +20,13 @@ are never combined, and no ``DTensor`` at all means no plan (:func:`plan` return
 Used by :func:`hookscope.clip_grad_norm` and the Monitor's parameter statistics
 (``_flush.py``). The NaN tracer (``_nonfinite.py``) needs no plan: it checks each rank's local
 pieces and combines one flag per check over the world.
+
+Activations under tensor parallelism are plain tensors (``parallelize_module``'s styles hand
+each layer's output on as a local tensor by default): a column-parallel layer's output is this
+rank's slice of the output features, a row-parallel one's the whole output, summed over the
+tensor-parallel group, and every other layer's the same on every rank of that group (its input
+is). :func:`output_piece` tells which from what a parallelized layer receives (a ``DTensor``
+on the tensor-parallel mesh: the style's input hook made it) and the shape it returns.
 """
 
 from __future__ import annotations
@@ -30,12 +37,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Plan", "is_sharded", "local", "plan"]
+__all__ = ["Piece", "Plan", "among", "is_sharded", "local", "output_piece", "placed", "plan"]
 
 
 def _dtensor_class() -> type[Tensor] | None:
@@ -43,6 +50,21 @@ def _dtensor_class() -> type[Tensor] | None:
     tensor can be one, and importing it here would cost a second for nothing)."""
     module = sys.modules.get("torch.distributed.tensor")
     return None if module is None else module.DTensor
+
+
+def among(types: Any) -> bool:
+    """Whether a ``__torch_dispatch__``'s ``types`` include ``DTensor`` or another tensor
+    subclass of ``torch.distributed`` (the ``AsyncCollectiveTensor`` a row-parallel layer
+    returns, its all-reduce still in flight): a dispatch mode then returns ``NotImplemented``,
+    so that the subclass runs the operator on plain tensors (which come back to the mode:
+    ``DTensor`` on its local pieces, without its sharding propagation on fake tensors)."""
+    cls = _dtensor_class()
+    if cls is None:
+        return False
+    return any(
+        issubclass(t, cls) or getattr(t, "__module__", "").startswith("torch.distributed.")
+        for t in types
+    )
 
 
 def is_sharded(t: Tensor) -> bool:
@@ -95,7 +117,9 @@ class Plan:
             summed = [Replicate() if p.is_partial() else p for p in placements]
             t = t.redistribute(mesh, summed)  # type: ignore[attr-defined]
         for dim, p in enumerate(t.placements):  # type: ignore[attr-defined]
-            if p.is_shard():
+            # split over that dimension: Shard, and the _StridedShard FSDP2 puts on a
+            # tensor-parallel Shard(0) (whose is_shard() is False)
+            if not (p.is_replicate() or p.is_partial()):
                 self._join(mesh.get_group(dim), i)
         return t.to_local()  # type: ignore[attr-defined, no-any-return]
 
@@ -158,3 +182,53 @@ def plan(tensors: Sequence[Tensor]) -> Plan | None:
     if not any(is_sharded(t) for t in tensors):
         return None
     return Plan(tensors)
+
+
+#: a layer's output under tensor parallelism, when it is a slice along its last dim: where
+#: this rank's slice starts and the whole width (slices as ``Shard``'s: ``torch.chunk``'s)
+Piece = tuple[int, int]
+
+
+def _piece(index: int, parts: int, width: int) -> Piece:
+    chunk = -(-width // parts)
+    return min(index * chunk, width), width
+
+
+def _full_width(module: nn.Module) -> int | None:
+    """The last dim of ``module``'s whole output, for the layers tensor parallelism's styles
+    split by columns (``Linear``: out_features, ``Embedding``: embedding_dim); else None."""
+    if isinstance(module, nn.Linear):
+        return module.out_features
+    if isinstance(module, nn.Embedding):
+        return module.embedding_dim
+    return None
+
+
+def output_piece(module: nn.Module, source: Tensor, out: Tensor) -> tuple[Piece | None, int]:
+    """Where the plain output ``out`` of ``module`` lies, given the ``DTensor`` ``source`` it
+    received (a parallelized layer's input, on the tensor-parallel mesh), and the size of
+    that mesh: a slice of the output features when ``out`` is narrower than the layer's
+    whole output (column-parallel), else the whole output (row-parallel)."""
+    mesh = source.device_mesh  # type: ignore[attr-defined]
+    size = int(mesh.size())
+    width = _full_width(module)
+    if mesh.ndim == 1 and width is not None and out.dim() and out.shape[-1] < width:
+        return _piece(int(mesh.get_local_rank()), size, width), size
+    return None, size
+
+
+def placed(t: Tensor) -> tuple[Tensor, Piece | None, int]:
+    """A layer's ``DTensor`` output (a style with ``use_local_output=False``): the values to
+    measure, where they lie (:data:`Piece`) and the size of its mesh. A slice along its last
+    dim or a replica on a 1-D mesh is measured on this rank's piece; any other placement on
+    the whole tensor (``full_tensor()``: a collective every rank makes in the same forward)."""
+    mesh, placements = t.device_mesh, t.placements  # type: ignore[attr-defined]
+    size = int(mesh.size())
+    if mesh.ndim == 1 and t.dim():
+        (p,) = placements
+        if p.is_replicate():
+            return t.to_local(), None, size  # type: ignore[attr-defined]
+        if p.is_shard() and p.dim % t.dim() == t.dim() - 1:
+            where = _piece(int(mesh.get_local_rank()), size, t.shape[-1])
+            return t.to_local(), where, size  # type: ignore[attr-defined]
+    return t.full_tensor(), None, size  # type: ignore[attr-defined]

@@ -9,6 +9,9 @@ The mode can be *muted* for a stretch of the forward (:meth:`Counter.mute`): the
 then run without any Python call. The recorder does this for module calls whose operators it
 already knows (``_profiles``).
 
+A ``DTensor``'s operators (tensor parallelism, FSDP2) are counted as this rank runs them, on its
+local pieces: a column-parallel layer's FLOPs are its share of the layer's.
+
 Convention (PyTorch's): one multiply-accumulate is 2 FLOPs; only matrix products,
 convolutions and attention are counted. Operators that do arithmetic but have no formula
 (elementwise ops, norms, softmax, pooling) are reported with their call counts, never counted
@@ -17,6 +20,7 @@ as zero silently; operators that do no arithmetic (views, copies, creation, inde
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +51,12 @@ _FREE = """
     _nested_tensor_size _nested_tensor_strides _nested_tensor_storage_offsets
 """
 FREE_OPS = frozenset(getattr(aten, n) for n in _FREE.split() if hasattr(aten, n))
+#: Namespaces of operators that move data between ranks or mark time: communication (the
+#: all-reduces of tensor parallelism, FSDP2's all-gathers and its copies in and out of their
+#: buffers) and the profiler's ranges, not arithmetic a FLOP count is missing
+_FREE_NAMESPACES = frozenset(
+    {"c10d", "c10d_functional", "_c10d_functional", "_c10d_functional_autograd", "fsdp", "profiler"}
+)
 
 #: Operators that read tensor values into Python (``.item()``, ``bool()``) or whose output
 #: shape depends on values: code running them may take a different path for other values.
@@ -87,6 +97,21 @@ def _has_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(x, Tensor) and x.is_nested for x in (*args, *kwargs.values()))
 
 
+def _distributed(types: Any) -> bool:
+    """Whether an operator's tensor types include ``DTensor`` (tensor parallelism, FSDP2) or
+    another tensor subclass of ``torch.distributed`` (an all-reduce in flight): the counter
+    lets the subclass run it, and counts the operators it runs on this rank's own tensors,
+    so that a sharded layer's FLOPs are the rank's share, not the whole layer's."""
+    if "torch.distributed.tensor" not in sys.modules:  # (then no tensor can be one)
+        return False
+    return any(getattr(t, "__module__", "").startswith("torch.distributed.") for t in types)
+
+
+def _fake(args: Any) -> bool:
+    """Whether an operator runs on fake tensors (shapes only: they have a ``fake_mode``)."""
+    return any(hasattr(a, "fake_mode") for a in args if isinstance(a, Tensor))
+
+
 class Counter(DispatchInterceptor):
     """Charges every operator that runs while active to ``self.target`` (a :class:`Tally`).
 
@@ -100,9 +125,16 @@ class Counter(DispatchInterceptor):
         self._on_alloc = on_alloc
         self._ops: dict[Any, _Op] = {}  # what is known of each operator overload
         self._active = False  # pushed and not muted
+        #: DTensor may run (its sharding propagation runs operators on fake tensors, which
+        #: are not this rank's work), and whether the summary itself runs on fake tensors
+        self._sharded = self._fake = False
 
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _distributed(types):  # DTensor runs it on this rank's pieces, which come back here
+            return NotImplemented
+        if self._sharded and not self._fake and _fake(args):  # DTensor's sharding propagation
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         op = self._ops.get(func) or self._learn(func)
         target = self.target
@@ -146,7 +178,7 @@ class Counter(DispatchInterceptor):
     def _learn(self, func: Any) -> _Op:
         packet = func.overloadpacket
         formula = FORMULAS.get(packet)
-        free = func.is_view or packet in FREE_OPS
+        free = func.is_view or packet in FREE_OPS or func.namespace in _FREE_NAMESPACES
         composite = formula is None and dispatch_has_composite(func)
         name = f"aten.{packet.__name__}"
         op = _Op(
@@ -176,6 +208,12 @@ class Counter(DispatchInterceptor):
 
     def start(self) -> None:
         """Push the mode (``with counter`` does this)."""
+        self._sharded = "torch.distributed.tensor" in sys.modules
+        if self._sharded:
+            get, key = _torch.need(
+                "torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)"
+            )
+            self._fake = get(key) is not None
         self.__enter__()
         self._active = True
 

@@ -49,6 +49,11 @@ class Summary(Protocol):
     uncounted: dict[str, int]
     inputs: dict[str, Any]
     units: str
+    world_size: int
+    global_rank: int | None
+    rank_params: int | None
+    rank_param_bytes: int | None
+    world_flops: int | None
 
     @property
     def total_macs(self) -> int: ...
@@ -327,6 +332,17 @@ def footer(summary: Summary) -> list[str]:
         f"Total FLOPs: {_exact(s.total_flops)}",
         f"Total MACs: {_exact(s.total_macs)}",
     ]
+    if s.rank_params is not None and s.rank_param_bytes is not None:  # a sharded model
+        lines[3:3] = [
+            f"Params on rank {s.global_rank} of {s.world_size}: {s.rank_params:,} "
+            f"({_size(s.rank_param_bytes)})"
+        ]
+        lines[-2:] = [
+            f"FLOPs on rank {s.global_rank}: {_exact(s.total_flops)}",
+            f"MACs on rank {s.global_rank}: {_exact(s.total_macs)}",
+        ]
+        if s.world_flops is not None:
+            lines.append(f"FLOPs on all {s.world_size} ranks: {_exact(s.world_flops)}")
     if s.uncounted:
         ops = ", ".join(f"{op} x{n}" for op, n in s.uncounted.items())
         lines.append(f"Not counted (no FLOP formula): {ops}")

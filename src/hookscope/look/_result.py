@@ -27,6 +27,15 @@ class Summary:
     no sub-calls; ``uncounted`` lists the operators that do arithmetic but have no FLOP
     formula, with their call counts. Totals are the same with and without operation rows
     (``ops=True``): ``total_flops == sum(r.flops for r in rows if r.kind == "module")``.
+
+    A sharded model (parameters that are ``DTensor``: FSDP2, HSDP, tensor parallelism) in an
+    initialised process group, summarised on every rank as it must be run: parameter counts
+    (``total_params``, each row's) are the whole model's; ``rank_params`` and
+    ``rank_param_bytes`` what this rank holds (its pieces, and whole copies of what is not
+    split); FLOPs (``total_flops``, each row's) are this rank's, counted on the operators it
+    ran on its pieces, and ``world_flops`` those of all ``world_size`` ranks together (one
+    all-reduce); ``global_rank`` is this rank's. Otherwise ``world_size`` is 1 and the four
+    are None.
     """
 
     model: str
@@ -39,6 +48,11 @@ class Summary:
     uncounted: dict[str, int]
     inputs: dict[str, ShapeTree] = field(default_factory=dict)
     units: str = UNITS
+    world_size: int = 1
+    global_rank: int | None = None
+    rank_params: int | None = None
+    rank_param_bytes: int | None = None
+    world_flops: int | None = None
 
     @property
     def total_macs(self) -> int:

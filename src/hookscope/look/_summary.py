@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -130,10 +132,46 @@ def summary(
         devices=_cuda_devices(tensors, inputs, forward_kwargs, input_device)
     ):
         args, kwargs = _call(inputs, input_size, dtypes, input_device, forward_kwargs, tensors)
+        held = _held(root)  # (before the forward: FSDP2 gathers whole parameters in it)
         result = _run(
             model, root, tensors, args, kwargs, time=time, train=train, grad=grad, ops=ops
         )
+    if held is not None:
+        result = _per_rank(result, *held)
     return result if depth is None else result.fold(depth)
+
+
+def _held(root: nn.Module) -> tuple[int, int] | None:
+    """What this rank holds of a sharded model's parameters, ``(count, bytes)``, or None for
+    a model with no ``DTensor`` parameter or outside an initialised process group."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dist = torch.distributed
+    if module is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    params = list(root.parameters())
+    if not any(isinstance(p, module.DTensor) for p in params):
+        return None
+    pieces = [p.to_local() if isinstance(p, module.DTensor) else p for p in params]
+    return sum(t.numel() for t in pieces), sum(t.numel() * t.element_size() for t in pieces)
+
+
+def _per_rank(result: Summary, count: int, nbytes: int) -> Summary:
+    """A sharded model's summary with what this rank holds and the FLOPs of all ranks (one
+    all-reduce: every rank summarises, as every rank must run the forward)."""
+    dist = torch.distributed
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    )
+    flops = torch.tensor([result.total_flops], dtype=torch.int64, device=device)
+    dist.all_reduce(flops)
+    return dataclasses.replace(
+        result,
+        world_size=dist.get_world_size(),
+        global_rank=dist.get_rank(),
+        rank_params=count,
+        rank_param_bytes=nbytes,
+        world_flops=int(flops.item()),
+    )
 
 
 def _run(
