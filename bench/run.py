@@ -32,7 +32,7 @@ from _harness import Config, Job  # noqa: E402
 
 #: Modules of the CPU run. Each has ``TITLE``, ``TARGETS``, ``jobs(cfg) -> list[Job]`` and
 #: ``work(spec) -> dict`` (run in a worker process); gpu.py is what ``--device`` runs instead.
-MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops", "patching")
+MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
 #: Worker environments (README.md, "Allocator"): freed memory stays resident (the library's
 #: own cost, isolated), what users get, every buffer above 128 KiB its own mapping (for RSS).
 MALLOC_ENV: dict[str, dict[str, str]] = {
