@@ -365,29 +365,21 @@ LATENCY = {
     "hs_clone": "hs.capture(model, sites)",
     "hs_ref": "hs.capture(model, sites, copy='reference')",
 }
-PER_CALL = ", set up and torn down around every forward"
-LATENCY.update({f"{k}_percall": v + PER_CALL for k, v in list(LATENCY.items())[1:]})
 #: The raw hook each hookscope latency variant is compared with (per-site cost above plain).
 LATENCY_FLOORS = {"hs_clone": "raw_clone", "hs_ref": "raw_noop"}
-LATENCY_FLOORS.update({f"{k}_percall": f"{b}_percall" for k, b in LATENCY_FLOORS.items()})
 
 
 def _block(model: nn.Module, x: Tensor, sites: list[str], key: str, n: int) -> Any:
-    """``n`` forwards, with hooks around the block (steady state) or around every call."""
-    kind, store = key.removesuffix("_percall"), {}
+    """``n`` forwards, with the hooks or one capture around the block (steady state)."""
+    store: dict[str, Tensor] = {}
     keep = lambda name: lambda m, a, o: store.__setitem__(name, o.detach().clone())  # noqa: E731
-    make = keep if kind == "raw_clone" else lambda name: lambda m, a, o: None
-
-    def forwards(calls: int) -> Any:
-        if kind.startswith("raw_"):
-            return hooked(model, sites, make, lambda: [model(x) for _ in range(calls)])
-        copy = "clone" if kind == "hs_clone" else "reference"
-        session = hs.capture(model, sites, copy=copy) if kind != "plain" else None
-        with session or contextlib.nullcontext():
-            return [model(x) for _ in range(calls)], session  # freed after the timed call
-
-    out = forwards(n) if kind == key else [forwards(1) for _ in range(n)]
-    return out, store
+    make = keep if key == "raw_clone" else lambda name: lambda m, a, o: None
+    if key.startswith("raw_"):
+        return hooked(model, sites, make, lambda: [model(x) for _ in range(n)]), store
+    copy = "clone" if key == "hs_clone" else "reference"
+    session = hs.capture(model, sites, copy=copy) if key != "plain" else None
+    with session or contextlib.nullcontext():
+        return [model(x) for _ in range(n)], session  # freed after the timed call
 
 
 def _latency(spec: Result) -> Result:
