@@ -186,23 +186,10 @@ def write_report(out: Path, results_md: Path, modules: Sequence[str], splice: bo
     (out / "targets.json").write_text(json.dumps(targets, indent=1))
 
 
-def _names(*allowed: Any) -> Any:
-    """An argparse type: comma-separated names, each one of ``allowed``."""
-    known = [n for group in allowed for n in group]
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        if bad := [n for n in names if n not in known]:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(known)}")
-        return names
-
-    return parse
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The options; README.md says more about each."""
     p = argparse.ArgumentParser(description=__doc__)
-    add, models = p.add_argument, _names(gpu.MODELS, gpu.CASES)
+    add = p.add_argument
     add("--quick", action="store_true", help="smoke run: tiny inputs, one round, one process")
     add("--out", help="folder for the JSON, logs and RESULTS.md (default: bench/_out/...)")
     add("--report-only", action="store_true", help="render RESULTS.md from the JSON in --out")
@@ -210,8 +197,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--baseline", metavar="REV", help="also time src/hookscope at git REV, same rounds")
     add("--only", choices=MODULES, help="one module; its section replaces its old one")
     add("--device", choices=("cuda", "cpu"), help="run gpu.py there: gpu.md and gpu.json")
-    add("--models", type=models, default=(), help="with --device: models or cases to run")
-    add("--rows", type=_names(gpu.GROUPS), default=(), help="with --device: row groups to run")
+    picks, cases = {"nargs": "+", "default": (), "metavar": "NAME"}, (*gpu.MODELS, *gpu.CASES)
+    add("--models", choices=cases, help="with --device: models or cases to run", **picks)
+    add("--rows", choices=gpu.GROUPS, help="with --device: row groups to run", **picks)
     for hidden in ("--worker", "--spec", "--json"):
         add(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -236,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         baseline = extract_baseline(args.baseline) if args.baseline else None
         path = (baseline and not baseline.get("error") and str(BASELINE_DIR)) or None
         settings = ("tuned",) if args.quick else ("tuned", "defaults")
-        cfg = Config(args.quick, settings, path, args.device or "cpu", args.models, args.rows)
+        picked = tuple(args.models), tuple(args.rows)
+        cfg = Config(args.quick, settings, path, args.device or "cpu", *picked)
         meta = {
             "command": " ".join(["python bench/run.py", *argv]),
             "quick": args.quick,
