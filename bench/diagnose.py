@@ -16,11 +16,9 @@ import torch.nn.functional as F
 import _harness as h
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Diagnose: hs.nonfinite and hs.Monitor in training, beside detect_anomaly and histograms"
-TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2"}
 LABELS = {
     "plain": "one training step",
     "nonfinite": "the step inside `with hs.nonfinite(model)`",
@@ -37,7 +35,7 @@ PER10 = {
 NONFINITE_OPS, MONITOR_OPS = "hs.nonfinite: added ÷ budget", "Monitor: per watched layer ÷ 10"
 TARGETS = [
     Target(f"diagnose/{m}{ops}", a, b, limit, what)
-    for m in TITLES
+    for m in capture.MODELS
     for ops, a, b, limit, what in (
         ("", "nonfinite", "plain", 1.05, "training step in hs.nonfinite ÷ without"),
         ("", "monitor_per10", "plain", 1.10, "training with hs.Monitor every 10 steps ÷ without"),
@@ -150,7 +148,7 @@ def _counts(spec: Result) -> Result:
         "case": f"diagnose/{spec['model']}/ops",
         "about": about,
         "values": values,
-        "title": f"{TITLES[spec['model']]}, operators",
+        "title": f"{capture.MODELS[spec['model']]}, operators",
         "skipped": {"the baseline": error} if error else {},
     }
 
@@ -172,12 +170,12 @@ def work(spec: Result) -> Result:
     return {
         **result,
         "case": f"diagnose/{spec['model']}",
-        "title": TITLES[spec["model"]],
+        "title": capture.MODELS[spec["model"]],
         "about": f"{case.description}, training mode",
     }
 
 
 def jobs(cfg: Config) -> list[Job]:
     spec = {"kind": "ops", "quick": cfg.quick, "baseline": cfg.baseline}
-    counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in TITLES]
-    return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(TITLES, 120.0))
+    counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in capture.MODELS]
+    return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(capture.MODELS, 120.0))

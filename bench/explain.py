@@ -14,8 +14,7 @@ import _harness as h
 import _peers
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Explain: CAM, attribution and patching beside the autograd floor and peers"
 LAYER = "resnet.encoder.stages.3"

@@ -17,8 +17,7 @@ from torch import nn
 import _harness as h
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Extract: hs.extract beside a hand-written loop writing .npy files"
 TITLES = {

@@ -21,8 +21,7 @@ import capture
 import explain
 import extract
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 Fn = Callable[[], Any]
 TITLE = "GPU: hookscope beside hand-written floors and peers"

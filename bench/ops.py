@@ -15,8 +15,7 @@ from torch import Tensor
 import _harness as h
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Ops: operations inside GPT-2's forward, beside hooks, eager attention, nnsight, TorchLens"
 SDPA = "transformer.h.*.attn::scaled_dot_product_attention"
