@@ -273,8 +273,11 @@ def variants(
     return [variant(k, fn) for k, fn in fns.items() if k in wanted and k not in skipped], skipped
 
 
-def _timing(spec: Result, device: torch.device) -> Result:
-    name = spec["model"]
+def work(spec: Result) -> Result:
+    """Worker entry (one process): a case's timing rounds."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    name, device = spec["model"], torch.device(spec["device"])
     case, labels = build(name, device, spec["quick"])
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with tempfile.TemporaryDirectory() as tmp:
@@ -284,13 +287,6 @@ def _timing(spec: Result, device: torch.device) -> Result:
     case.model.eval()
     info = {"case": f"gpu/{name}", "title": name, "about": case.description, "skipped": skipped}
     return {**result, **info}
-
-
-def work(spec: Result) -> Result:
-    """Worker entry (one process): a case's timing rounds."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    return _timing(spec, torch.device(spec["device"]))
 
 
 def jobs(cfg: Config) -> list[Job]:
