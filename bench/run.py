@@ -62,18 +62,14 @@ def extract_baseline(rev: str) -> dict[str, Any]:
     info: dict[str, Any] = {"rev": rev, "path": str(BASELINE_DIR)}
     try:
         info["commit"] = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
-        archive = _git("archive", "--format=tar", info["commit"], "src/hookscope")
+        archive = _git("archive", "--prefix=hookscope_baseline/", f"{info['commit']}:src/hookscope")
     except (OSError, subprocess.CalledProcessError) as e:
         why = getattr(e, "stderr", b"").decode().strip() or e
         return {**info, "error": f"git could not read {rev!r}: {why}"}
     shutil.rmtree(BASELINE_DIR, ignore_errors=True)
     package = BASELINE_DIR / "hookscope_baseline"
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        for member in tar.getmembers():
-            if member.isfile() and member.name.startswith("src/hookscope/"):
-                target = package / member.name.removeprefix("src/hookscope/")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:  # src/hookscope/'s files, renamed
+        tar.extractall(BASELINE_DIR, filter="data")
     absolute = re.compile(r"^\s*(from|import)\s+hookscope\b", re.MULTILINE)
     if bad := [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]:
         shutil.rmtree(BASELINE_DIR)
