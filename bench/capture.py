@@ -355,15 +355,14 @@ def _memory(spec: Result) -> Result:
     }
 
 
+#: Each latency variant's label and the raw hook it is compared with (per-site cost over plain).
 LATENCY = {
-    "plain": "model(x), no hooks",
-    "raw_noop": "raw forward hook on every site that does nothing",
-    "raw_clone": "raw forward hook on every site that stores out.detach().clone()",
-    "hs_clone": "hs.capture(model, sites)",
-    "hs_ref": "hs.capture(model, sites, copy='reference')",
+    "plain": ("model(x), no hooks", None),
+    "raw_noop": ("raw forward hook on every site that does nothing", None),
+    "raw_clone": ("raw forward hook on every site that stores out.detach().clone()", None),
+    "hs_clone": ("hs.capture(model, sites)", "raw_clone"),
+    "hs_ref": ("hs.capture(model, sites, copy='reference')", "raw_noop"),
 }
-#: The raw hook each hookscope latency variant is compared with (per-site cost above plain).
-LATENCY_FLOORS = {"hs_clone": "raw_clone", "hs_ref": "raw_noop"}
 
 
 def _block(model: nn.Module, x: Tensor, sites: list[str], key: str, n: int) -> Any:
@@ -385,8 +384,8 @@ def _latency(spec: Result) -> Result:
     model = nn.Sequential(*(m for _ in range(25) for m in (nn.Linear(32, 32), nn.ReLU()))).eval()
     x, sites, n = torch.randn(1, 32), leaf_names(model), spec["calls"]
     variants = [
-        Variant(k, label, functools.partial(_block, model, x, sites, k, n), LATENCY_FLOORS.get(k))
-        for k, label in LATENCY.items()
+        Variant(k, label, functools.partial(_block, model, x, sites, k, n), floor)
+        for k, (label, floor) in LATENCY.items()
     ]
     with torch.no_grad():
         result = h.timing(variants, Plan(spec["warmup"], spec["rounds"]))
