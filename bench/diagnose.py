@@ -70,14 +70,11 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
     model, _, step = _trainer(case)
     writer, ours = SummaryWriter(log_dir=f"{logdir}/hand"), SummaryWriter(log_dir=f"{logdir}/hs")
 
-    def monitor(logging: bool) -> Callable[[], None]:
-        def run() -> None:
-            with hs.Monitor(model, every=10, sinks=[ours]) as mon:
-                mon.count = 0 if logging else 1  # step 0 logs, step 1 does not
-                step()
-                mon.step()
-
-        return run
+    def monitor(count: int) -> None:  # step 0 of every=10 logs, step 1 does not
+        with hs.Monitor(model, every=10, sinks=[ours]) as mon:
+            mon.count = count
+            step()
+            mon.step()
 
     def histograms() -> None:
         for name, p in model.named_parameters():
@@ -90,8 +87,8 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
         "plain": step,
         "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
         "anomaly": h.inside(torch.autograd.detect_anomaly, step),
-        "monitor_log": monitor(True),
-        "monitor_quiet": monitor(False),
+        "monitor_log": lambda: monitor(0),
+        "monitor_quiet": lambda: monitor(1),
         "hand_log": lambda: step(histograms),
     }
     return [Variant(k, LABELS[k], fn) for k, fn in fns.items()]

@@ -195,15 +195,12 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def monitored(sinks: list[Any]) -> Fn:
-        def run() -> Any:
-            with hs.Monitor(model, every=steps, sinks=sinks) as mon:
-                for _ in range(steps):
-                    step()
-                    mon.step()
-            return mon
-
-        return run
+    def monitored(sinks: list[Any]) -> Any:
+        with hs.Monitor(model, every=steps, sinks=sinks) as mon:
+            for _ in range(steps):
+                step()
+                mon.step()
+        return mon
 
     return {
         "plain_step": step,
@@ -212,8 +209,8 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
         "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
         "anomaly": h.inside(torch.autograd.detect_anomaly, step),
         "plain10": lambda: [step() for _ in range(steps)],
-        "monitor10": monitored([]),
-        "monitor10_tb": monitored([("tensorboard", str(tmp / "tb"))]),
+        "monitor10": functools.partial(monitored, []),
+        "monitor10_tb": functools.partial(monitored, [("tensorboard", str(tmp / "tb"))]),
     }
 
 

@@ -95,13 +95,10 @@ def build_variants(case: capture.Case) -> list[Variant]:
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
 
-    def captured(sites: str | list[str]) -> Callable[[], list[Tensor]]:
-        def run() -> list[Tensor]:  # every .output read, in the timed call
-            with torch.no_grad(), hs.capture(case.model, sites) as cap:
-                case.forward()
-            return [cap[n].output for n in cap]
-
-        return run
+    def captured(sites: str | list[str]) -> list[Tensor]:  # every .output read, timed
+        with torch.no_grad(), hs.capture(case.model, sites) as cap:
+            case.forward()
+        return [cap[n].output for n in cap]
 
     def eager_all() -> Any:
         with torch.no_grad():
@@ -111,8 +108,8 @@ def build_variants(case: capture.Case) -> list[Variant]:
         "plain": case.plain,
         # the module-hook floor: a copy of each attention output (the SDPA outputs' bytes)
         "hand_attn": functools.partial(capture.hand_capture, case, attn, capture.clone),
-        "hs_sdpa": captured(SDPA),
-        "hs_weights2": captured(WEIGHTS),
+        "hs_sdpa": functools.partial(captured, SDPA),
+        "hs_weights2": functools.partial(captured, WEIGHTS),
         "floor_weights2": lambda: (case.plain(), _explicit(qk)),
         "eager_all": eager_all,
         "nnsight_sdpa": _nnsight(case),
