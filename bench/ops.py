@@ -73,23 +73,19 @@ def _explicit(qk: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     return out
 
 
-def _nnsight(case: capture.Case) -> Callable[[], list[Any]]:
-    from nnsight import NNsight
-
-    wrapped = NNsight(copy.deepcopy(case.model))
-
-    def run() -> list[Any]:
-        saved = []
-        with torch.no_grad(), wrapped.trace(*case.args, **case.kwargs):
-            for block in wrapped.transformer.h:
-                fn = block.attn.source.attention_interface_1.source
-                saved.append(fn.torch_nn_functional_scaled_dot_product_attention_0.output.save())
-        return saved
-
-    return run
+def _nnsight(case: capture.Case, wrapped: Any) -> list[Any]:
+    """Each block's SDPA output, saved by nnsight on its own copy of the model (aliases)."""
+    saved = []
+    with torch.no_grad(), wrapped.trace(*case.args, **case.kwargs):
+        for block in wrapped.transformer.h:
+            fn = block.attn.source.attention_interface_1.source
+            saved.append(fn.torch_nn_functional_scaled_dot_product_attention_0.output.save())
+    return saved
 
 
 def build_variants(case: capture.Case) -> list[Variant]:
+    from nnsight import NNsight
+
     qk = _qk(case, (3, 9))
     attn = [n for n, _ in case.model.named_modules() if n.endswith(".attn")]
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
@@ -112,7 +108,7 @@ def build_variants(case: capture.Case) -> list[Variant]:
         "hs_weights2": functools.partial(captured, WEIGHTS),
         "floor_weights2": lambda: (case.plain(), _explicit(qk)),
         "eager_all": eager_all,
-        "nnsight_sdpa": _nnsight(case),
+        "nnsight_sdpa": functools.partial(_nnsight, case, NNsight(copy.deepcopy(case.model))),
     }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     save = lambda tl: tl.func("scaled_dot_product_attention")  # noqa: E731
