@@ -1,5 +1,5 @@
 """The one timing harness of every benchmark module: :class:`Variant` s timed in shuffled, paired
-rounds (:func:`timing`), summarised as same-round ratios (:func:`paired`). Method: README.md."""
+rounds (:func:`timing`), same-round ratios (:func:`paired`) and :class:`Target` s. README.md."""
 
 from __future__ import annotations
 
@@ -250,6 +250,19 @@ class Ratio:
     q1: float
     q3: float
     n: int
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row of a targets table: ``numerator ÷ denominator`` of one case (same rounds), or
+    without a denominator one of its ``values``; ``limit`` None: a row to read, not a target."""
+
+    case: str
+    numerator: str
+    denominator: str | None
+    limit: float | None
+    note: str
+    field: str = "seconds"  # the samples' measurement to divide ("cpu", "peak_mib", ...)
 
 
 def per_round(samples: list[Result], key: str, field: str = "seconds") -> dict[int, float]:

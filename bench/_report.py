@@ -1,13 +1,13 @@
 """The one renderer: RESULTS.md (or gpu.md) from the workers' JSON and each module's
-:class:`Target` s; every result is rendered the same way, whatever its module."""
+:class:`~_harness.Target` s; every result is rendered the same way, whatever its module."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
-from _harness import Ratio, Result, median, paired
+from _harness import Ratio, Result, Target, median, paired
 
 DASH = "\u2013"
 #: Measurements a sample may carry: (column, scale), in the variant table's order.
@@ -18,19 +18,6 @@ FIELDS = {
     "peak_mib": ("peak MiB", 1.0),
     "retained_mib": ("retained MiB", 1.0),
 }
-
-
-@dataclass(frozen=True)
-class Target:
-    """One row of a targets table: ``numerator ÷ denominator`` of one case (same rounds), or
-    without a denominator one of its ``values``; ``limit`` None: a row to read, not a target."""
-
-    case: str
-    numerator: str
-    denominator: str | None
-    limit: float | None
-    note: str
-    field: str = "seconds"  # the samples' measurement to divide ("cpu", "peak_mib", ...)
 
 
 def merge(results: Iterable[Result]) -> dict[str, Result]:

@@ -16,11 +16,9 @@ import torch.nn.functional as F
 import _harness as h
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Diagnose: hs.nonfinite and hs.Monitor in training, beside detect_anomaly and histograms"
-TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2"}
 LABELS = {
     "plain": "one training step",
     "nonfinite": "the step inside `with hs.nonfinite(model)`",
@@ -37,7 +35,7 @@ PER10 = {
 NONFINITE_OPS, MONITOR_OPS = "hs.nonfinite: added ÷ budget", "Monitor: per watched layer ÷ 10"
 TARGETS = [
     Target(f"diagnose/{m}{ops}", a, b, limit, what)
-    for m in TITLES
+    for m in capture.MODELS
     for ops, a, b, limit, what in (
         ("", "nonfinite", "plain", 1.05, "training step in hs.nonfinite ÷ without"),
         ("", "monitor_per10", "plain", 1.10, "training with hs.Monitor every 10 steps ÷ without"),
@@ -72,14 +70,11 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
     model, _, step = _trainer(case)
     writer, ours = SummaryWriter(log_dir=f"{logdir}/hand"), SummaryWriter(log_dir=f"{logdir}/hs")
 
-    def monitor(logging: bool) -> Callable[[], None]:
-        def run() -> None:
-            with hs.Monitor(model, every=10, sinks=[ours]) as mon:
-                mon.count = 0 if logging else 1  # step 0 logs, step 1 does not
-                step()
-                mon.step()
-
-        return run
+    def monitor(count: int) -> None:  # step 0 of every=10 logs, step 1 does not
+        with hs.Monitor(model, every=10, sinks=[ours]) as mon:
+            mon.count = count
+            step()
+            mon.step()
 
     def histograms() -> None:
         for name, p in model.named_parameters():
@@ -92,8 +87,8 @@ def _variants(case: capture.Case, logdir: str) -> list[Variant]:
         "plain": step,
         "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
         "anomaly": h.inside(torch.autograd.detect_anomaly, step),
-        "monitor_log": monitor(True),
-        "monitor_quiet": monitor(False),
+        "monitor_log": lambda: monitor(0),
+        "monitor_quiet": lambda: monitor(1),
         "hand_log": lambda: step(histograms),
     }
     return [Variant(k, LABELS[k], fn) for k, fn in fns.items()]
@@ -150,7 +145,7 @@ def _counts(spec: Result) -> Result:
         "case": f"diagnose/{spec['model']}/ops",
         "about": about,
         "values": values,
-        "title": f"{TITLES[spec['model']]}, operators",
+        "title": f"{capture.MODELS[spec['model']]}, operators",
         "skipped": {"the baseline": error} if error else {},
     }
 
@@ -172,12 +167,12 @@ def work(spec: Result) -> Result:
     return {
         **result,
         "case": f"diagnose/{spec['model']}",
-        "title": TITLES[spec["model"]],
+        "title": capture.MODELS[spec["model"]],
         "about": f"{case.description}, training mode",
     }
 
 
 def jobs(cfg: Config) -> list[Job]:
     spec = {"kind": "ops", "quick": cfg.quick, "baseline": cfg.baseline}
-    counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in TITLES]
-    return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(TITLES, 120.0))
+    counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in capture.MODELS]
+    return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(capture.MODELS, 120.0))

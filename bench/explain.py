@@ -1,5 +1,6 @@
 """Explain: Grad-CAM(++) on HF ResNet-50 beside the autograd floor, pytorch-grad-cam and Captum;
-on the shapes CNN, Score-CAM beside pytorch-grad-cam's, IG and occlusion beside Captum's (README)"""
+on the shapes CNN, Score-CAM beside pytorch-grad-cam's, IG and occlusion beside Captum's; a
+patching sweep on a small GPT-2 beside TransformerLens' helper (README.md, "Explain")"""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ import _harness as h
 import _peers
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
-TITLE = "Explain: CAM methods beside the autograd floor, pytorch-grad-cam and Captum"
+TITLE = "Explain: CAM, attribution and patching beside the autograd floor and peers"
 LAYER = "resnet.encoder.stages.3"
 #: Each variant's label and floor (the variant it is compared with besides the unit).
 VARIANTS = {
@@ -35,6 +35,9 @@ VARIANTS = {
     "captum_ig": ("Captum IntegratedGradients, the same (internal_batch_size=80)", "hs_ig"),
     "hs_occlusion": ("hs.Occlusion: 8x8 windows, stride 4, 64 images a forward", None),
     "captum_occlusion": ("Captum Occlusion, the same (perturbations_per_eval=8)", "hs_occlusion"),
+    "tl": ("TransformerLens: run_with_cache(clean) + get_act_patch_resid_pre", None),
+    "hs": ("hs.patching(clean, corrupted), 16 cells a forward", "hs_1"),
+    "hs_1": ("hs.patching, cells_per_forward=1 (a forward per cell, as TL)", None),
 }
 TARGETS = [
     Target("explain/resnet50", "hs_gradcam", "floor", 1.05, "Grad-CAM ÷ forward + autograd floor"),
@@ -42,6 +45,8 @@ TARGETS = [
     Target("explain/shapes", "hs_scorecam", "pgc_scorecam", 1.0, "Score-CAM ÷ pytorch-grad-cam's"),
     Target("explain/shapes", "hs_ig", "captum_ig", 1.0, "integrated gradients ÷ Captum's"),
     Target("explain/shapes", "hs_occlusion", "captum_occlusion", 1.0, "occlusion ÷ Captum's"),
+    Target("patching/gpt2", "hs", "tl", 1 / 3, "hs.patching ÷ get_act_patch_resid_pre"),
+    Target("patching/gpt2", "hs_1", "tl", None, "one cell a forward ÷ TransformerLens"),
 ]
 
 
@@ -158,13 +163,70 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
     }
 
 
+def _lens_models(width: int) -> tuple[Any, Any]:
+    """A Hugging Face GPT-2 (4 blocks, random weights) and the same weights converted into a
+    TransformerLens ``HookedTransformer``, as tests/test_units_transformer_lens.py does."""
+    import transformer_lens as tl
+    import transformers
+    from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=4, n_embd=width, n_head=4, vocab_size=1000)
+    ).eval()
+    shape = {"d_model": width, "d_head": width // 4, "n_heads": 4, "d_mlp": 4 * width}
+    shape |= {"n_layers": 4, "n_ctx": 1024, "d_vocab": 1000, "eps": hf.config.layer_norm_epsilon}
+    kind = {"act_fn": "gelu_new", "normalization_type": "LN", "default_prepend_bos": False}
+    cfg = tl.HookedTransformerConfig(**shape, **kind, original_architecture="GPT2LMHeadModel")
+    lens = tl.HookedTransformer(cfg)
+    keep = dict.fromkeys(("fold_ln", "center_writing_weights", "center_unembed"), False)
+    lens.load_and_process_state_dict(convert_gpt2_weights(hf, cfg), **keep)
+    return hf, lens.eval()
+
+
+def _patching(quick: bool) -> tuple[dict[str, Any], Result]:
+    """A layers x positions sweep of the residual stream: hs.patching on the Hugging Face model
+    beside TransformerLens' helper on the same weights, checked equal before the rounds."""
+    from transformer_lens import patching
+
+    (width, length), layers = (32, 4) if quick else (256, 16), ["transformer.drop"]
+    hf, tl = _lens_models(width)
+    layers += [f"transformer.h.{i}" for i in range(3)]  # resid_pre of blocks 0-3
+    clean = torch.randint(0, 1000, (2, length), generator=torch.Generator().manual_seed(3))
+    corrupt = torch.cat([clean[:, :1], clean[:, 1:].flip(1)], 1)
+    a, b = int(clean[0, -1]), int(clean[1, -1])
+    metric = lambda logits: (logits[:, -1, a] - logits[:, -1, b]).mean()  # noqa: E731
+
+    def ours(cells: int) -> Any:
+        out = lambda o: metric(o.logits)  # noqa: E731
+        return lambda: hs.patching(hf, clean, corrupt, out, layers, cells_per_forward=cells).values
+
+    def theirs() -> Any:
+        return patching.get_act_patch_resid_pre(tl, corrupt, tl.run_with_cache(clean)[1], metric)
+
+    fns = {"tl": theirs, "hs": ours(16), "hs_1": ours(1)}
+    same = torch.allclose(fns["hs"](), theirs().float(), rtol=0, atol=1e-5)
+    about = f"GPT-2, 4 blocks {width} wide (random weights), 2 prompts of {length} tokens: "
+    about += f"{4 * length} cells (resid_pre of 4 layers x {length} positions), a logit difference"
+    return fns, {
+        "case": "patching/gpt2",
+        "title": "Patching: residual stream sweep, GPT-2",
+        "about": about,
+        "unit": "tl",
+        "checks": [{"what": "`hs` equals `tl` within 1e-5", "ok": same}],
+    }
+
+
 def work(spec: Result) -> Result:
-    with torch.enable_grad():
-        fns, info = (_gradcam if spec["model"] == "resnet50" else _scorecam)(spec["quick"])
+    build = {"resnet50": _gradcam, "shapes": _scorecam, "patching": _patching}[spec["model"]]
+    # the CAM methods and attributions need gradients; patching runs under no_grad
+    with torch.set_grad_enabled(spec["model"] != "patching"):
+        fns, info = build(spec["quick"])
         variants = [Variant(k, VARIANTS[k][0], fn, VARIANTS[k][1]) for k, fn in fns.items()]
         result = h.timing(variants, Plan(**spec["plan"]), unit=info.get("unit", "plain"))
     return {**result, **info}
 
 
 def jobs(cfg: Config) -> list[Job]:
-    return h.timing_jobs("explain", cfg, {"resnet50": 150, "shapes": 150}, rounds=15)
+    budgets = {"resnet50": 150, "shapes": 150, "patching": 240}
+    return h.timing_jobs("explain", cfg, budgets, rounds=15)

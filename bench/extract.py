@@ -1,5 +1,5 @@
-"""Extract: ``hs.extract`` beside a hand-written loop writing ``.npy`` files, the Ray engine, peak
-RSS, ``unit="token"``, the shuffled reader beside plain zarr. Method: bench/README.md."""
+"""Extract: ``hs.extract`` beside a hand-written loop writing ``.npy`` files, peak RSS,
+``unit="token"``, the shuffled reader beside plain zarr. Method: bench/README.md."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ from torch import nn
 import _harness as h
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Extract: hs.extract beside a hand-written loop writing .npy files"
 TITLES = {
@@ -35,18 +34,10 @@ LABELS = {
     "hand_again": "the same hand loop again (A/A: the ratio that is noise)",
     "hs": "hs.extract(model, data, [layer], out=..., reduce=... or unit='token')",
     "hs_zstd": "hs.extract(..., codec='zstd')",
-    "hs_ray": "hs.extract(..., engine='ray', workers=2), Ray and actors' start included (once)",
-    "hand_after_ray": "the hand loop right after the Ray run (once)",
     "zarr": "plain zarr: every chunk of the layer and the token arrays, in order",
     "shuffled": "for batch in store.shuffled(4096, buffer=65536)",
 }
-FLOORS = {
-    "hand_again": "hand",
-    "hs": "hand",
-    "hs_zstd": "hs",
-    "hs_ray": "hand_after_ray",
-    "shuffled": "zarr",
-}
+FLOORS = {"hand_again": "hand", "hs": "hand", "hs_zstd": "hs", "shuffled": "zarr"}
 TOKENS = "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)"
 TARGETS = [
     *(
@@ -152,35 +143,20 @@ def _timing(spec: Result) -> Result:
         unit = {"unit": "token"} if reduce == "tokens" else {"reduce": reduce}
         opts = {**unit, "tokenizer": tokenizer, "overwrite": True, "progress": False}
         opts["batch_size"] = 8 if reduce == "tokens" and tokenizer is None else 64  # GPT-2's rows
-
-        def ours(engine: str = "local", codec: str = "none") -> Any:
-            out = root / f"{engine}_{codec}"
-            return hs.extract(model, texts, [layer], out=out, engine=engine, codec=codec, **opts)
-
+        ours = functools.partial(hs.extract, model, texts, [layer], out=root / "hs", **opts)
         hand = functools.partial(hand_loop, model, layer, reduce, batches, root / "hand")
         fns = {"hand": hand, "hs": ours}
         fns.update({"hand_again": hand} if name.startswith("io") else {})  # the noise: hand ÷ hand
         if name == "io":
-            fns["hs_zstd"] = lambda: ours(codec="zstd")
+            fns["hs_zstd"] = functools.partial(ours, out=root / "hs_zstd", codec="zstd")
     variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     result = h.timing(variants, Plan(**spec["plan"]), unit=variants[0].key)
-    # once, after the rounds: Ray's processes would slow every later round
-    if not spec["quick"] and name in ("resnet50", "minilm"):
-        import ray
-
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-        last = 1 + max(s["round"] for s in result["samples"])
-        for key, fn in (("hs_ray", lambda: ours("ray")), ("hand_after_ray", hand)):
-            sample = {"key": key, "round": last, "warmup": False, **h.timed_call(fn)}
-            result["samples"].append(sample)
-            result["variants"][key] = {"label": LABELS[key], "floor": FLOORS.get(key)}
-        ray.shutdown()
     shutil.rmtree(root, ignore_errors=True)
     return {**result, "case": f"extract/{name}", "title": TITLES[name], "about": what}
 
 
 def _reader(root: Path, quick: bool) -> tuple[dict[str, Any], str]:
-    """A token store of 768-wide float32 rows (256 MiB; 4 MiB quick), read whole each call."""
+    """A token store of 768-wide float32 rows (768 MiB; 12 MiB quick), read whole each call."""
     import zarr
 
     rows, make = 4096 * (1 if quick else 64), nn.Sequential(nn.Embedding(1000, 768))

@@ -21,8 +21,7 @@ import capture
 import explain
 import extract
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 Fn = Callable[[], Any]
 TITLE = "GPU: hookscope beside hand-written floors and peers"
@@ -196,15 +195,12 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    def monitored(sinks: list[Any]) -> Fn:
-        def run() -> Any:
-            with hs.Monitor(model, every=steps, sinks=sinks) as mon:
-                for _ in range(steps):
-                    step()
-                    mon.step()
-            return mon
-
-        return run
+    def monitored(sinks: list[Any]) -> Any:
+        with hs.Monitor(model, every=steps, sinks=sinks) as mon:
+            for _ in range(steps):
+                step()
+                mon.step()
+        return mon
 
     return {
         "plain_step": step,
@@ -213,8 +209,8 @@ def _training(case: capture.Case, labels: Tensor, tmp: Path, quick: bool) -> dic
         "nonfinite": h.inside(lambda: hs.nonfinite(model), step),
         "anomaly": h.inside(torch.autograd.detect_anomaly, step),
         "plain10": lambda: [step() for _ in range(steps)],
-        "monitor10": monitored([]),
-        "monitor10_tb": monitored([("tensorboard", str(tmp / "tb"))]),
+        "monitor10": functools.partial(monitored, []),
+        "monitor10_tb": functools.partial(monitored, [("tensorboard", str(tmp / "tb"))]),
     }
 
 
@@ -274,8 +270,11 @@ def variants(
     return [variant(k, fn) for k, fn in fns.items() if k in wanted and k not in skipped], skipped
 
 
-def _timing(spec: Result, device: torch.device) -> Result:
-    name = spec["model"]
+def work(spec: Result) -> Result:
+    """Worker entry (one process): a case's timing rounds."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.benchmark = False
+    name, device = spec["model"], torch.device(spec["device"])
     case, labels = build(name, device, spec["quick"])
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     with tempfile.TemporaryDirectory() as tmp:
@@ -285,13 +284,6 @@ def _timing(spec: Result, device: torch.device) -> Result:
     case.model.eval()
     info = {"case": f"gpu/{name}", "title": name, "about": case.description, "skipped": skipped}
     return {**result, **info}
-
-
-def work(spec: Result) -> Result:
-    """Worker entry (one process): a case's timing rounds."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.benchmark = False
-    return _timing(spec, torch.device(spec["device"]))
 
 
 def jobs(cfg: Config) -> list[Job]:

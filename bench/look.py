@@ -18,8 +18,7 @@ import _harness as h
 import capture
 import explain
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Look: hs.summary beside a plain forward, torchinfo, FlopCounterMode, fvcore and thop"
 TITLES = {
@@ -179,12 +178,11 @@ def _timing(spec: Result) -> Result:
         except Exception as e:
             skipped[key] = h.error_text(e)
     result = h.timing(variants, Plan(**spec["plan"]))
-    params = sum(p.numel() for p in case.model.parameters()) / 1e6
     return {
         **result,
         "case": f"look/{spec['model']}",
         "title": TITLES[spec["model"]],
-        "about": f"{case.description}; {params:.1f} M parameters",
+        "about": capture.about(case),
         "values": _flops(case),
         "skipped": skipped,
     }

@@ -15,8 +15,7 @@ from torch import Tensor
 import _harness as h
 import capture
 import hookscope as hs
-from _harness import Config, Job, Plan, Result, Variant
-from _report import Target
+from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Ops: operations inside GPT-2's forward, beside hooks, eager attention, nnsight, TorchLens"
 SDPA = "transformer.h.*.attn::scaled_dot_product_attention"
@@ -74,35 +73,28 @@ def _explicit(qk: list[tuple[Tensor, Tensor]]) -> list[Tensor]:
     return out
 
 
-def _nnsight(case: capture.Case) -> Callable[[], list[Any]]:
-    from nnsight import NNsight
-
-    wrapped = NNsight(copy.deepcopy(case.model))
-
-    def run() -> list[Any]:
-        saved = []
-        with torch.no_grad(), wrapped.trace(*case.args, **case.kwargs):
-            for block in wrapped.transformer.h:
-                fn = block.attn.source.attention_interface_1.source
-                saved.append(fn.torch_nn_functional_scaled_dot_product_attention_0.output.save())
-        return saved
-
-    return run
+def _nnsight(case: capture.Case, wrapped: Any) -> list[Any]:
+    """Each block's SDPA output, saved by nnsight on its own copy of the model (aliases)."""
+    saved = []
+    with torch.no_grad(), wrapped.trace(*case.args, **case.kwargs):
+        for block in wrapped.transformer.h:
+            fn = block.attn.source.attention_interface_1.source
+            saved.append(fn.torch_nn_functional_scaled_dot_product_attention_0.output.save())
+    return saved
 
 
 def build_variants(case: capture.Case) -> list[Variant]:
+    from nnsight import NNsight
+
     qk = _qk(case, (3, 9))
     attn = [n for n, _ in case.model.named_modules() if n.endswith(".attn")]
     eager = copy.deepcopy(case.model)  # the same weights, what users switch to for the weights
     eager.set_attn_implementation("eager")
 
-    def captured(sites: str | list[str]) -> Callable[[], list[Tensor]]:
-        def run() -> list[Tensor]:  # every .output read, in the timed call
-            with torch.no_grad(), hs.capture(case.model, sites) as cap:
-                case.forward()
-            return [cap[n].output for n in cap]
-
-        return run
+    def captured(sites: str | list[str]) -> list[Tensor]:  # every .output read, timed
+        with torch.no_grad(), hs.capture(case.model, sites) as cap:
+            case.forward()
+        return [cap[n].output for n in cap]
 
     def eager_all() -> Any:
         with torch.no_grad():
@@ -112,11 +104,11 @@ def build_variants(case: capture.Case) -> list[Variant]:
         "plain": case.plain,
         # the module-hook floor: a copy of each attention output (the SDPA outputs' bytes)
         "hand_attn": functools.partial(capture.hand_capture, case, attn, capture.clone),
-        "hs_sdpa": captured(SDPA),
-        "hs_weights2": captured(WEIGHTS),
+        "hs_sdpa": functools.partial(captured, SDPA),
+        "hs_weights2": functools.partial(captured, WEIGHTS),
         "floor_weights2": lambda: (case.plain(), _explicit(qk)),
         "eager_all": eager_all,
-        "nnsight_sdpa": _nnsight(case),
+        "nnsight_sdpa": functools.partial(_nnsight, case, NNsight(copy.deepcopy(case.model))),
     }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     save = lambda tl: tl.func("scaled_dot_product_attention")  # noqa: E731

@@ -32,7 +32,7 @@ from _harness import Config, Job  # noqa: E402
 
 #: Modules of the CPU run. Each has ``TITLE``, ``TARGETS``, ``jobs(cfg) -> list[Job]`` and
 #: ``work(spec) -> dict`` (run in a worker process); gpu.py is what ``--device`` runs instead.
-MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops", "patching")
+MODULES = ("capture", "look", "diagnose", "explain", "extract", "ops")
 #: Worker environments (README.md, "Allocator"): freed memory stays resident (the library's
 #: own cost, isolated), what users get, every buffer above 128 KiB its own mapping (for RSS).
 MALLOC_ENV: dict[str, dict[str, str]] = {
@@ -62,18 +62,14 @@ def extract_baseline(rev: str) -> dict[str, Any]:
     info: dict[str, Any] = {"rev": rev, "path": str(BASELINE_DIR)}
     try:
         info["commit"] = _git("rev-parse", "--verify", f"{rev}^{{commit}}").decode().strip()
-        archive = _git("archive", "--format=tar", info["commit"], "src/hookscope")
+        archive = _git("archive", "--prefix=hookscope_baseline/", f"{info['commit']}:src/hookscope")
     except (OSError, subprocess.CalledProcessError) as e:
         why = getattr(e, "stderr", b"").decode().strip() or e
         return {**info, "error": f"git could not read {rev!r}: {why}"}
     shutil.rmtree(BASELINE_DIR, ignore_errors=True)
     package = BASELINE_DIR / "hookscope_baseline"
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
-        for member in tar.getmembers():
-            if member.isfile() and member.name.startswith("src/hookscope/"):
-                target = package / member.name.removeprefix("src/hookscope/")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(tar.extractfile(member).read())  # type: ignore[union-attr]
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:  # src/hookscope/'s files, renamed
+        tar.extractall(BASELINE_DIR, filter="data")
     absolute = re.compile(r"^\s*(from|import)\s+hookscope\b", re.MULTILINE)
     if bad := [p.name for p in package.rglob("*.py") if absolute.search(p.read_text())]:
         shutil.rmtree(BASELINE_DIR)
@@ -186,23 +182,10 @@ def write_report(out: Path, results_md: Path, modules: Sequence[str], splice: bo
     (out / "targets.json").write_text(json.dumps(targets, indent=1))
 
 
-def _names(*allowed: Any) -> Any:
-    """An argparse type: comma-separated names, each one of ``allowed``."""
-    known = [n for group in allowed for n in group]
-
-    def parse(text: str) -> tuple[str, ...]:
-        names = tuple(n.strip() for n in text.split(",") if n.strip())
-        if bad := [n for n in names if n not in known]:
-            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(known)}")
-        return names
-
-    return parse
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     """The options; README.md says more about each."""
     p = argparse.ArgumentParser(description=__doc__)
-    add, models = p.add_argument, _names(gpu.MODELS, gpu.CASES)
+    add = p.add_argument
     add("--quick", action="store_true", help="smoke run: tiny inputs, one round, one process")
     add("--out", help="folder for the JSON, logs and RESULTS.md (default: bench/_out/...)")
     add("--report-only", action="store_true", help="render RESULTS.md from the JSON in --out")
@@ -210,8 +193,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--baseline", metavar="REV", help="also time src/hookscope at git REV, same rounds")
     add("--only", choices=MODULES, help="one module; its section replaces its old one")
     add("--device", choices=("cuda", "cpu"), help="run gpu.py there: gpu.md and gpu.json")
-    add("--models", type=models, default=(), help="with --device: models or cases to run")
-    add("--rows", type=_names(gpu.GROUPS), default=(), help="with --device: row groups to run")
+    picks, cases = {"nargs": "+", "default": (), "metavar": "NAME"}, (*gpu.MODELS, *gpu.CASES)
+    add("--models", choices=cases, help="with --device: models or cases to run", **picks)
+    add("--rows", choices=gpu.GROUPS, help="with --device: row groups to run", **picks)
     for hidden in ("--worker", "--spec", "--json"):
         add(hidden, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -236,7 +220,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         baseline = extract_baseline(args.baseline) if args.baseline else None
         path = (baseline and not baseline.get("error") and str(BASELINE_DIR)) or None
         settings = ("tuned",) if args.quick else ("tuned", "defaults")
-        cfg = Config(args.quick, settings, path, args.device or "cpu", args.models, args.rows)
+        picked = tuple(args.models), tuple(args.rows)
+        cfg = Config(args.quick, settings, path, args.device or "cpu", *picked)
         meta = {
             "command": " ".join(["python bench/run.py", *argv]),
             "quick": args.quick,
