@@ -308,13 +308,6 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def version(package: str) -> str:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def source_hash(package_dir: Path) -> str:
     """sha1 of a package's ``*.py`` (the library may change while a run goes on)."""
     digest = hashlib.sha1()
@@ -330,6 +323,8 @@ def machine_info() -> Result:
     cpu = re.search(r"model name\s*:\s*(.*)", Path("/proc/cpuinfo").read_text())
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpu = torch.cuda.is_available() and f"{torch.cuda.get_device_name()}, CUDA {torch.version.cuda}"
+    norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()  # noqa: E731 (as pip compares names)
+    installed = {norm(d.name): d.version for d in importlib.metadata.distributions() if d.name}
     return {
         "cpu": cpu.group(1) if cpu else platform.processor(),
         "cpus": os.cpu_count(),
@@ -338,6 +333,6 @@ def machine_info() -> Result:
         "gpu": gpu or None,
         "python": sys.version.split()[0],
         "torch_threads": torch.get_num_threads(),
-        "versions": {p: version(p) for p in _PACKAGES},
+        "versions": {p: installed.get(norm(p), "not installed") for p in _PACKAGES},
         "hookscope_sha1": source_hash(Path(hookscope.__file__).parent),
     }

@@ -11,7 +11,7 @@ import itertools
 import operator
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -79,10 +79,10 @@ class Case:
     stop_layer: str
     reduce: str
     description: str
-    leaves: list[str] = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.leaves = leaf_names(self.model)
+    @functools.cached_property
+    def leaves(self) -> list[str]:
+        return leaf_names(self.model)
 
     def forward(self) -> Any:
         return self.model(*self.args, **self.kwargs)

@@ -1,6 +1,6 @@
-"""Explain: Grad-CAM(++) on HF ResNet-50 beside the autograd floor, pytorch-grad-cam and Captum;
-on the shapes CNN, Score-CAM beside pytorch-grad-cam's, IG and occlusion beside Captum's; a
-patching sweep on a small GPT-2 beside TransformerLens' helper (README.md, "Explain")"""
+"""Explain: Grad-CAM(++) on ResNet-50 beside the autograd floor, pytorch-grad-cam and Captum; on
+the shapes CNN, Score-CAM, IG and occlusion beside pytorch-grad-cam's and Captum's; patching on
+GPT-2 beside TransformerLens' helper; capture during GPT-2's generate(). README.md, "Explain"."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ VARIANTS = {
     "tl": ("TransformerLens: run_with_cache(clean) + get_act_patch_resid_pre", None),
     "hs": ("hs.patching(clean, corrupted), 16 cells a forward", "hs_1"),
     "hs_1": ("hs.patching, cells_per_forward=1 (a forward per cell, as TL)", None),
+    "gen": ("model.generate(ids): greedy, 32 new tokens (the unit)", None),
+    "hs_gen": ("the same in hs.capture(model, its 12 blocks, keep='all')", None),
 }
 TARGETS = [
     Target("explain/resnet50", "hs_gradcam", "floor", 1.05, "Grad-CAM ÷ forward + autograd floor"),
@@ -47,6 +49,7 @@ TARGETS = [
     Target("explain/shapes", "hs_occlusion", "captum_occlusion", 1.0, "occlusion ÷ Captum's"),
     Target("patching/gpt2", "hs", "tl", 1 / 3, "hs.patching ÷ get_act_patch_resid_pre"),
     Target("patching/gpt2", "hs_1", "tl", None, "one cell a forward ÷ TransformerLens"),
+    Target("generate/gpt2", "hs_gen", "gen", 1.05, "capture of 12 blocks during generate()"),
 ]
 
 
@@ -116,10 +119,8 @@ def _gradcam(quick: bool) -> tuple[dict[str, Any], Result]:
 
 
 def _spearman(a: Tensor, b: Tensor) -> float:
-    ra = a.flatten(1).argsort(1).argsort(1).float()
-    rb = b.flatten(1).argsort(1).argsort(1).float()
-    ra, rb = ra - ra.mean(1, keepdim=True), rb - rb.mean(1, keepdim=True)
-    return float(((ra * rb).sum(1) / (ra.norm(dim=1) * rb.norm(dim=1))).mean())
+    ranks = torch.stack([x.flatten(1).argsort(1).argsort(1).float() for x in (a, b)], 1)
+    return float(torch.stack([torch.corrcoef(r)[0, 1] for r in ranks]).mean())
 
 
 def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
@@ -217,16 +218,32 @@ def _patching(quick: bool) -> tuple[dict[str, Any], Result]:
     }
 
 
+def _generate(quick: bool) -> tuple[dict[str, Any], Result]:
+    """GPT-2 small's greedy ``generate`` (32 new tokens every run), alone and keeping its 12
+    blocks' outputs at every step: the residual stream, what the lens and patching read."""
+    model, blocks = capture.hf_model("gpt2", quick)
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(4))
+    fixed = {"max_new_tokens": 32, "min_new_tokens": 32, "eos_token_id": 0, "pad_token_id": 0}
+    fixed |= {"attention_mask": torch.ones_like(ids), "do_sample": False}
+    run = lambda: model.generate(ids, **fixed)  # noqa: E731
+    kept = h.inside(lambda: hs.capture(model, blocks, keep="all"), run)
+    ok = {r.count for r in kept().records.values()} == {32}  # the prompt, then a step a token
+    check = {"what": f"each of the {len(blocks)} blocks kept its 32 calls", "ok": ok}
+    about = f"GPT-2 ({len(blocks)} blocks, random weights), 2 prompts of 16 ids, 32 new tokens"
+    info = {"case": "generate/gpt2", "title": "Capture during generate, GPT-2", "unit": "gen"}
+    return {"gen": run, "hs_gen": kept}, {**info, "about": about, "checks": [check]}
+
+
 def work(spec: Result) -> Result:
-    build = {"resnet50": _gradcam, "shapes": _scorecam, "patching": _patching}[spec["model"]]
+    build = dict(resnet50=_gradcam, shapes=_scorecam, patching=_patching, generate=_generate)
     # the CAM methods and attributions need gradients; patching runs under no_grad
     with torch.set_grad_enabled(spec["model"] != "patching"):
-        fns, info = build(spec["quick"])
+        fns, info = build[spec["model"]](spec["quick"])
         variants = [Variant(k, VARIANTS[k][0], fn, VARIANTS[k][1]) for k, fn in fns.items()]
         result = h.timing(variants, Plan(**spec["plan"]), unit=info.get("unit", "plain"))
     return {**result, **info}
 
 
 def jobs(cfg: Config) -> list[Job]:
-    budgets = {"resnet50": 150, "shapes": 150, "patching": 240}
+    budgets = {"resnet50": 150, "shapes": 150, "patching": 240, "generate": 150}
     return h.timing_jobs("explain", cfg, budgets, rounds=15)

@@ -12,9 +12,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..core import LayerSelector, capture, run_eagerly
+from ..core import Binder, LayerSelector, capture, keep_mask, run_eagerly, unwrap
 from ..errors import UsageError
-from ._patching import _positions, _run
+from ._patching import _run
 
 
 @dataclass(frozen=True)
@@ -25,12 +25,16 @@ class Lens:
     Attributes:
         logits: ``(len(layers), batch, len(positions), vocabulary)``.
         layers: the layers, canonical names in selection order.
-        positions: the positions read (non-negative).
+        positions: the positions read (non-negative), sample 0's with ``positions="last"``.
+        index: ``(batch, len(positions))``, the position each column of ``logits`` read in
+            each sample: ``positions`` on every row, but with ``positions="last"`` (each
+            sample's last real token). None in a lens built by hand: ``positions``.
     """
 
     logits: Tensor
     layers: tuple[str, ...]
     positions: tuple[int, ...]
+    index: Tensor | None = None
 
     def to_text(
         self,
@@ -45,10 +49,13 @@ class Lens:
         a function of a token id; ``tokens``: one label per position of the input)."""
         from ._tables import lens_text
 
+        at = self.positions
+        if self.index is not None and 0 <= sample < self.index.shape[0]:
+            at = tuple(int(p) for p in self.index[sample])  # "last": this sample's own
         return lens_text(
             self.logits,
             self.layers,
-            self.positions,
+            at,
             tokenizer=tokenizer,
             tokens=tokens,
             k=k,
@@ -63,7 +70,7 @@ def logit_lens(
     *,
     norm: str,
     unembed: str,
-    positions: Sequence[int] | None = None,
+    positions: int | Sequence[int] | Literal["last"] | None = None,
     scale: Literal["own", "frozen"] = "own",
 ) -> Lens:
     """The logit lens: what each layer's residual stream would predict if the model stopped
@@ -86,17 +93,22 @@ def logit_lens(
             ``"transformer.drop"`` (before block 0) and ``"transformer.h.{i}"``.
         norm: the final norm's name (``"transformer.ln_f"``, ``"model.norm"``).
         unembed: the unembedding module's name (``"lm_head"``).
-        positions: read only these positions (negative from the end); default every one.
+        positions: read only these positions, as ``hookscope.capture(positions=)`` takes
+            them (and checked by it): an index, a list of them (negative from the end), or
+            ``"last"``, each sample's last real token (the last its ``attention_mask``
+            keeps, left or right padding); default every position.
         scale: ``"own"`` or ``"frozen"``, see above (``"frozen"`` needs a LayerNorm or an
             RMSNorm).
 
     Returns:
-        A :class:`Lens`: ``logits`` of shape ``(layers, batch, positions, vocabulary)``.
+        A :class:`Lens`: ``logits`` of shape ``(layers, batch, positions, vocabulary)``
+        (one position with an int or ``"last"``).
 
     Raises:
         UsageError: a layer whose output is not a tensor of the final norm's input's shape,
-            positions out of range, a frozen scale for a norm that is neither a LayerNorm
-            nor an RMSNorm.
+            positions that ``hookscope.capture`` refuses (out of range, ``"first"``, twice,
+            an empty list; ``"last"`` with a mask that does not fit), a frozen scale for a
+            norm that is neither a LayerNorm nor an RMSNorm.
     """
     if scale not in ("own", "frozen"):
         raise UsageError(f"scale must be 'own' or 'frozen', not {scale!r}")
@@ -106,33 +118,57 @@ def logit_lens(
     with (
         run_eagerly(model),
         torch.no_grad(),
-        capture(model, layers, recompile=True, this_thread=True) as streams,
+        # the capture narrows the streams to the positions, with its own checks and meaning
+        capture(model, layers, positions=positions, recompile=True, this_thread=True) as streams,
         capture(model, norm, inputs=True, recompile=True, this_thread=True) as n,
     ):
         _run(model, inputs)
     names = tuple(streams.records)
     bound = n[norm].inputs  # its arguments by name: the first tensor is the stream
     values = bound.values() if isinstance(bound, Mapping) else [bound]
-    final = next((v for v in values if isinstance(v, Tensor)), None)
-    if not isinstance(final, Tensor):
+    full = next((v for v in values if isinstance(v, Tensor)), None)
+    if not isinstance(full, Tensor) or full.dim() < 2:
         raise UsageError(f"logit_lens: the input of {norm!r} is not one tensor: {type(bound)}")
-    grid = _positions(positions, final.shape[1])
+    index = _index(model, inputs, positions, full)
+    final = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
     rows = []
     with torch.no_grad():
         apply, unembedding = _ours(module), _ours(head)
         bias = _norm_bias(apply, final)  # once: the same for every layer
         for name in names:
-            stream = streams[name].output
-            if not isinstance(stream, Tensor) or stream.shape != final.shape:
-                shape = tuple(stream.shape) if isinstance(stream, Tensor) else type(stream)
+            r = streams[name].output
+            if not isinstance(r, Tensor) or r.shape != final.shape:
+                shape = tuple(r.shape) if isinstance(r, Tensor) else type(r)
                 raise UsageError(
-                    f"logit_lens: {name!r} returned {shape}, the final norm's input is "
-                    f"{tuple(final.shape)}: choose layers whose output is the residual stream"
+                    f"logit_lens: {name!r} returned {shape} at the positions read, the final "
+                    f"norm's input {tuple(final.shape)}: choose layers whose output is the "
+                    "residual stream"
                 )
-            r = stream[:, grid]
-            normed = apply(r) if kind is None else _frozen(apply, r, final[:, grid], *kind, bias)
+            normed = apply(r) if kind is None else _frozen(apply, r, final, *kind, bias)
             rows.append(unembedding(normed))
-    return Lens(torch.stack(rows), names, tuple(grid))
+    return Lens(torch.stack(rows), names, tuple(int(p) for p in index[0]), index)
+
+
+def _index(model: nn.Module, inputs: Any, positions: Any, full: Tensor) -> Tensor:
+    """``(batch, k)``: the positions of ``full`` (the final norm's input) that the capture
+    kept of each stream, which already checked them: ``"last"`` from the mask the capture
+    read (the model's ``attention_mask``, its arguments bound by name), else the indices."""
+    n, length = full.shape[:2]
+    steps = torch.arange(length, device=full.device).expand(n, length)
+    if positions is None:
+        return steps
+    if positions != "last":
+        listed = [positions] if isinstance(positions, int) else positions
+        return steps[:, [p % length for p in listed]]
+    if isinstance(inputs, Mapping):
+        bound = Binder(unwrap(model)).bind((), dict(inputs))
+    else:
+        bound = Binder(unwrap(model)).bind(inputs if isinstance(inputs, tuple) else (inputs,), {})
+    mask = keep_mask(bound)
+    if mask is None:
+        return steps[:, -1:]
+    window = mask[:, mask.shape[1] - length :].to(full.device)  # as the capture reads it
+    return torch.where(window, steps, -1).amax(1, keepdim=True)
 
 
 def _frozen(
