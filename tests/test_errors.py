@@ -227,6 +227,13 @@ def test_errors_inside_the_forward_name_the_last_layer_seen() -> None:
         with hs.capture(model, "a"):
             model(torch.randn(1, 3))
     assert "last layer this capture saw finish was 'a'" in "\n".join(info.value.__notes__)
+    with pytest.raises(RuntimeError, match="shape") as info:
+        with hs.capture(model, "a"), hs.capture(model, "a"):  # two captures: the note once
+            model(torch.randn(1, 3))
+    assert [n for n in info.value.__notes__ if "saw finish" in n] == [
+        "hookscope: raised inside the model's forward; the last layer this capture saw "
+        "finish was 'a'"
+    ]
 
 
 def test_clip_grad_says_it_is_per_parameter_tensor() -> None:

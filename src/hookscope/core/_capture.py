@@ -291,10 +291,12 @@ class Capture(Session):
         if isinstance(ev, StopForward) and ev.owner is self:
             return True
         if isinstance(ev, Exception) and _raised_in_a_module(tb):
-            ev.add_note(
+            note = (
                 "hookscope: raised inside the model's forward; the last layer this capture "
                 f"saw finish was {repr(done) if done else 'none'}"
             )
+            if note not in getattr(ev, "__notes__", ()):  # (another capture open said so)
+                ev.add_note(note)
         return False
 
     # -- reading ------------------------------------------------------------------------
