@@ -237,6 +237,153 @@ def test_a_sweep_over_heads_needs_sdpa_shaped_layers() -> None:
         grid.at("block", 3)
 
 
+# -- attribution patching over heads -------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Causal self-attention through SDPA: 4 heads of size 2, then the output projection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, h: Tensor) -> Tensor:
+        n, t, _ = h.shape
+        q, k, v = self.qkv(h).view(n, t, 3, 4, 2).permute(2, 0, 3, 1, 4)
+        z = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out: Tensor = self.out(z.transpose(1, 2).reshape(n, t, 8))
+        return out
+
+
+class Heads(nn.Module):
+    """(N, T) token ids -> (N, T, V) logits: one attention layer on the residual stream, and
+    the logits linear in the heads' outputs (no norm, no MLP after the attention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.attn = Attention()
+        self.head = nn.Linear(8, 11)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.embed(ids)
+        out: Tensor = self.head(h + self.attn(h))
+        return out
+
+
+Z = ["attn::scaled_dot_product_attention"]
+
+
+def _heads_model() -> Heads:
+    torch.manual_seed(0)
+    return Heads().eval()
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50)
+    config._attn_implementation = "sdpa"
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def _gpt2_metric(out: Any) -> Tensor:
+    return _metric(out.logits)
+
+
+def _heads_attribution_by_hand(model: nn.Module, clean: Tensor, corrupt: Tensor) -> Tensor:
+    """The formula with plain hooks and torch.autograd.grad: each block's output projection
+    gets every head's SDPA output side by side, (N, T, H * d); its gradient at the corrupted
+    run times (clean - corrupted), summed over the batch and the head size, per position and
+    head, plus the corrupted metric."""
+    projections = [model.get_submodule(f"transformer.h.{i}.attn.c_proj") for i in range(2)]
+    acts: list[Tensor] = []
+    handles = [p.register_forward_pre_hook(lambda m, a: acts.append(a[0])) for p in projections]
+    try:
+        with torch.no_grad():
+            model(clean)
+        clean_acts = [a.detach() for a in acts]
+        acts.clear()
+        score = _gpt2_metric(model(corrupt))
+    finally:
+        for handle in handles:
+            handle.remove()
+    grads = torch.autograd.grad(score, acts)
+    rows = []
+    for grad, now, then in zip(grads, acts, clean_acts, strict=True):
+        change = (grad * (then - now.detach())).unflatten(2, (4, 8))  # (N, T, heads, d)
+        rows.append(change.sum((0, 3)))  # (T, heads)
+    return score.detach() + torch.stack(rows)
+
+
+@pytest.mark.hf
+def test_attribution_patching_over_heads_equals_the_formula_by_hand_on_gpt2() -> None:
+    model = _gpt2()
+    assert model.config._attn_implementation == "sdpa"
+    clean = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    corrupt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    z = [f"transformer.h.{i}.attn::scaled_dot_product_attention" for i in range(2)]
+    got = hs.attribution_patching(model, clean, corrupt, _gpt2_metric, z, heads=True)
+    for p in model.parameters():
+        assert p.grad is None
+    expected = _heads_attribution_by_hand(model, clean, corrupt)
+    assert got.values.shape == expected.shape == (2, 5, 4)
+    assert got.layers == tuple(z) and got.positions == tuple(range(5)) and got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values, expected, rtol=0, atol=1e-5)
+    assert (expected - expected.mean()).abs().max() > 100 * 1e-5  # the cells differ
+    assert got.at(z[1], 3, 2) == pytest.approx(float(expected[1, 3, 2]), abs=1e-5)
+    # the same cells as hs.patching(heads=True), and an estimate of them, not their values
+    exact = hs.patching(model, clean, corrupt, _gpt2_metric, z, heads=True)
+    assert (exact.layers, exact.positions, exact.heads) == (got.layers, got.positions, got.heads)
+    assert not torch.allclose(got.values, exact.values, atol=1e-4)
+
+
+@pytest.mark.parametrize("batch", [3, 1])
+def test_attribution_patching_over_heads_is_exact_where_the_model_is_linear_after_sdpa(
+    batch: int,
+) -> None:
+    """The logits are linear in the SDPA output and the metric linear in the logits: the
+    first-order estimate of each (position, head) cell is hs.patching(heads=True)'s exact
+    value (a clean batch of one is broadcast over the corrupted batch by both)."""
+    model = _heads_model()
+    clean, corrupt = _ids(1)[:batch], _ids(2)
+    got = hs.attribution_patching(model, clean, corrupt, _metric, Z, heads=True)
+    exact = hs.patching(model, clean, corrupt, _metric, Z, heads=True, cells_per_forward=7)
+    assert got.values.shape == (1, 5, 4) and got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values, exact.values, rtol=1e-5, atol=1e-5)
+    assert exact.values.max() - exact.values.min() > 1e-2  # the cells differ
+    some = hs.attribution_patching(model, clean, corrupt, _metric, Z, positions=[-1, 1], heads=True)
+    assert some.positions == (4, 1)
+    torch.testing.assert_close(some.values, got.values[:, [4, 1]], rtol=1e-5, atol=1e-6)
+    assert some.at(Z[0], 4, 3) == pytest.approx(exact.at(Z[0], 4, 3), abs=1e-5)
+
+
+@pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
+def test_a_sweep_over_heads_refuses_layers_that_are_not_sdpa_calls(sweep: Any) -> None:
+    model = _model()
+    with pytest.raises(hs.UsageError, match=r"with heads=True each layer is an SDPA call"):
+        sweep(model, _ids(1), _ids(2), _metric, LAYERS, heads=True)
+    with pytest.raises(hs.UsageError, match="heads must be True or False"):
+        sweep(model, _ids(1), _ids(2), _metric, Z, heads=1)
+
+
+def test_attribution_over_heads_refuses_inference_mode_and_runs_compiled_models_eagerly() -> None:
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        compiled(corrupt)
+    ran = hs.attribution_patching(compiled, clean, corrupt, _metric, Z, heads=True)
+    with torch.inference_mode(), pytest.raises(hs.UsageError, match="takes gradients"):
+        hs.attribution_patching(model, clean, corrupt, _metric, Z, heads=True)
+    plain = hs.attribution_patching(model, clean, corrupt, _metric, Z, heads=True)
+    with torch.no_grad():  # the caller's no_grad does not stop the backward
+        quiet = hs.attribution_patching(model, clean, corrupt, _metric, Z, heads=True)
+    for other in (quiet, ran):
+        torch.testing.assert_close(other.values, plain.values, rtol=1e-5, atol=1e-6)
+
+
 class _Midway(nn.Module):
     """The model's head, which first runs ``during()`` when called on thread ``main``."""
 
@@ -251,11 +398,13 @@ class _Midway(nn.Module):
         return out
 
 
+@pytest.mark.parametrize("heads", [False, True])
 @pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
-def test_another_threads_forward_during_a_sweep_runs_unedited(sweep: Any) -> None:
+def test_another_threads_forward_during_a_sweep_runs_unedited(sweep: Any, heads: bool) -> None:
     """The sweep's edits (and captures) are its own thread's: a forward another thread runs on
-    the same model in the middle of each of the sweep's forwards is the plain model's."""
-    model = _model()
+    the same model in the middle of each of the sweep's forwards is the plain model's (a
+    sweep over heads too, whose sites are operations)."""
+    model: nn.Module = _heads_model() if heads else _model()
     clean, corrupt = _ids(1), _ids(2)
     with torch.no_grad():
         plain = model(corrupt)
@@ -271,7 +420,10 @@ def test_another_threads_forward_during_a_sweep_runs_unedited(sweep: Any) -> Non
         worker.join()
 
     model.head = _Midway(model.head, threading.get_ident(), during)
-    sweep(model, clean, corrupt, _metric, LAYERS)
+    if heads:
+        sweep(model, clean, corrupt, _metric, Z, heads=True, positions=[-1])
+    else:
+        sweep(model, clean, corrupt, _metric, LAYERS)
     assert len(seen) == 2  # one in the clean run, one in the corrupted one
     for out in seen:
         assert torch.equal(out, plain)

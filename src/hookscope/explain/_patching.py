@@ -176,6 +176,7 @@ def attribution_patching(
     layers: LayerSelector,
     *,
     positions: Sequence[int] | None = None,
+    heads: bool = False,
 ) -> Patching:
     """The first-order estimate of :func:`patching`'s grid from one clean forward, one
     corrupted forward and one backward (attribution patching).
@@ -183,7 +184,8 @@ def attribution_patching(
     Each cell is ``metric(corrupted) + sum(grad * (clean - corrupted))`` at its layer and
     position, summed over the batch and the other axes, where ``grad`` is the gradient of the
     metric with respect to the layer's output in the corrupted run: the metric the patch would
-    give if the model were linear from that layer on. Gradients are taken with
+    give if the model were linear from that layer on. With ``heads=True`` a cell is one head
+    at one position, summed over the batch and the head size. Gradients are taken with
     ``torch.autograd.grad``: the parameters' ``.grad`` are left as they are.
 
     Args:
@@ -193,18 +195,24 @@ def attribution_patching(
         metric: as for :func:`patching`, returning a 0-d tensor computed from the output.
         layers: the layers, as for :func:`patching`.
         positions: the positions (negative from the end); default every position.
+        heads: estimate :func:`patching`'s sweep over attention heads: each layer is an SDPA
+            call (``"...attn::scaled_dot_product_attention"``), a cell one head at one
+            position; ``values`` is then ``(len(layers), len(positions), len(heads))``.
 
     Returns:
-        A :class:`Patching` of the estimates, comparable cell by cell with :func:`patching`'s.
+        A :class:`Patching` of the estimates, comparable cell by cell with :func:`patching`'s
+        (with the same ``heads``).
 
     Raises:
         UsageError: as :func:`patching`, or a metric that does not depend on the layers.
     """
     if not callable(metric):
         raise UsageError(f"metric must be a function of the model's output, not {metric!r}")
+    if not isinstance(heads, bool):
+        raise UsageError(f"heads must be True or False, not {heads!r}")
     need_grad("attribution_patching")
     batch = _batch_size(corrupted, "corrupted")
-    names, sources, grid = _clean_run(model, clean, layers, positions, batch)
+    names, sources, grid = _clean_run(model, clean, layers, positions, batch, heads=heads)
     live: dict[str, Tensor] = {}
 
     def keep(name: str) -> Callable[[Tensor, EditContext], Tensor]:
@@ -238,10 +246,21 @@ def attribution_patching(
                 f"attribution_patching: {name!r} is not on the metric's path, or the runs "
                 "differ in length"
             )
-        change = (grad * (sources[name].to(now.dtype) - now))[:, grid]  # (N, positions, ...)
-        rows.append(change.transpose(0, 1).flatten(1).sum(1))
+        rows.append(_first_order(grad * (sources[name].to(now.dtype) - now), grid, heads))
     values = score.detach().reshape(()) + torch.stack(rows)
-    return Patching(values.float().cpu(), names, tuple(grid))
+    if not heads:
+        return Patching(values.float().cpu(), names, tuple(grid))
+    n_heads = sources[names[0]].shape[1]
+    return Patching(values.float().cpu(), names, tuple(grid), tuple(range(n_heads)))
+
+
+def _first_order(change: Tensor, grid: list[int], heads: bool) -> Tensor:
+    """One layer's row of estimates from ``grad * (clean - corrupted)``: summed over the batch
+    and the features at each position, ``(positions,)``; with heads (``change`` is ``(N, H,
+    T, d)``) over the batch and the head size at each position and head, ``(positions, H)``."""
+    if heads:
+        return change[:, :, grid].sum((0, 3)).transpose(0, 1)
+    return change[:, grid].transpose(0, 1).flatten(1).sum(1)  # (N, positions, ...) -> (P,)
 
 
 def _clean_run(
