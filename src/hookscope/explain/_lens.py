@@ -130,7 +130,9 @@ def logit_lens(
     if not isinstance(full, Tensor) or full.dim() < 2:
         raise UsageError(f"logit_lens: the input of {norm!r} is not one tensor: {type(bound)}")
     index = _index(model, inputs, positions, full)
-    final = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
+    # the positions (axis 1) the capture kept, whatever axes follow them
+    spread = index.view(*index.shape, *(1,) * (full.dim() - 2))
+    final = full.gather(1, spread.expand(-1, -1, *full.shape[2:]))
     rows = []
     with torch.no_grad():
         apply, unembedding = _ours(module), _ours(head)
