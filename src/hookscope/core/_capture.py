@@ -410,7 +410,7 @@ class Capture(Session):
 
     def _enter_pass(self, site: _Site, pass_index: int) -> None:
         """The layer's first call in this pass (once per layer and forward)."""
-        if _functorch_level() is not None:  # a torch.func transform around it (_session)
+        if _transforms_active():  # a torch.func transform around it (_session)
             raise transformed_error(site.name, self._entry)
         lock = self._lock  # acquire/release: half the cost of `with` (the per-site hot path)
         lock.acquire()
@@ -501,6 +501,7 @@ class Capture(Session):
         clone = store.keep == store._keep_clone
         threads, local = self._threads, self._local  # (a new `_local` comes with new hooks)
         lock, per_pass, grads = self._lock, self._per_pass, self._grads
+        pending, counting = record._pending, store.counting  # (both fixed while open)
         after = ring is not None or stop  # _stored's work beyond a late call's
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
@@ -517,7 +518,7 @@ class Capture(Session):
                 return  # a private forward, or another thread's (see Session._ignores)
             pass_index = now.pass_index
             if site.used_in != pass_index:  # the layer's first call in this pass: _enter_pass
-                if _functorch_level() is not None:
+                if _transforms_active():
                     raise transformed_error(name, self._entry)
                 now.busy = True  # before reading _solo: Session._join
                 shared = self._solo is not now  # the solo thread takes no lock (_join)
@@ -529,7 +530,12 @@ class Capture(Session):
                     else:
                         site.used_in = pass_index
                         self._used.append(site)
-                        if per_pass:
+                        if not per_pass:
+                            pass
+                        elif len(pending) == 1 and not counting and not record._calls:
+                            record._dropped += 1  # LayerRecord._evict_all's fast path, inlined
+                            pending.clear()
+                        else:
                             record._evict_all(grads=grads)
                 finally:
                     if shared:
@@ -773,7 +779,7 @@ _backward_id = backward_id  # module globals: the per-call path looks them up fa
 _stack_length = _torch.function_stack_length
 _run_unseen = run_unseen
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
-_functorch_level = _torch.functorch_level
+_transforms_active = _torch.transforms_active
 _version = _torch.version
 
 

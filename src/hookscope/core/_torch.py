@@ -73,6 +73,7 @@ __all__ = [
     "sequence_nr",
     "set_stance",
     "sparse_values",
+    "transforms_active",
     "version",
     "wrap_inline_codes",
 ]
@@ -212,6 +213,13 @@ functorch_level: Callable[[], int | None] = _find(
     "torch._C._functorch.maybe_current_level", lambda: torch._C._functorch.maybe_current_level
 )
 """The torch.func transform level of the code running now, None outside transforms."""
+
+transforms_active: Callable[[], bool] = _find(
+    "torch._C._are_functorch_transforms_active",
+    lambda: torch._C._are_functorch_transforms_active,
+) or (lambda: functorch_level() is not None)
+"""Whether a torch.func transform is running (the cheap test a per-call hot path makes
+before :data:`functorch_level`: a plain C function, not a binding's)."""
 
 _find(
     "torch._C._functorch.get_interpreter_stack",
