@@ -57,9 +57,9 @@ def _sums(t: Tensor, weights: dict[torch.device, Tensor]) -> Tensor:
     On the CPU each run is summed in pieces under torch's grain size, each on this thread:
     one float64 product into a buffer that stays in the cache, and its sum. Summing a run as
     a whole (its float64 copy, then ``torch.dot``) made two parallel operations of 8 MiB a
-    run, each waiting at its end for torch's other threads: 1.0-2.4 s for GPT-2 small's
-    weights on a busy 2-core machine (6% of extracting 65,536 tokens of its ``h.1``), where
-    the pieces take 0.3-0.4 s. The sums differ from a whole run's only in the order of
+    run, each waiting at its end for torch's other threads: 1.0-4.0 s for GPT-2 small's
+    weights on a busy 2-core machine (2-6% of extracting 65,536 tokens of its ``h.1``), where
+    the pieces take 0.2-0.8 s. The sums differ from a whole run's only in the order of
     float64 additions (about 1e-14 of the value, far below the 7 digits kept)."""
     flat = (torch.view_as_real(t) if t.is_complex() else t).reshape(-1)
     if flat.device.type == "mps":  # no float64 there
