@@ -20,24 +20,20 @@ import hookscope as hs
 from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Extract: hs.extract beside a hand-written loop writing .npy files"
-TITLES = {
-    "resnet50": "ResNet-50",
-    "minilm": "MiniLM",
-    "io": "IO-bound",
-    "io_large": "IO-bound, 4x, in /dev/shm",
-    "tokens_minilm": "MiniLM, a row per token",
-    "tokens_gpt2": "GPT-2 small, a row per token",
-    "reader": "shuffled reader",
-}
+TITLES = {"resnet50": "ResNet-50", "minilm": "MiniLM", "io": "IO-bound"}
+TITLES |= {"io_large": "IO-bound, 4x, in /dev/shm", "reader": "shuffled reader"}
+TITLES |= {"tokens_minilm": "MiniLM, a row per token"}
+TITLES |= {"tokens_gpt2": "GPT-2 small, a row per token"}
 LABELS = {
     "hand": "hand-written loop: hook, forward, reduce (or hidden[mask]), np.save per batch",
     "hand_again": "the same hand loop again (A/A: the ratio that is noise)",
     "hs": "hs.extract(model, data, [layer], out=..., reduce=... or unit='token')",
     "hs_zstd": "hs.extract(..., codec='zstd')",
+    "bl": "the --baseline revision's hs.extract, the same call",
     "zarr": "plain zarr: every chunk of the layer and the token arrays, in order",
     "shuffled": "for batch in store.shuffled(4096, buffer=65536)",
 }
-FLOORS = {"hand_again": "hand", "hs": "hand", "hs_zstd": "hs", "shuffled": "zarr"}
+FLOORS = {"hand_again": "hand", "hs": "hand", "hs_zstd": "hs", "bl": "hs", "shuffled": "zarr"}
 TOKENS = "hs.extract(unit='token') time ÷ hand loop keeping hidden[mask] (throughput ≥ 0.95x)"
 TARGETS = [
     *(
@@ -149,6 +145,9 @@ def _timing(spec: Result) -> Result:
         fns.update({"hand_again": hand} if name.startswith("io") else {})  # the noise: hand ÷ hand
         if name == "io":
             fns["hs_zstd"] = functools.partial(ours, out=root / "hs_zstd", codec="zstd")
+        bl, _ = capture.import_baseline(spec.get("baseline"))
+        if bl is not None:  # --baseline: the same call to the revision's hs.extract
+            fns["bl"] = lambda: bl.extract(model, texts, [layer], out=root / "bl", **opts)
     variants = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
     result = h.timing(variants, Plan(**spec["plan"]), unit=variants[0].key)
     shutil.rmtree(root, ignore_errors=True)

@@ -178,6 +178,25 @@ def test_the_fingerprint_of_fixed_weights_never_changes() -> None:
     ]
 
 
+def test_the_fingerprint_of_weights_of_every_dtype_never_changes() -> None:
+    """The CPU sums are taken piece by piece (a faster order of the same float64 additions):
+    weights of other dtypes than float32 (float64 over two runs, bfloat16, float16, complex,
+    integer and bool buffers) keep the fingerprint the whole-run sums gave them."""
+    from hookscope.extract._identity import fingerprint
+
+    model = nn.Sequential(nn.Linear(700, 1600).double(), nn.Linear(40, 30).bfloat16())
+    model.append(nn.Linear(8, 4).half())
+    model.register_buffer("steps", torch.arange(50_000))
+    model.register_buffer("mask", torch.arange(40_000) % 3 == 0)
+    model.phase = nn.Parameter(torch.complex(torch.arange(6.0), -torch.arange(6.0)))
+    with torch.no_grad():
+        for p in model[0].parameters():
+            p.copy_(torch.arange(p.numel(), dtype=torch.float64).reshape(p.shape) % 7 / 7)
+        for p in (*model[1].parameters(), *model[2].parameters()):
+            p.copy_((torch.arange(p.numel()) % 5 / 5).reshape(p.shape))
+    assert fingerprint(model) == "6eb8d9dcd1cfe425"  # what the code before the pieces gave
+
+
 def test_the_fingerprint_does_not_depend_on_the_number_of_torch_threads() -> None:
     """A store made in a process with 2 torch threads resumes in one with 1 or 3 (another
     machine, a worker): sums of 2**20 float32 values added up by a different number of
