@@ -12,12 +12,13 @@ import html
 import itertools
 import math
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from .._extras import require
+from .._labels import decoder, position_labels
 from ..errors import UsageError
 from ..explain import Lens, Patching
 
@@ -65,20 +66,6 @@ def _dark(rgb: tuple[int, int, int]) -> bool:
     return 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] < 140
 
 
-def _labels(positions: Sequence[int], tokens: Sequence[str] | None) -> list[str]:
-    """Column headings: the position, and its token when the user gave the input's tokens."""
-    if tokens is None:
-        return [str(p) for p in positions]
-    if isinstance(tokens, str) or not all(isinstance(t, str) for t in tokens):
-        raise UsageError(f"tokens must be a list of strings, one per position, not {tokens!r}")
-    if positions and max(positions) >= len(tokens):
-        raise UsageError(
-            f"tokens has {len(tokens)} strings; the grid reaches position {max(positions)}: "
-            "give one token per position of the input"
-        )
-    return [f"{p} {tokens[p]!r}" for p in positions]
-
-
 def _head(corner: str, labels: Sequence[str]) -> str:
     cells = "".join(f'<th scope="col">{html.escape(c)}</th>' for c in labels)
     return f'<thead><tr><th scope="col">{html.escape(corner)}</th>{cells}</tr></thead>'
@@ -106,7 +93,7 @@ def _heatmap(grid: Patching, tokens: Sequence[str] | None) -> str:
                 )
             rows.append(f'<tr><th scope="row">{html.escape(name)}</th>{"".join(cells)}</tr>')
     corner = "layer, head \\ position" if grid.heads else "layer \\ position"
-    table = f'<table class="heat">{_head(corner, _labels(grid.positions, tokens))}'
+    table = f'<table class="heat">{_head(corner, position_labels(grid.positions, tokens))}'
     scale = (
         f'<span class="scale" style="background:linear-gradient(to right, '
         f'{_hex(NEGATIVE)}, #ffffff, {_hex(POSITIVE)})"></span>'
@@ -159,7 +146,7 @@ def patching_png(grid: Patching, tokens: Sequence[str] | None, title: str) -> by
     ends = [tuple(c / 255 for c in rgb) for rgb in (NEGATIVE, _WHITE, POSITIVE)]
     cmap = colors.LinearSegmentedColormap.from_list("hookscope_diverging", ends)
     cmap = cmap.with_extremes(bad=tuple(c / 255 for c in NAN_COLOUR))
-    labels = _labels(grid.positions, tokens)
+    labels = position_labels(grid.positions, tokens)
     width = min(2.5 + 0.5 * len(labels) + 0.06 * max(map(len, names)), 24)
     fig, ax = plt.subplots(figsize=(width, min(1.6 + 0.32 * len(names), 24)))
     span = largest or 1.0
@@ -178,25 +165,13 @@ def patching_png(grid: Patching, tokens: Sequence[str] | None, title: str) -> by
     return _png(plt, fig)
 
 
-def _decoder(tokenizer: Any) -> Callable[[int], str]:
-    if tokenizer is None:
-        return lambda i: f"#{i}"
-    if callable(getattr(tokenizer, "decode", None)):
-        return lambda i: str(tokenizer.decode([i]))
-    if callable(tokenizer):
-        return lambda i: str(tokenizer(i))
-    raise UsageError(
-        f"tokenizer must have a decode method or be a function of a token id, not {tokenizer!r}"
-    )
-
-
 def lens_html(lens: Lens, tokens: Sequence[str] | None, tokenizer: Any, k: int = 3) -> str:
     """The body of the logit-lens section: for the first sample, a row per layer and a column
     per position, each cell the ``k`` likeliest tokens with their probabilities (the first
     one's shading its probability)."""
     if not isinstance(lens, Lens):
         raise UsageError(f"lens must be what hs.logit_lens returns, not {type(lens).__name__}")
-    decode = _decoder(tokenizer)
+    decode = decoder(tokenizer)
     probs = torch.softmax(lens.logits[:, 0].double(), dim=-1)  # (layers, positions, vocab)
     top = probs.topk(min(k, probs.shape[-1]), dim=-1)
     rows = []
@@ -221,7 +196,7 @@ def lens_html(lens: Lens, tokens: Sequence[str] | None, tokenizer: Any, k: int =
         "with their probabilities (softmax over the vocabulary); the shading is the first "
         "one's.</p>"
     )
-    head = _head("layer \\ position", _labels(lens.positions, tokens))
+    head = _head("layer \\ position", position_labels(lens.positions, tokens))
     table = f'<table class="heat">{head}<tbody>{"".join(rows)}</tbody></table>'
     return f'{text}{_CSS}<div class="scroll">{table}</div>'
 
