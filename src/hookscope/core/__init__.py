@@ -36,6 +36,7 @@ from ._reduce import REDUCERS, check_reduce, keep_mask, reduce_tensor
 from ._session import Session
 from ._tree import describe, leaves, map_tensors
 from ._types import LayerSelector, Reduce
+from ._units import last_positions
 from .ops._select import op_qualname
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "grad_of",
     "is_called",
     "keep_mask",
+    "last_positions",
     "leaves",
     "map_tensors",
     "mean_ablate",

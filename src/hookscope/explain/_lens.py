@@ -12,7 +12,15 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..core import Binder, LayerSelector, capture, keep_mask, run_eagerly, unwrap
+from ..core import (
+    Binder,
+    LayerSelector,
+    capture,
+    keep_mask,
+    last_positions,
+    run_eagerly,
+    unwrap,
+)
 from ..errors import UsageError
 from ._patching import _run
 
@@ -166,11 +174,8 @@ def _index(model: nn.Module, inputs: Any, positions: Any, full: Tensor) -> Tenso
         bound = Binder(unwrap(model)).bind((), dict(inputs))
     else:
         bound = Binder(unwrap(model)).bind(inputs if isinstance(inputs, tuple) else (inputs,), {})
-    mask = keep_mask(bound)
-    if mask is None:
-        return steps[:, -1:]
-    window = mask[:, mask.shape[1] - length :].to(full.device)  # as the capture reads it
-    return torch.where(window, steps, -1).amax(1, keepdim=True)
+    # the capture's own reading of the mask (its window of the call's last positions)
+    return last_positions(keep_mask(bound), n, length, full.device)[:, None]
 
 
 def _frozen(
