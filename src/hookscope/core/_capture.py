@@ -530,12 +530,10 @@ class Capture(Session):
                     else:
                         site.used_in = pass_index
                         self._used.append(site)
-                        if not per_pass:
-                            pass
-                        elif len(pending) == 1 and not counting and not record._calls:
+                        if per_pass and len(pending) == 1 and not counting and not record._calls:
                             record._dropped += 1  # LayerRecord._evict_all's fast path, inlined
                             pending.clear()
-                        else:
+                        elif per_pass:
                             record._evict_all(grads=grads)
                 finally:
                     if shared:
