@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import hookscope as hs
+from test_logit_attribution import PARTS  # the keywords naming each model's parts
 
 transformers = pytest.importorskip("transformers")
 lens = pytest.importorskip("transformer_lens")
@@ -298,25 +299,6 @@ def test_logit_lens_equals_transformer_lens_accumulated_resid(kind: str) -> None
     assert (own.logits[0] - frozen.logits[0]).abs().max() > 0.1  # the conventions differ
     last = hs.logit_lens(hf, ids, layers, norm=norm, unembed="lm_head", positions=[-1])
     torch.testing.assert_close(last.logits, own.logits[:, :, -1:], rtol=0, atol=1e-6)
-
-
-#: per model: the keywords naming its parts for hs.logit_attribution
-PARTS: dict[str, dict[str, Any]] = {
-    "gpt2": {
-        "attention": "transformer.h.*.attn.c_proj",
-        "mlps": "transformer.h.*.mlp",
-        "embeddings": ["transformer.wte", "transformer.wpe"],
-        "norm": "transformer.ln_f",
-        "unembed": "lm_head",
-    },
-    "llama": {
-        "attention": "model.layers.*.self_attn.o_proj",
-        "mlps": "model.layers.*.mlp",
-        "embeddings": "model.embed_tokens",
-        "norm": "model.norm",
-        "unembed": "lm_head",
-    },
-}
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
