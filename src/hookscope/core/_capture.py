@@ -409,7 +409,8 @@ class Capture(Session):
             self._stale.clear()
 
     def _enter_pass(self, site: _Site, pass_index: int) -> None:
-        """The layer's first call in this pass (once per layer and forward)."""
+        """The layer's first call in this pass (once per layer and forward); ``_output_only``
+        does the common case of the solo thread itself."""
         if _transforms_active():  # a torch.func transform around it (_session)
             raise transformed_error(site.name, self._entry)
         lock = self._lock  # acquire/release: half the cost of `with` (the per-site hot path)
@@ -494,18 +495,19 @@ class Capture(Session):
         """The forward hook of a capture of outputs only: the per-call hot path, with what it
         needs bound once. It stores the value (and its version, by reference), nothing else.
         With the default storage policy (see ``Store``) the copy is made right here; so is
-        :meth:`_enter_pass`'s work (a frame less per layer and forward)."""
+        :meth:`_enter_pass`'s work in its common case on the session's solo thread (no lock,
+        no frame: the layer's previous pass held one call); every other case calls it."""
         module, name, record, store = site.module, site.name, site.record, self._store
         append, ring, stop, where = record._appender(), self._ring, self._stop, (name, _OUTPUT)
         keep = None if store.keep in (store._keep_clone, store._keep_reference) else store.keep
         clone = store.keep == store._keep_clone
         threads, local = self._threads, self._local  # (a new `_local` comes with new hooks)
-        lock, per_pass, grads = self._lock, self._per_pass, self._grads
+        per_pass = self._per_pass
         pending, counting = record._pending, store.counting  # (both fixed while open)
         after = ring is not None or stop  # _stored's work beyond a late call's
 
         def on_output(mod: nn.Module, args: Any, output: Any) -> None:
-            if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
                 return
             if _stack_length():  # a user's function modes must not see the copy (_lifetime)
                 return _run_unseen(on_output, mod, args, output)
@@ -517,28 +519,26 @@ class Capture(Session):
             if (now.private or threads is not None) and self._ignores():
                 return  # a private forward, or another thread's (see Session._ignores)
             pass_index = now.pass_index
-            if site.used_in != pass_index:  # the layer's first call in this pass: _enter_pass
+            if site.used_in != pass_index:  # the layer's first call in this pass
                 if _transforms_active():
                     raise transformed_error(name, self._entry)
+                quick = False
                 now.busy = True  # before reading _solo: Session._join
-                shared = self._solo is not now  # the solo thread takes no lock (_join)
-                if shared:
-                    lock.acquire()
-                try:
-                    if pass_index < site.used_in:  # another thread's later forward ran it
-                        record._unordered = True
-                    else:
-                        site.used_in = pass_index
-                        self._used.append(site)
-                        if per_pass and len(pending) == 1 and not counting and not record._calls:
+                try:  # the solo thread's common case takes no lock (_join), else _enter_pass
+                    if self._solo is now and site.used_in < pass_index:
+                        if not per_pass:
+                            quick = True
+                        elif len(pending) == 1 and not counting and not record._calls:
+                            quick = True
                             record._dropped += 1  # LayerRecord._evict_all's fast path, inlined
                             pending.clear()
-                        elif per_pass:
-                            record._evict_all(grads=grads)
+                        if quick:
+                            site.used_in = pass_index
+                            self._used.append(site)
                 finally:
-                    if shared:
-                        lock.release()
                     now.busy = False
+                if not quick:
+                    self._enter_pass(site, pass_index)
             if ring is not None:
                 self._make_room(record)
             if type(output) is not Tensor:
@@ -777,6 +777,7 @@ _backward_id = backward_id  # module globals: the per-call path looks them up fa
 _stack_length = _torch.function_stack_length
 _run_unseen = run_unseen
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
+_getattr, (_flags, _EXPORTING) = getattr, _torch.EXPORTING_FLAG
 _transforms_active = _torch.transforms_active
 _version = _torch.version
 

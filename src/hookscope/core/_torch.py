@@ -33,6 +33,7 @@ from ..errors import TorchCompatError
 
 __all__ = [
     "CALL_CODES",
+    "EXPORTING_FLAG",
     "FUSED_ATTENTION",
     "INTERNALS",
     "LOCAL_SCALAR_DENSE",
@@ -240,6 +241,20 @@ _FAKE_MODE = _find(
     "torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)",
     lambda: (torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE),
 )
+
+
+class _Always:
+    flag = True
+
+
+#: ``(holder, name)``: ``getattr(holder, name)`` is the flag ``torch.compiler.is_exporting()``
+#: returns, read by a per-call hot path without a Python call (Dynamo folds the read to a
+#: constant while it traces, as it does the call). A torch without the flag gets a holder
+#: whose flag is always set, so every call takes the exact test, :func:`export_traced`.
+EXPORTING_FLAG: tuple[Any, str] = _find(
+    "torch.compiler._is_exporting_flag",
+    lambda: (torch.compiler, "_is_exporting_flag", torch.compiler._is_exporting_flag)[:2],
+) or (_Always, "flag")
 
 
 def export_traced() -> bool:
