@@ -6,11 +6,9 @@ the number of samples; the Ray engine equal to the local one bit for bit."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -295,29 +293,15 @@ def _extract(out: Path, resume: bool = False) -> hs.FeatureStore:
 def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_path: Path) -> None:
     clean = _extract(tmp_path / "clean")
 
-    def killed_at(points: list[int]) -> tuple[Path, bool]:
-        out = tmp_path / f"kill{'_'.join(map(str, points))}"
-        for i, point in enumerate(points):
-            child = _child(out, kill_at=point, resume=i > 0)
-            assert child.wait(timeout=120) == -signal.SIGKILL, child.stderr[-2000:]
-            with pytest.raises(hs.UsageError, match="unfinished"):
-                hs.open_features(out)
-        return out, True
-
-    def killed_by_timer(seed: int) -> tuple[Path, bool]:
-        out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
-        child = _child(out, kill_at=0, delay=0.01)
-        if child.wait(timeout=float(np.random.default_rng(seed).uniform(*TIMER_S))) is None:
-            child.kill()
-        return out, out.exists()  # killed before it made the store: start one
+    def unfinished(out: Path) -> None:
+        with pytest.raises(hs.UsageError, match="unfinished"):
+            hs.open_features(out)
 
     # batch 1 (store created, nothing written), 6 (block 2 half done), 7 (block 3's first
-    # batch, right after block 2 was committed), 20 (the last batch); twice for 12. The
-    # kills are independent processes: two at a time (each mostly imports torch)
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(killed_at, points) for points in ([1], [6], [7], [20], [12, 3])]
-        runs += [pool.submit(killed_by_timer, seed) for seed in range(3)]
-        stores = [run.result() for run in runs]
+    # batch, right after block 2 was committed), 20 (the last batch); twice for 12; and three
+    # kills at random moments
+    points = [[1], [6], [7], [20], [12, 3]]
+    stores = zygote.killed_stores(tmp_path, _child, points, 3, TIMER_S, 0.01, unfinished)
     for out, resume in stores:  # then each resumed here, to the end
         _assert_same(_extract(out, resume=resume), clean)
 

@@ -7,8 +7,6 @@ token once per epoch in an order that is not chunk-local; the Hugging Face expor
 
 from __future__ import annotations
 
-import signal
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -348,26 +346,10 @@ def test_sigkill_at_several_points_then_resume_equals_an_uninterrupted_run(tmp_p
     # blocks of 12 samples hold about 250 rows: whole chunks, and chunks blocks share
     assert clean.tokens > 2000 and 16 <= clean["mix"].chunks[0] < 128
 
-    def killed_at(points: list[int]) -> tuple[Path, bool]:
-        out = tmp_path / f"kill{'_'.join(map(str, points))}"
-        for i, point in enumerate(points):
-            child = _child(out, kill_at=point, resume=i > 0)
-            assert child.wait(timeout=120) == -signal.SIGKILL, child.stderr[-2000:]
-        return out, True
-
-    def killed_by_timer(seed: int) -> tuple[Path, bool]:
-        out = tmp_path / f"timer{seed}"  # at a random moment (inside chunk writes too)
-        child = _child(out, kill_at=0, delay=0.02)
-        if child.wait(timeout=float(np.random.default_rng(seed).uniform(*TIMER_S))) is None:
-            child.kill()
-        return out, out.exists()  # killed before it made the store: start one
-
     # batch 1 (nothing written), 5 (block 2's first batch: block 1 just committed), 12 (a
-    # block's second batch), 20 (the last batch); then 14 and 3 in turn. Two children at a time
-    with ThreadPoolExecutor(2) as pool:
-        runs = [pool.submit(killed_at, p) for p in ([1], [5], [12], [20], [14, 3])]
-        runs += [pool.submit(killed_by_timer, seed) for seed in range(2)]
-        stores = [run.result() for run in runs]
+    # block's second batch), 20 (the last batch); then 14 and 3 in turn; two kills at random
+    points = [[1], [5], [12], [20], [14, 3]]
+    stores = zygote.killed_stores(tmp_path, _child, points, 2, TIMER_S, 0.02)
     for out, resume in stores:  # then each resumed here, to the end
         _assert_same(_extract(out, resume=resume), clean)
 

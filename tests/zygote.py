@@ -84,3 +84,45 @@ def _run(fn: Callable[..., Any], args: tuple[Any, ...], stderr_file: str) -> Non
     os.close(fd)
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115 (fd 2 outlives this function)
     fn(*args)
+
+
+def killed_stores(
+    tmp_path: Path,
+    child: Callable[..., Child],
+    points: list[list[int]],
+    seeds: int,
+    timer_s: tuple[float, float],
+    delay: float,
+    after_kill: Callable[[Path], None] = lambda out: None,
+) -> list[tuple[Path, bool]]:
+    """The stores SIGKILL left behind, for the extraction tests' resume checks: one per list
+    of ``points`` (a child killed at each forward in turn, each after the first resuming the
+    store; ``after_kill(store)`` runs after each kill) and one per seed (a child sleeping
+    ``delay`` seconds after each forward, killed at a random moment in ``timer_s`` seconds,
+    inside chunk writes too). ``child(out, kill_at=, delay=, resume=)`` starts a child; two
+    run at a time. Each result is ``(store, resume)``: ``resume`` is False where the timer
+    killed the child before it made the store, so the resume must start one."""
+    import signal
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    def killed_at(at: list[int]) -> tuple[Path, bool]:
+        out = tmp_path / f"kill{'_'.join(map(str, at))}"
+        for i, point in enumerate(at):
+            started = child(out, kill_at=point, resume=i > 0)
+            assert started.wait(timeout=120) == -signal.SIGKILL, started.stderr[-2000:]
+            after_kill(out)
+        return out, True
+
+    def killed_by_timer(seed: int) -> tuple[Path, bool]:
+        out = tmp_path / f"timer{seed}"
+        started = child(out, kill_at=0, delay=delay)
+        if started.wait(timeout=float(np.random.default_rng(seed).uniform(*timer_s))) is None:
+            started.kill()
+        return out, out.exists()
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = [pool.submit(killed_at, at) for at in points]
+        runs += [pool.submit(killed_by_timer, seed) for seed in range(seeds)]
+        return [run.result() for run in runs]
