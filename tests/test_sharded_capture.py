@@ -170,6 +170,14 @@ def _check_dtensor(mesh: Any, rank: int) -> None:
         model(x)
     for name in ("0", "1"):
         _near(cap[name].output, want[name].mean(0), kind, (name, "batch_mean"))
+    # an edit of a DTensor output sees the DTensor (the whole tensor, as DTensor's operators
+    # do): the same result as on the unsharded model
+    oracle = _make(kind)
+    edits = {"0": hs.scale(0.5), "1": hs.add(0.25)}
+    with torch.no_grad(), hs.edit(oracle, edits):
+        edited = oracle(x)
+    with torch.no_grad(), hs.edit(model, edits):
+        _near(model(x), edited, kind, "DTensor edit")
 
 
 def _heads_block() -> nn.Module:
