@@ -180,6 +180,33 @@ def _check_dtensor(mesh: Any, rank: int) -> None:
         _near(model(x), edited, kind, "DTensor edit")
 
 
+def _check_rows_sharded(mesh: Any, rank: int) -> None:
+    """A row-parallel layer whose plan shards its output by rows (``output_layouts=
+    Shard(0)``, as sequence parallelism does): the piece is read as ``Shard(0)`` of the whole
+    (from the layer's input and width, not assumed to be the features), and gathered whole."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    kind = "mlp"
+    x = _batches(kind, 1)[0]
+    want = _oracle(kind, x, ["2"])
+    model = _make(kind)
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel(output_layouts=Shard(0))}
+    parallelize_module(model, mesh, plan)
+    with torch.no_grad(), hs.capture(model, "2") as cap:
+        model(x)
+    call = cap["2"].last
+    assert call.placements == (Shard(0),) and call.global_shape == want["2"].shape
+    _near(call.output, want["2"].chunk(2)[rank], kind, "rows")
+    with torch.no_grad(), hs.capture(model, "2", gather=True) as cap:
+        model(x)
+    _near(cap["2"].output, want["2"], kind, "rows gathered")
+
+
 def _heads_block() -> nn.Module:
     torch.manual_seed(0)
     return _Block(d=16, head=4, hidden=12)  # 4 heads of 4: each rank holds 2
@@ -231,6 +258,7 @@ def _rank(rank: int, world: int, out: str) -> None:
             _check_gather(kind, mesh)
             _check_reduce(kind, mesh)
         _check_dtensor(mesh, rank)
+        _check_rows_sharded(mesh, rank)
         _check_head_ablation(mesh)
         dist.destroy_process_group()
     except BaseException:
