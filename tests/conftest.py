@@ -49,6 +49,7 @@ FILE_SECONDS = {
     "test_bench.py": 36,
     "test_extract_tokens.py": 27,
     "test_api.py": 24,
+    "test_sharded_capture.py": 22,
     "test_extract_cli.py": 20,
     "test_integrations_lightning.py": 18,
     "test_hf.py": 16,

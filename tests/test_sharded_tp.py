@@ -684,6 +684,8 @@ def test_sharded_guide_script_runs_on_two_ranks(tmp_path: Path) -> None:
     assert "FLOPs on all 2 ranks: 133,120 (133 K)" in printed, printed
     assert "all_reduce" not in printed and "wait_tensor" not in printed, printed
     assert "last step: total gradient norm" in printed, printed
+    # layer 0 (column-parallel, 64 features): rank 0 held 32, kept the whole batch's 64
+    assert "layer 0: (Shard(dim=1),) of (32, 64), kept (32, 64)" in printed, printed
     assert (tmp_path / "rank1.out").read_text() == ""
     records = [json.loads(line) for line in (tmp_path / "monitor.jsonl").read_text().splitlines()]
     assert sorted({r["step"] for r in records}) == [0, 10, 20]

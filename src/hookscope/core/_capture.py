@@ -28,6 +28,7 @@ from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
 from ._calls import ModuleCall
 from ._lifetime import HookSet, run_unseen
+from ._placement import UNKNOWN, is_dtensor, layout_of, sharded_model, whole
 from ._records import _OUTPUT, Call, LayerRecord
 from ._refusals import replica_error, transformed_error
 from ._session import Run, Session
@@ -143,6 +144,18 @@ class Capture(Session):
         this_thread: see only the forwards of the threads inside the ``with`` block (or
             between :meth:`open` and :meth:`close`); forwards other threads run on the model
             meanwhile are not recorded. Off: every thread's forwards are.
+        gather: in a model with ``DTensor`` parameters (tensor parallelism), keep each
+            output's global tensor, the same on every rank, instead of this rank's piece:
+            one collective per call of a sharded output (an all-gather; an all-reduce for a
+            ``Partial`` one), none for a replicated one. Every rank of the mesh must open the
+            capture alike, as the forward's own collectives need. An output whose layout is
+            unknown (see :attr:`Call.layout`) is refused. Gradients and inputs stay local.
+
+    In a model with ``DTensor`` parameters every call records how its output lies across
+    ranks (:attr:`Call.layout`: placements, mesh, global shape, or unknown), and ``reduce=``
+    is computed over the global tensor of an output whose layout is known (the same
+    collective as ``gather=``); one whose layout is unknown is reduced as this rank sees it.
+    See the guide "Sharded training".
 
     Narrowing keeps every axis (``positions=[-1]``: a position axis of size 1) and
     applies to each floating-point tensor of the output and the gradient w.r.t. it,
@@ -182,8 +195,11 @@ class Capture(Session):
         neurons: Indices | None = None,
         layout: Mapping[str, str] | None = None,
         this_thread: bool = False,
+        gather: bool = False,
     ) -> None:
         check_options(copy, keep, max_bytes, reduce, stop, grads)
+        if not isinstance(gather, bool):
+            raise UsageError(f"gather={gather!r}: use True (global tensors) or False")
         units = Units.of(positions, heads, neurons)
         if units is not None and units.positions is not None and reduce == "token_mean":
             raise UsageError(
@@ -216,6 +232,8 @@ class Capture(Session):
         self._site_objects = self._sites
         self._records = {n: s.record for n, s in self._sites.items()}
         self._inputs, self._grads = inputs, grads
+        self._gather, self._reduces = gather, reduce is not None
+        self._placed = False  # a model with DTensor parameters: outputs' layouts (_install)
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
         self._per_pass = keep == "pass"
         self._stop = stop
@@ -244,6 +262,8 @@ class Capture(Session):
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._sites)
         self._store.closed = False
+        # (a model parallelized after the capture was made counts: read at each open)
+        self._placed = sharded_model(self._layers.root)
         if self._store.reduces_tokens or self._store.masks is not None:  # the forward's mask
             self._root_binder = Binder(self._layers.root)
             hooks.forward_pre(self._layers.root, self._on_model_inputs, with_kwargs=True)
@@ -251,7 +271,10 @@ class Capture(Session):
         for site in self._sites.values():
             if site.op is not None:
                 continue  # an operation: its module's calls are followed by the session
-            if self._inputs or self._grads:
+            if self._placed and not (self._inputs or self._grads):
+                post = functools.partial(self._on_output, site)  # layouts: the general path
+                hooks.forward(site.module, post, hides_modes=True)
+            elif self._inputs or self._grads:
                 site.binder = Binder(site.module)
                 pre = functools.partial(self._on_input, site)
                 hooks.forward_pre(site.module, pre, with_kwargs=True, hides_modes=True)
@@ -634,12 +657,39 @@ class Capture(Session):
             self._open_calls.pop(id(call), None)
         else:
             call, boundary = self._new_call(site), None
-        call._set_output(output)
+        if self._placed:
+            call._set_output(self._placed_output(site, call, args, output))
+        else:
+            call._set_output(output)
         new_output = None
         if self._grads:
             new_output = self._watch.finish(self.hooks, call, boundary, output)
         self._keep(site, call)
         return new_output
+
+    def _placed_output(self, site: _Site, call: Call, args: tuple[Any, ...], output: Any) -> Any:
+        """In a sharded model: note how ``output`` lies across ranks on ``call`` and return
+        what to store: its global tensor where ``gather=`` or ``reduce=`` asks for it and the
+        layout is known (``_placement``), else ``output`` itself."""
+        whole_wanted = self._gather or self._reduces
+        if isinstance(output, Tensor):
+            layout = layout_of(site.module, args, output)
+            call._set_layout(layout)
+            if whole_wanted and layout.known:
+                return whole(output, layout)
+            if self._gather:
+                raise _unknown_layout(site.name, ())
+            return output
+
+        def leaf(path: Any, t: Tensor) -> Tensor:
+            if is_dtensor(t):
+                return whole(t, layout_of(site.module, args, t)) if whole_wanted else t
+            if self._gather:
+                raise _unknown_layout(site.name, path)
+            return t
+
+        call._set_layout(UNKNOWN)  # (a structure: its DTensor leaves carry their own)
+        return _tree.map_tensors(leaf, output)
 
     def _narrow_inputs(self, site: _Site, bound: dict[str, Any]) -> dict[str, Any]:
         """``heads=`` on an SDPA call's inputs: the query at the selected heads, key and
@@ -780,6 +830,17 @@ _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
 _getattr, (_flags, _EXPORTING) = getattr, _torch.EXPORTING_FLAG
 _transforms_active = _torch.transforms_active
 _version = _torch.version
+
+
+def _unknown_layout(name: str, path: Any) -> UsageError:
+    where = f"output{_tree.path_str(tuple(path))}" if path else "output"
+    return UsageError(
+        f"gather=True: {name!r} {where} is a plain tensor of a tensor-parallel model, and "
+        "nothing says whether this rank holds a slice or a copy of it (only a DTensor, or "
+        "the output of a parallelized nn.Linear / nn.Embedding, says how it lies). Select "
+        "the parallelized layers, hand on DTensors (use_local_output=False in the plan), or "
+        "capture without gather=True (this rank's values)"
+    )
 
 
 def _raised_in_a_module(tb: TracebackType | None) -> bool:

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..errors import CaptureError, GradientUnavailableError, StaleCaptureError
 from . import _torch, _tree
+from ._placement import Layout
 from ._store import Store, describe
 from ._types import Inputs, Path
 
@@ -30,7 +31,7 @@ _ONE_TENSOR = torch.empty(0, device="meta")
 class _Extra:
     """The less common parts of a call, kept out of the per-call fast path."""
 
-    __slots__ = ("events", "grads", "inputs", "lazy", "refs", "skeleton", "why")
+    __slots__ = ("events", "grads", "inputs", "layout", "lazy", "refs", "skeleton", "why")
 
     def __init__(self) -> None:
         self.inputs: Inputs | None = None
@@ -41,6 +42,8 @@ class _Extra:
         self.events: list[Any] = []  # CUDA events of non-blocking copies not yet waited for
         #: computes the output from the call's record on every read (attention weights)
         self.lazy: Callable[[Call], Any] | None = None
+        #: how the output lies across ranks, in a model with DTensor parameters
+        self.layout: Layout | None = None
 
 
 class Call:
@@ -118,6 +121,9 @@ class Call:
         else:
             self._output = _tree.map_tensors(lambda p, t: self._keep(t, ("output", *p)), output)
 
+    def _set_layout(self, layout: Layout) -> None:
+        self._more().layout = layout
+
     def _set_lazy(self, compute: Callable[[Call], Any]) -> None:
         """The output is ``compute(self)``, computed on every read and never kept (so that
         the bytes held and ``max_bytes`` count only what was captured)."""
@@ -193,6 +199,36 @@ class Call:
         if extra is not None and extra.lazy is not None:
             return extra.lazy(self)
         return self._output
+
+    @property
+    def layout(self) -> Layout | None:
+        """How the output lies across ranks, in a model with ``DTensor`` parameters (tensor
+        parallelism): a ``Layout`` with its ``placements``, ``mesh``,
+        ``global_shape`` and ``source`` (all None but the source, ``"unknown"``, where
+        nothing says whether this rank holds a slice or a copy); None in any other model.
+        The output kept is this piece unless the capture gathered it (``gather=True``, or
+        ``reduce=`` of a known layout: then the global tensor)."""
+        return None if self._extra is None else self._extra.layout
+
+    @property
+    def placements(self) -> tuple[Any, ...] | None:
+        """The output's placements per mesh dimension (``Shard(d)``, ``Replicate()``,
+        ``Partial()``), as :attr:`layout` reads them; None when not known."""
+        layout = self.layout
+        return None if layout is None else layout.placements
+
+    @property
+    def mesh(self) -> Any:
+        """The ``DeviceMesh`` the output lies on (see :attr:`layout`); None when not known."""
+        layout = self.layout
+        return None if layout is None else layout.mesh
+
+    @property
+    def global_shape(self) -> torch.Size | None:
+        """The shape of the whole output over every rank (see :attr:`layout`); None when
+        not known."""
+        layout = self.layout
+        return None if layout is None else layout.global_shape
 
     @property
     def inputs(self) -> Inputs:

@@ -144,7 +144,10 @@ class Store:
                 f"reduce= returned {type(value).__name__} for {describe(where)}; it must "
                 "return a tensor (or a Python number)"
             )
-        if _shares_storage(value, src):  # a view (e.g. t[:, 0]) would follow later changes
+        # a view (e.g. t[:, 0]) would follow later changes; so would ``src`` itself (a kept
+        # tensor's reduction), also where its storage cannot be read (the in-flight
+        # all-reduce a row-parallel layer hands on under tensor parallelism)
+        if value is src or _shares_storage(value, src):
             value = value.clone()
         return value.detach() if self._detach and value.requires_grad else value
 
