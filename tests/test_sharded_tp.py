@@ -4,6 +4,8 @@ processes): hs.clip_grad_norm, hs.Monitor and hs.nonfinite on an MLP and on a sm
 transformer block (attention with column-parallel q/k/v and a row-parallel output, an MLP
 column then row), each against the same model unsharded in one process on the same global
 batch, and the collectives each adds counted at the dispatcher (``test_sharded._Collectives``).
+The block also under FSDP2 alone (two processes) and HSDP (a 2x2 mesh); test_sharded.py has
+the MLP there.
 
 Each launch does every check of both models in one start (the start costs most of the time),
 has a timeout, and leaves no process behind (``test_sharded._spawn``)."""
@@ -129,27 +131,53 @@ def _batches(kind: str, n: int) -> list[Tensor]:
     ]
 
 
-def _parallelize(model: nn.Module, kind: str, mesh: Any, two_d: bool) -> nn.Module:
-    """TP over the mesh's "tp" dimension, then (2x2) FSDP2 over its "dp" dimension."""
+#: How each launch shards the models: "tp" (TP over 2 ranks), "fsdp+tp" (a 2x2 mesh: TP
+#: within each pair, FSDP2 over the pairs), "fsdp" (FSDP2 over 2 ranks), "hsdp" (a 2x2 mesh:
+#: FSDP2 shards within each pair, the pairs replicate)
+_MODES = ("tp", "fsdp+tp", "fsdp", "hsdp")
+
+
+def _sizes(mode: str, world: int) -> tuple[int, int]:
+    """(data-parallel ranks, tensor-parallel ranks): each data-parallel rank runs its own
+    slice of the global batch."""
+    return {"tp": (1, world), "fsdp+tp": (2, 2), "fsdp": (world, 1), "hsdp": (world, 1)}[mode]
+
+
+def _coords(mode: str, rank: int) -> tuple[int, int]:
+    """(data-parallel rank, tensor-parallel rank) of ``rank``."""
+    _, tp = _sizes(mode, 4)
+    return rank // tp, rank % tp
+
+
+def _parallelize(model: nn.Module, kind: str, mesh: Any, mode: str, prefix: str = "") -> nn.Module:
+    """TP over the mesh's "tp" dimension, then FSDP2 over its "dp" dimension (HSDP: over
+    the whole 2-D mesh); ``prefix``: where the model sits inside ``model``."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     _, plan, own, _ = _MODELS[_base(kind)]
     styles = _styles(kind)
-    parallelize_module(model, mesh["tp"], {n: styles[s]() for n, s in plan.items()})
-    if two_d:
+    if "tp" in mode:
+        plan_ = {prefix + n: styles[s]() for n, s in plan.items()}
+        parallelize_module(model, mesh["tp"], plan_)
+    if mode != "tp":
+        dp_mesh = mesh if mode == "hsdp" else mesh["dp"]
         for name in own:
-            fully_shard(model.get_submodule(name), mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(model.get_submodule(prefix + name), mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
     return model
 
 
-def _mesh(world: int, two_d: bool) -> Any:
+def _mesh(world: int, mode: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
-    if two_d:
-        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    return init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    shape, names = {
+        "tp": ((world,), ("tp",)),
+        "fsdp+tp": ((2, 2), ("dp", "tp")),
+        "fsdp": ((world,), ("dp",)),
+        "hsdp": ((2, 2), ("replicate", "shard")),
+    }[mode]
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def _oracle_backward(
@@ -264,7 +292,7 @@ def _local_view(t: Tensor, layer: str, kind: str, tp_rank: int, tp: int) -> Tens
 # -- one launch: every check of both models ------------------------------------------------------
 
 
-def _tp_rank(rank: int, world: int, out: str, two_d: bool) -> None:
+def _tp_rank(rank: int, world: int, out: str, mode: str) -> None:
     """One rank (a failure is written to ``out`` and ends the process at once: a peer may be
     waiting in a collective, and a clean exit would wait for it)."""
     from datetime import timedelta
@@ -277,16 +305,17 @@ def _tp_rank(rank: int, world: int, out: str, two_d: bool) -> None:
             "gloo", init_method=init, rank=rank, world_size=world, timeout=timedelta(seconds=60)
         )
         torch.set_num_threads(1)
-        mesh = _mesh(world, two_d)
-        _check_summary(mesh, rank, world, two_d)  # (first: DTensor's sharding cache is cold)
-        for kind in _KINDS:
-            _check_clipping(kind, mesh, rank, two_d)
+        mesh = _mesh(world, mode)
+        if "tp" in mode:  # (first: DTensor's sharding cache is cold)
+            _check_summary(mesh, rank, world, mode)
+        for kind in _KINDS if "tp" in mode else ("block",):  # (test_sharded.py: the MLP)
+            _check_clipping(kind, mesh, rank, mode)
             for ranks in ("reduce", "each"):
-                _check_monitor(kind, mesh, rank, world, two_d, ranks)
-            _check_tracer(kind, mesh, rank, world, two_d)
-        if not two_d:  # DTensor activations: measured on their pieces, by their placement
+                _check_monitor(kind, mesh, rank, world, mode, ranks)
+            _check_tracer(kind, mesh, rank, world, mode)
+        if mode == "tp":  # DTensor activations: measured on their pieces, by their placement
             for ranks in ("reduce", "each"):
-                _check_monitor("mlp-dtensor", mesh, rank, world, two_d, ranks)
+                _check_monitor("mlp-dtensor", mesh, rank, world, mode, ranks)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -296,12 +325,13 @@ def _tp_rank(rank: int, world: int, out: str, two_d: bool) -> None:
     os._exit(0)  # (see tests/test_monitoring.py::_ddp_rank: gloo's exit can hang under load)
 
 
-def _groups(mesh: Any, two_d: bool) -> list[list[int]]:
+def _groups(mesh: Any, mode: str) -> list[list[int]]:
     """The process groups a sharded statistic combines over, in the order the plan meets
-    them: FSDP's data-parallel dimension first (its placement comes first), then TP's."""
+    them: FSDP's data-parallel dimension first (its placement comes first), then TP's;
+    under HSDP the shard dimension alone, never the replicate one."""
     import torch.distributed as dist
 
-    names = ["dp", "tp"] if two_d else ["tp"]
+    names = {"tp": ["tp"], "fsdp+tp": ["dp", "tp"], "fsdp": ["dp"], "hsdp": ["shard"]}[mode]
     return [dist.get_process_group_ranks(mesh[n].get_group()) for n in names]
 
 
@@ -313,14 +343,15 @@ def _whole(t: Tensor) -> Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _check_clipping(kind: str, mesh: Any, rank: int, two_d: bool) -> None:
+def _check_clipping(kind: str, mesh: Any, rank: int, mode: str) -> None:
     """hs.clip_grad_norm after one backward: every case's report (total, per-layer norms,
     clip factors) and clipped gradients equal torch's clip_grad_norm_ on the unsharded model;
     one all-reduce per process group that shards a gradient."""
-    dp = 2 if two_d else 1
-    model = _parallelize(_make(kind), kind, mesh, two_d)
+    dp, _ = _sizes(mode, torch.distributed.get_world_size())
+    model = _parallelize(_make(kind), kind, mesh, mode)
     x = _batches(kind, 1)[0]
-    dp_rank = rank // 2 if two_d else 0
+    dp_rank, _ = _coords(mode, rank)
+    groups_ = _groups(mesh, mode)
     model(x.chunk(dp)[dp_rank]).pow(2).sum().backward()
     oracle = _make(kind)
     (sum(oracle(p).pow(2).sum() for p in x.chunk(dp)) / dp).backward()  # type: ignore[union-attr]
@@ -348,8 +379,8 @@ def _check_clipping(kind: str, mesh: Any, rank: int, two_d: bool) -> None:
         ]
         with _Collectives() as seen:
             report = hs.clip_grad_norm(model, max_norm, norm_type=norm_type, per_layer=per_layer)
-        assert seen.ops == ["c10d.allreduce_.default"] * (1 + two_d), (case, seen.ops)
-        assert seen.groups == _groups(mesh, two_d), (case, seen.groups)
+        assert seen.ops == ["c10d.allreduce_.default"] * len(groups_), (case, seen.ops)
+        assert seen.groups == groups_, (case, seen.groups)
         assert report.layers == pytest.approx(layer_norms, rel=1e-6), case
         if per_layer:
             coefs = {k: min(1.0, max_norm / (v + 1e-6)) for k, v in layer_norms.items()}
@@ -365,29 +396,32 @@ def _check_clipping(kind: str, mesh: Any, rank: int, two_d: bool) -> None:
             slack = _slack(kind) * float(oracle_grad.abs().max())
             torch.testing.assert_close(whole, oracle_grad, rtol=1e-6, atol=slack, msg=case)
     # a NaN in rank 1's piece of the first layer's weight gradient: named with its rank on
-    # every rank, nothing clipped (the ranks: one all-reduce more per group, on the way)
+    # every rank, nothing clipped (the ranks: one all-reduce more per group, on the way).
+    # HSDP: each replica's second rank (a replica's gradients are its own copy of them)
     restore(model, saved)
     first = "0.weight" if _base(kind) == "mlp" else "q.weight"  # (column-parallel: split)
-    if rank == 1:
+    bad = groups_[0][1] if mode == "hsdp" else 1
+    if rank == bad:
         _piece(dict(model.named_parameters())[first].grad).view(-1)[0] = math.nan  # type: ignore[arg-type]
-    with _Collectives() as seen, pytest.raises(hs.NonFiniteError, match=r"\(rank 1\)") as info:
+    named = rf"\(rank {bad}\)"
+    with _Collectives() as seen, pytest.raises(hs.NonFiniteError, match=named) as info:
         hs.clip_grad_norm(model, 0.05, error_if_nonfinite=True)
-    assert info.value.module == first and info.value.stats["ranks"] == {first: [1]}
-    assert seen.ops == ["c10d.allreduce_.default"] * 2 * (1 + two_d), seen.ops
-    if rank != 1:
+    assert info.value.module == first and info.value.stats["ranks"] == {first: [bad]}
+    assert seen.ops == ["c10d.allreduce_.default"] * 2 * len(groups_), seen.ops
+    if rank != bad:
         for n, p in model.named_parameters():
             torch.testing.assert_close(_piece(p.grad), saved[n], rtol=0, atol=0)  # type: ignore[arg-type]
 
 
-def _check_monitor(kind: str, mesh: Any, rank: int, world: int, two_d: bool, ranks: str) -> None:
+def _check_monitor(kind: str, mesh: Any, rank: int, world: int, mode: str, ranks: str) -> None:
     """hs.Monitor(every=2, optimizer=) for three steps (0 and 2 logged): every record and
     parameter histogram equal to the hand statistics of the unsharded model on the whole
     batch (``ranks="each"``: activations and output gradients as this rank holds them), and
     the all-reduces each step adds, by group."""
     relus = _MODELS[_base(kind)][3]
-    dp, tp = (2, 2) if two_d else (1, world)
-    dp_rank, tp_rank = (rank // 2, rank % 2) if two_d else (0, rank)
-    model = _parallelize(_make(kind), kind, mesh, two_d)
+    dp, tp = _sizes(mode, world)
+    dp_rank, tp_rank = _coords(mode, rank)
+    model = _parallelize(_make(kind), kind, mesh, mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     batches = _batches(kind, 4)
     want = _oracle_steps(kind, dp, logged={1, 3})
@@ -415,14 +449,15 @@ def _check_monitor(kind: str, mesh: Any, rank: int, world: int, two_d: bool, ran
         ops = Counter(c.ops)
         assert not base - ops, c.ops
         assert set(ops - base) <= {"c10d.allreduce_.default"}, c.ops
-        groups = Counter(map(tuple, c.groups)) - base_groups
-        assert sum(groups.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
-        added.append(groups)
+        by_group = Counter(map(tuple, c.groups)) - base_groups
+        assert sum(by_group.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
+        added.append(by_group)
     every = tuple(range(world))
-    shard = Counter({tuple(g): 2 for g in _groups(mesh, two_d)})  # a sum and a max each
-    # the groups' all-reduces at the step's end; but where the TP group is the world that
+    groups = _groups(mesh, mode)
+    shard = Counter({tuple(g): 2 for g in groups})  # a sum and a max each
+    # the groups' all-reduces at the step's end; but where the one group is the world that
     # reduces anyway ("reduce" on 2 ranks), its values join that reduction at k + 1
-    logged = shard if ranks == "each" or two_d else Counter()
+    logged = shard if ranks == "each" or groups != [list(every)] else Counter()
     read = Counter() if ranks == "each" else Counter({every: 3})  # sum, min, max at k + 1
     assert added == [logged, read, logged, read], (kind, ranks, added)
     records = mon.records
@@ -532,25 +567,14 @@ def _check_records(
     }
 
 
-def _check_tracer(kind: str, mesh: Any, rank: int, world: int, two_d: bool) -> None:
+def _check_tracer(kind: str, mesh: Any, rank: int, world: int, mode: str) -> None:
     """hs.nonfinite on the model behind a ``log``: a clean step adds one all-reduce over the
     world per check (forward, backward); then a negative input on rank 1 only (its ``log`` is
     the first NaN; the row-parallel layer's all-reduce carries NaN to rank 1's TP peer, later
     in the forward) is named on every rank: rank 1, the step, layer "0", ``aten.log``."""
-    _, plan, own, _ = _MODELS[_base(kind)]
-    dp = 2 if two_d else 1
-    dp_rank = rank // 2 if two_d else 0
-    model = nn.Sequential(_Log(), _make(kind))
-    shifted = (f"1.{n}" for n in own)
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    styles = _styles(kind)
-    parallelize_module(model, mesh["tp"], {f"1.{n}": styles[s]() for n, s in plan.items()})
-    if two_d:
-        for name in shifted:
-            fully_shard(model.get_submodule(name), mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+    dp, _ = _sizes(mode, world)
+    dp_rank, _ = _coords(mode, rank)
+    model = _parallelize(nn.Sequential(_Log(), _make(kind)), kind, mesh, mode, prefix="1.")
     x = _batches(kind, 1)[0].abs().add(0.1).chunk(dp)[dp_rank]  # positive: log is finite
 
     def step(x: Tensor) -> None:
@@ -583,17 +607,28 @@ def _check_tracer(kind: str, mesh: Any, rank: int, world: int, two_d: bool) -> N
     with hs.nonfinite(model) as report, pytest.raises(hs.NonFiniteError) as info:
         (model(x).pow(2).sum() * (math.inf if rank == 1 else 1.0)).backward()
     error = info.value
-    assert (error.rank, error.step, error.phase, error.module) == (1, 1, "backward", "<loss>")
+    where = (error.rank, error.step, error.phase, error.module)
+    assert where == (1, 1, "backward", "<loss>"), where
     assert report.findings == [error]
     model.zero_grad(set_to_none=True)
 
 
 def test_tp_two_ranks_clip_monitor_nonfinite_like_unsharded(tmp_path: Path) -> None:
-    _spawn(_tp_rank, (2, str(tmp_path), False), tmp_path, nprocs=2, seconds=240)
+    _spawn(_tp_rank, (2, str(tmp_path), "tp"), tmp_path, nprocs=2, seconds=240)
 
 
 def test_fsdp2_tp_two_by_two_clip_monitor_nonfinite_like_unsharded(tmp_path: Path) -> None:
-    _spawn(_tp_rank, (4, str(tmp_path), True), tmp_path, nprocs=4, seconds=360)
+    _spawn(_tp_rank, (4, str(tmp_path), "fsdp+tp"), tmp_path, nprocs=4, seconds=360)
+
+
+def test_fsdp2_two_ranks_transformer_block_like_unsharded(tmp_path: Path) -> None:
+    """The block under FSDP2 alone (test_sharded.py: the MLP)."""
+    _spawn(_tp_rank, (2, str(tmp_path), "fsdp"), tmp_path, nprocs=2, seconds=240)
+
+
+def test_hsdp_two_by_two_transformer_block_like_unsharded(tmp_path: Path) -> None:
+    """The block under HSDP: shards within each pair, combined over the pair alone."""
+    _spawn(_tp_rank, (4, str(tmp_path), "hsdp"), tmp_path, nprocs=4, seconds=360)
 
 
 #: the MLP's parameters each rank holds, counted by hand from the plan. TP: "0" column-parallel
@@ -601,20 +636,21 @@ def test_fsdp2_tp_two_by_two_clip_monitor_nonfinite_like_unsharded(tmp_path: Pat
 #: both), "4" whole on both: 3*3 + 3 + 4*3 + 4 + 4 + 1. FSDP2+TP: FSDP splits each TP piece's
 #: rows over the data-parallel pair (3 -> 2 + 1, 4 -> 2 + 2, 1 -> 1 + 0): data-parallel rank
 #: 0 holds 2*3 + 2 + 2*3 + 2 + 1*4 + 1, rank 1 1*3 + 1 + 2*3 + 2 + 0 + 0
-_HELD = {False: [33, 33], True: [21, 12]}
+_HELD = {"tp": [33, 33], "fsdp+tp": [21, 12]}
 
 
-def _check_summary(mesh: Any, rank: int, world: int, two_d: bool) -> None:
+def _check_summary(mesh: Any, rank: int, world: int, mode: str) -> None:
     """hs.summary of the sharded MLP on this rank's batch: parameters of the whole model (57)
     and those this rank holds (:data:`_HELD`); FLOPs of the matrix products this rank ran (its
     share of each parallel layer, all of the layer left whole: 2 x batch x in x out each) and
     of all ranks together, against counts by hand."""
-    model = _parallelize(_make("mlp"), "mlp", mesh, two_d)
-    dp = 2 if two_d else 1
-    x = _batches("mlp", 1)[0].chunk(dp)[rank // 2 if two_d else 0]
+    model = _parallelize(_make("mlp"), "mlp", mesh, mode)
+    dp, _ = _sizes(mode, world)
+    dp_rank, _ = _coords(mode, rank)
+    x = _batches("mlp", 1)[0].chunk(dp)[dp_rank]
     s = hs.summary(model, x)
     assert s.total_params == 6 * 3 + 6 + 4 * 6 + 4 + 4 + 1 == 57
-    held = _HELD[two_d][rank // 2 if two_d else 0]
+    held = _HELD[mode][dp_rank]
     where = (s.world_size, s.global_rank, s.rank_params, s.rank_param_bytes)
     assert where == (world, rank, held, 4 * held)
     n = x.shape[0]

@@ -72,7 +72,7 @@ from ._replay import (
     replay_forward,
 )
 from ._replay import stats as _stats
-from ._sharded import is_sharded, local
+from ._sharded import local, sharded_model
 
 __all__ = ["NonFiniteReport", "nonfinite"]
 
@@ -557,7 +557,7 @@ class _Ranks:
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):
             return None
-        if not any(is_sharded(p) for p in model.parameters()):
+        if not sharded_model(model):
             return None
         return _Ranks()
 

@@ -42,7 +42,17 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
-__all__ = ["Piece", "Plan", "among", "is_sharded", "local", "output_piece", "placed", "plan"]
+__all__ = [
+    "Piece",
+    "Plan",
+    "among",
+    "is_sharded",
+    "local",
+    "output_piece",
+    "placed",
+    "plan",
+    "sharded_model",
+]
 
 
 def _dtensor_class() -> type[Tensor] | None:
@@ -71,6 +81,17 @@ def is_sharded(t: Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (whatever its placements)."""
     cls = _dtensor_class()
     return cls is not None and isinstance(t, cls)
+
+
+def sharded_model(model: nn.Module) -> bool:
+    """Whether ``model`` is sharded: a ``DTensor`` parameter (tensor parallelism, FSDP2), or
+    a module ``fully_shard`` made (its parameters are plain tensors while gathered: after a
+    forward that an exception ended, until the next one)."""
+    if any(is_sharded(p) for p in model.parameters()):
+        return True
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    return kind is not None and any(isinstance(m, kind) for m in model.modules())
 
 
 def local(t: Tensor) -> Tensor:
