@@ -359,6 +359,94 @@ def test_attribution_patching_over_heads_is_exact_where_the_model_is_linear_afte
     assert some.at(Z[0], 4, 3) == pytest.approx(exact.at(Z[0], 4, 3), abs=1e-5)
 
 
+# -- attention patterns ---------------------------------------------------------------------------
+
+W = ["attn::attention_weights"]
+
+
+def _patterns_by_hand(model: Heads, clean: Tensor, corrupt: Tensor, heads: list[int]) -> Tensor:
+    """Heads' forward written out (causal softmax(q kᵀ / √d) @ v), one per cell: the corrupted
+    run with the clean patterns of ``heads`` at one query position, every position in turn,
+    the output recomputed from the patched patterns. ``(positions, len(heads))``, or
+    ``(positions,)`` when ``heads`` is every head patched at once (``[-1]``)."""
+
+    def run(ids: Tensor, pattern: Any = None) -> tuple[Tensor, Tensor]:
+        h = model.embed(ids)
+        n, t, _ = h.shape
+        q, k, v = model.attn.qkv(h).view(n, t, 3, 4, 2).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / 2**0.5
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        p = scores.masked_fill(~causal, -torch.inf).softmax(-1)  # (N, H, Tq, Tk)
+        if pattern is not None:
+            p = pattern(p)
+        z = (p @ v).transpose(1, 2).reshape(n, t, 8)
+        return model.head(h + model.attn.out(z)), p
+
+    with torch.no_grad():
+        _, kept = run(clean)
+        rows = []
+        for position in range(clean.shape[1]):
+            row = []
+            for head in heads:
+                chosen = slice(None) if head == -1 else head
+
+                def patched(p: Tensor, pos: int = position, at: Any = chosen) -> Tensor:
+                    p = p.clone()
+                    p[:, at, pos] = kept[:, at, pos]
+                    return p
+
+                row.append(_metric(run(corrupt, patched)[0]))
+            rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def test_patching_patterns_equals_patterns_patched_by_hand() -> None:
+    """Each cell writes one head's clean attention pattern at one query position into the
+    corrupted run, and the head's output follows it (the SDPA call is computed explicitly
+    with the patched weights): equal to the attention written out by hand. TransformerLens'
+    get_act_patch_attn_head_pattern_by_pos is the other oracle (test_units_transformer_lens)."""
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.patching(model, clean, corrupt, _metric, W, heads=True, cells_per_forward=6)
+    expected = _patterns_by_hand(model, clean, corrupt, [0, 1, 2, 3])
+    assert got.values.shape == (1, 5, 4) and got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values[0], expected, rtol=1e-5, atol=1e-6)
+    for axis in (0, 1):  # patching the next position, or the next head, would fail
+        assert (expected - expected.roll(1, axis)).abs().max() > 1e-3
+    assert got.at(W[0], 3, 2) == pytest.approx(float(expected[3, 2]), abs=1e-6)
+
+
+def test_without_heads_an_sdpa_call_or_its_weights_is_patched_at_a_position_in_every_head() -> None:
+    """heads=False on an SDPA call or its attention weights: the positions are their axis 2
+    (axis 1 is the heads), every head patched at once. The SDPA output at a position in every
+    head is what the output projection reads there, so the grid is the attention layer's."""
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    z = hs.patching(model, clean, corrupt, _metric, Z, cells_per_forward=3)
+    layer = hs.patching(model, clean, corrupt, _metric, ["attn"])
+    assert z.values.shape == (1, 5) and z.positions == (0, 1, 2, 3, 4)
+    torch.testing.assert_close(z.values, layer.values, rtol=1e-5, atol=1e-6)
+    patterns = hs.patching(model, clean, corrupt, _metric, W, positions=[-1, 1])
+    expected = _patterns_by_hand(model, clean, corrupt, [-1])[[4, 1], 0]
+    torch.testing.assert_close(patterns.values[0], expected, rtol=1e-5, atol=1e-6)
+    both = hs.attribution_patching(model, clean, corrupt, _metric, Z + W)
+    assert both.values.shape == (2, 5)  # each layer's own position axis
+    exact = hs.patching(model, clean, corrupt, _metric, Z)
+    torch.testing.assert_close(both.values[:1], exact.values, rtol=1e-5, atol=1e-5)
+
+
+def test_attribution_patching_over_patterns_is_exact_where_the_model_is_linear_after_them() -> None:
+    """The logits are linear in the patterns (for the corrupted run's values) and the metric
+    linear in the logits: the first-order estimate over the attention weights is
+    hs.patching's exact sweep."""
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.attribution_patching(model, clean, corrupt, _metric, W, heads=True)
+    exact = hs.patching(model, clean, corrupt, _metric, W, heads=True)
+    assert got.values.shape == (1, 5, 4)
+    torch.testing.assert_close(got.values, exact.values, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
 def test_a_sweep_over_heads_refuses_layers_that_are_not_sdpa_calls(sweep: Any) -> None:
     model = _model()

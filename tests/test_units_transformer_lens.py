@@ -44,13 +44,27 @@ def _noisy(model: nn.Module) -> nn.Module:
     return model
 
 
-def _gpt2(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
+def _sharp(hf: nn.Module, factor: float = 6.0) -> None:
+    """Queries and keys ``factor`` times larger, so that attention patterns are far from
+    uniform and patching one head's pattern at one position moves the metric well beyond the
+    tolerance (random initialisation leaves every head attending almost evenly)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("c_attn.weight"):  # GPT-2: queries, keys, values side by side
+                p[:, : 2 * p.size(0)] *= factor
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p *= factor
+
+
+def _gpt2(fold_ln: bool = False, noisy: bool = False, sharp: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
     ).eval()
     if noisy:
         _noisy(hf)
+    if sharp:
+        _sharp(hf)
     cfg = lens.HookedTransformerConfig(
         d_model=64,
         d_head=16,
@@ -68,7 +82,9 @@ def _gpt2(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
     return hf, _converted(cfg, conversions.convert_gpt2_weights(hf, cfg), fold_ln)
 
 
-def _llama(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
+def _llama(
+    fold_ln: bool = False, noisy: bool = False, sharp: bool = False
+) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         num_hidden_layers=2,
@@ -81,6 +97,8 @@ def _llama(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
     hf = transformers.LlamaForCausalLM(config).eval()
     if noisy:
         _noisy(hf)
+    if sharp:
+        _sharp(hf)
     rope = getattr(config, "rope_parameters", None) or {}
     cfg = lens.HookedTransformerConfig(
         d_model=64,
@@ -118,7 +136,7 @@ def _converted(cfg: Any, state: dict[str, Any], fold_ln: bool = False) -> Any:
     return model.eval()
 
 
-MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], str]] = {
+MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "gpt2": (_gpt2, "transformer.h.{}.attn"),
     "llama": (_llama, "model.layers.{}.self_attn"),
 }
@@ -262,6 +280,30 @@ def test_patching_heads_equals_transformer_lens_attn_head_out_by_pos(kind: str) 
     torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
     assert expected.max() - expected.min() > 100 * 1e-5
     assert got.at(layers[1], 4, 2) == pytest.approx(float(expected[1, 4, 2]), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_patching_patterns_equals_transformer_lens_attn_head_pattern_by_pos(kind: str) -> None:
+    """A layers x positions x heads sweep of each SDPA call's attention weights: a cell writes
+    one head's clean pattern at one query position into the corrupted run, the head's output
+    recomputed from it (pattern @ values), and equals get_act_patch_attn_head_pattern_by_pos
+    (its grid is layer x head x position; grouped-query Llama: the 4 query heads)."""
+    make, attention = MODELS[kind]
+    hf, tl = make(sharp=True)
+    clean, corrupt, metric = _runs(5, seed=4)
+    helper = "get_act_patch_attn_head_pattern_by_pos"
+    expected = _transformer_lens_sweep(tl, helper, clean, corrupt, metric).permute(0, 2, 1)
+    layers = [f"{attention.format(i)}::attention_weights" for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=7
+    )
+    assert got.values.shape == expected.shape == (2, 5, 4)
+    assert got.heads == (0, 1, 2, 3) and got.layers == tuple(layers)
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    # a sweep that patched the next head, or the next position, would be far off
+    for axis in (1, 2):
+        assert (expected - expected.roll(1, axis)).abs().max() > 100 * 1e-5
+    assert got.at(layers[1], 3, 2) == pytest.approx(float(expected[1, 3, 2]), abs=1e-5)
 
 
 #: per model: its residual-stream layers (before each block, then after the last), final

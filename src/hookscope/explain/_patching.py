@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..core import (
     Edit,
     EditContext,
+    Layers,
     LayerSelector,
     capture,
     edit,
@@ -30,6 +31,10 @@ from ..core import (
 )
 from ..errors import UsageError
 from ._path import need_grad
+
+#: operations whose output is ``(batch, heads, positions, ...)``: an SDPA call's (each head's
+#: output) and its attention weights (each head's pattern, positions = queries)
+HEADED = ("scaled_dot_product_attention", "attention_weights")
 
 
 @dataclass(frozen=True)
@@ -109,13 +114,19 @@ def patching(
             one tensor of shape ``(batch, positions, ...)`` and run once per forward. For a
             Hugging Face GPT-2, the residual stream before block ``i`` (TransformerLens'
             ``resid_pre``) is the output of ``transformer.drop`` (``i = 0``) or of
-            ``transformer.h.{i-1}``.
+            ``transformer.h.{i-1}``. An SDPA call (``"...attn::scaled_dot_product_attention"``,
+            ``(batch, heads, positions, head size)``) or its attention weights
+            (``"...attn::attention_weights"``, ``(batch, heads, queries, keys)``) has its
+            positions in axis 2: a cell patches every head at that position (query position).
         positions: the positions patched (negative from the end); default every position.
-        heads: sweep over attention heads too: each layer is an SDPA call
-            (``"...attn::scaled_dot_product_attention"``, output ``(batch, heads, positions,
-            head size)``: each head's output before the output projection, TransformerLens'
-            ``hook_z``), and a cell patches one head at one position
-            (``get_act_patch_attn_head_out_by_pos``).
+        heads: sweep over attention heads too: each layer is an SDPA call, whose output is
+            each head's output before the output projection (TransformerLens' ``hook_z``),
+            or its attention weights (``hook_pattern``), and a cell patches one head at one
+            position: TransformerLens' ``get_act_patch_attn_head_out_by_pos``, or for the
+            weights ``get_act_patch_attn_head_pattern_by_pos`` (transposed: ours is layers x
+            positions x heads): the head's clean pattern at that query position, every key,
+            its output then recomputed from it in the corrupted run (the SDPA call runs
+            explicitly, ``weights @ values``, in the patched forwards).
         cells_per_forward: how many cells run in one forward (memory grows with it).
 
     Returns:
@@ -142,14 +153,16 @@ def patching(
     batch = _batch_size(corrupted, "corrupted")
     if not isinstance(heads, bool):
         raise UsageError(f"heads must be True or False, not {heads!r}")
-    names, sources, grid = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    names, sources, grid, axes = _clean_run(model, clean, layers, positions, batch, heads=heads)
     n_heads = sources[names[0]].shape[1] if heads else 1
     cells = [(n, p, h) for n in names for p in grid for h in range(n_heads)]
     scores: list[Tensor] = []
     for start in range(0, len(cells), cells_per_forward):
         chunk = cells[start : start + cells_per_forward]
         edits = {
-            name: Edit(_patcher(name, chunk, sources[name], batch, heads), name="patch cells")
+            name: Edit(
+                _patcher(name, chunk, sources[name], batch, heads, axes[name]), name="patch cells"
+            )
             for name in dict.fromkeys(name for name, _, _ in chunk)
         }
         with (
@@ -196,7 +209,8 @@ def attribution_patching(
         layers: the layers, as for :func:`patching`.
         positions: the positions (negative from the end); default every position.
         heads: estimate :func:`patching`'s sweep over attention heads: each layer is an SDPA
-            call (``"...attn::scaled_dot_product_attention"``), a cell one head at one
+            call (``"...attn::scaled_dot_product_attention"``) or its attention weights
+            (``"...attn::attention_weights"``, summed over the keys), a cell one head at one
             position; ``values`` is then ``(len(layers), len(positions), len(heads))``.
 
     Returns:
@@ -212,7 +226,7 @@ def attribution_patching(
         raise UsageError(f"heads must be True or False, not {heads!r}")
     need_grad("attribution_patching")
     batch = _batch_size(corrupted, "corrupted")
-    names, sources, grid = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    names, sources, grid, axes = _clean_run(model, clean, layers, positions, batch, heads=heads)
     live: dict[str, Tensor] = {}
 
     def keep(name: str) -> Callable[[Tensor, EditContext], Tensor]:
@@ -246,7 +260,8 @@ def attribution_patching(
                 f"attribution_patching: {name!r} is not on the metric's path, or the runs "
                 "differ in length"
             )
-        rows.append(_first_order(grad * (sources[name].to(now.dtype) - now), grid, heads))
+        change = grad * (sources[name].to(now.dtype) - now)
+        rows.append(_first_order(change, grid, heads, axes[name]))
     values = score.detach().reshape(()) + torch.stack(rows)
     if not heads:
         return Patching(values.float().cpu(), names, tuple(grid))
@@ -254,13 +269,15 @@ def attribution_patching(
     return Patching(values.float().cpu(), names, tuple(grid), tuple(range(n_heads)))
 
 
-def _first_order(change: Tensor, grid: list[int], heads: bool) -> Tensor:
+def _first_order(change: Tensor, grid: list[int], heads: bool, axis: int) -> Tensor:
     """One layer's row of estimates from ``grad * (clean - corrupted)``: summed over the batch
-    and the features at each position, ``(positions,)``; with heads (``change`` is ``(N, H,
-    T, d)``) over the batch and the head size at each position and head, ``(positions, H)``."""
+    and every other axis at each position (``axis``: the positions'), ``(positions,)``; with
+    heads (``change`` is ``(N, H, T, d)``, or ``(N, H, Tq, Tk)`` for attention weights) over
+    the batch and the last axis at each position and head, ``(positions, H)``."""
     if heads:
         return change[:, :, grid].sum((0, 3)).transpose(0, 1)
-    return change[:, grid].transpose(0, 1).flatten(1).sum(1)  # (N, positions, ...) -> (P,)
+    at = change.movedim(axis, 0)[grid]  # (P, ...)
+    return at.flatten(1).sum(1)
 
 
 def _clean_run(
@@ -271,8 +288,9 @@ def _clean_run(
     batch: int,
     *,
     heads: bool = False,
-) -> tuple[tuple[str, ...], dict[str, Tensor], list[int]]:
-    """The layers' outputs in the clean run (checked), and the grid's positions."""
+) -> tuple[tuple[str, ...], dict[str, Tensor], list[int], dict[str, int]]:
+    """The layers' outputs in the clean run (checked), the grid's positions, and each layer's
+    position axis (2 for an SDPA call or its attention weights, whose axis 1 is the heads)."""
     with (
         run_eagerly(model),
         torch.no_grad(),
@@ -281,21 +299,26 @@ def _clean_run(
         _run(model, clean)
     names = tuple(cap.records)
     sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
-    axis = 2 if heads else 1
+    sites = Layers(model).sites(layers)
+    headed = {n for n, site in sites.items() if site.op is not None and site.op.op in HEADED}
+    axes = {name: 2 if heads or name in headed else 1 for name in names}
+    first = sources[names[0]].shape[axes[names[0]]]
     for name, value in sources.items():
         if heads and (value.dim() != 4 or value.shape[1] != sources[names[0]].shape[1]):
             raise UsageError(
                 f"patching heads: {name!r} returned {tuple(value.shape)}; with heads=True each "
-                "layer is an SDPA call (batch, heads, positions, head size) with as many heads "
-                "as the first, e.g. 'transformer.h.0.attn::scaled_dot_product_attention'"
+                "layer is an SDPA call (batch, heads, positions, head size) or its attention "
+                "weights (batch, heads, queries, keys) with as many heads as the first, e.g. "
+                "'transformer.h.0.attn::scaled_dot_product_attention' or "
+                "'transformer.h.0.attn::attention_weights'"
             )
-        if value.shape[axis] != sources[names[0]].shape[axis]:
+        if value.dim() <= axes[name] or value.shape[axes[name]] != first:
             raise UsageError(
-                f"patching: {name!r} has {value.shape[axis]} positions, the first layer "
-                f"{sources[names[0]].shape[axis]}: patch layers that share the position axis"
+                f"patching: {name!r} returned {tuple(value.shape)}, positions along axis "
+                f"{axes[name]}; the first layer has {first}: patch layers that share the "
+                "position axis"
             )
-    grid = _positions(positions, sources[names[0]].shape[axis])
-    return names, sources, grid
+    return names, sources, _positions(positions, first), axes
 
 
 def _run(model: nn.Module, inputs: Any) -> Any:
@@ -378,10 +401,16 @@ def _positions(positions: Sequence[int] | None, length: int) -> list[int]:
 
 
 def _patcher(
-    name: str, chunk: Sequence[tuple[str, int, int]], clean: Tensor, batch: int, heads: bool
+    name: str,
+    chunk: Sequence[tuple[str, int, int]],
+    clean: Tensor,
+    batch: int,
+    heads: bool,
+    axis: int,
 ) -> Callable[[Tensor, EditContext], Tensor]:
     """The edit of ``name`` for this forward's cells: copy ``i`` of the batch gets the clean
-    values at its cell's position (and head)."""
+    values at its cell's position (along ``axis``; every head of an SDPA call or its weights
+    unless ``heads``) and head."""
     mine = [(i, p, h) for i, (layer, p, h) in enumerate(chunk) if layer == name]
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
@@ -401,7 +430,8 @@ def _patcher(
             if heads:
                 out[rows, h, p] = clean[:, h, p].to(t.dtype)
             else:
-                out[rows, p] = clean[:, p].to(t.dtype)
+                at = (slice(None),) * (axis - 1) + (p,)  # every head before the positions
+                out[(rows, *at)] = clean[(slice(None), *at)].to(t.dtype)
         return out
 
     return fn
