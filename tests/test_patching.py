@@ -447,6 +447,54 @@ def test_attribution_patching_over_patterns_is_exact_where_the_model_is_linear_a
     torch.testing.assert_close(got.values, exact.values, rtol=1e-5, atol=1e-5)
 
 
+def _llama() -> nn.Module:
+    """Grouped-query attention: 4 query heads of 8, 2 key/value heads."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.hf
+def test_attribution_patching_over_projection_heads_equals_the_formula_by_hand() -> None:
+    """heads=True on v_proj (2 key/value heads of 8 side by side, from the config): each
+    cell is grad x (clean - corrupted) summed over the batch and the head's 8 columns at one
+    position, with plain hooks and torch.autograd.grad; q_proj has the 4 query heads."""
+    model = _llama()
+    clean = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    corrupt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    site = "model.layers.0.self_attn.v_proj"
+    got = hs.attribution_patching(model, clean, corrupt, _gpt2_metric, [site], heads=True)
+    kept: list[Tensor] = []
+    handle = model.get_submodule(site).register_forward_hook(
+        lambda m, a, out: kept.append(out if out.requires_grad else out.requires_grad_())
+    )
+    try:
+        with torch.no_grad():
+            model(clean)
+        score = _gpt2_metric(model(corrupt))
+    finally:
+        handle.remove()
+    (grad,) = torch.autograd.grad(score, [kept[1]])
+    change = (grad * (kept[0] - kept[1].detach())).unflatten(2, (2, 8))  # (N, T, heads, d)
+    expected = score.detach() + change.sum((0, 3))
+    assert got.values.shape == (1, 5, 2) and got.heads == (0, 1)
+    torch.testing.assert_close(got.values[0], expected, rtol=0, atol=1e-5)
+    assert (expected - expected.roll(1, 1)).abs().max() > 1e-4  # the heads differ
+    queries = ["model.layers.0.self_attn.q_proj"]
+    by_query = hs.patching(model, clean, corrupt, _gpt2_metric, queries, heads=True)
+    assert by_query.values.shape == (1, 5, 4) and by_query.heads == (0, 1, 2, 3)
+    with pytest.raises(hs.UsageError, match="as many heads as the first"):
+        hs.patching(model, clean, corrupt, _gpt2_metric, [*queries, site], heads=True)
+
+
 @pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
 def test_a_sweep_over_heads_refuses_layers_that_are_not_sdpa_calls(sweep: Any) -> None:
     model = _model()

@@ -306,6 +306,28 @@ def test_patching_patterns_equals_transformer_lens_attn_head_pattern_by_pos(kind
     assert got.at(layers[1], 3, 2) == pytest.approx(float(expected[1, 3, 2]), abs=1e-5)
 
 
+@pytest.mark.parametrize("part", ["q", "k", "v"])
+def test_patching_projection_heads_equals_transformer_lens_q_k_v_by_pos(part: str) -> None:
+    """A layers x positions x heads sweep of Llama's q_proj, k_proj or v_proj (the heads side
+    by side in the last axis, from the config): get_act_patch_attn_head_{q,k,v}_by_pos, the
+    keys and values over the 2 key/value heads of grouped-query attention."""
+    hf, tl = _llama(sharp=True)
+    clean, corrupt, metric = _runs(5, seed=4)
+    expected = _transformer_lens_sweep(
+        tl, f"get_act_patch_attn_head_{part}_by_pos", clean, corrupt, metric
+    )
+    layers = [f"model.layers.{i}.self_attn.{part}_proj" for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=6
+    )
+    heads = 4 if part == "q" else 2
+    assert got.values.shape == expected.shape == (2, 5, heads)
+    assert got.heads == tuple(range(heads))
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    for axis in (1, 2):  # a sweep that patched the next head, or the next position, fails
+        assert (expected - expected.roll(1, axis)).abs().max() > 100 * 1e-5
+
+
 #: per model: its residual-stream layers (before each block, then after the last), final
 #: norm, unembedding
 LENS = {

@@ -126,7 +126,13 @@ def patching(
             weights ``get_act_patch_attn_head_pattern_by_pos`` (transposed: ours is layers x
             positions x heads): the head's clean pattern at that query position, every key,
             its output then recomputed from it in the corrupted run (the SDPA call runs
-            explicitly, ``weights @ values``, in the patched forwards).
+            explicitly, ``weights @ values``, in the patched forwards). A query, key or value
+            projection of a model whose config gives its heads (``q_proj``, ``k_proj``,
+            ``v_proj``; BERT's ``query``, ``key``, ``value``) has its heads side by side in
+            its last axis, and a cell patches one head's columns at one position
+            (``get_act_patch_attn_head_q_by_pos`` and its ``k`` / ``v`` relatives; the keys
+            and values of grouped-query attention have their own, fewer heads). Every layer
+            of a sweep has as many heads as the first.
         cells_per_forward: how many cells run in one forward (memory grows with it).
 
     Returns:
@@ -153,7 +159,9 @@ def patching(
     batch = _batch_size(corrupted, "corrupted")
     if not isinstance(heads, bool):
         raise UsageError(f"heads must be True or False, not {heads!r}")
-    names, sources, grid, axes = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    names, sources, grid, axes, sizes = _clean_run(
+        model, clean, layers, positions, batch, heads=heads
+    )
     n_heads = sources[names[0]].shape[1] if heads else 1
     cells = [(n, p, h) for n in names for p in grid for h in range(n_heads)]
     scores: list[Tensor] = []
@@ -161,7 +169,8 @@ def patching(
         chunk = cells[start : start + cells_per_forward]
         edits = {
             name: Edit(
-                _patcher(name, chunk, sources[name], batch, heads, axes[name]), name="patch cells"
+                _patcher(name, chunk, sources[name], batch, heads, axes[name], sizes[name]),
+                name="patch cells",
             )
             for name in dict.fromkeys(name for name, _, _ in chunk)
         }
@@ -209,9 +218,10 @@ def attribution_patching(
         layers: the layers, as for :func:`patching`.
         positions: the positions (negative from the end); default every position.
         heads: estimate :func:`patching`'s sweep over attention heads: each layer is an SDPA
-            call (``"...attn::scaled_dot_product_attention"``) or its attention weights
-            (``"...attn::attention_weights"``, summed over the keys), a cell one head at one
-            position; ``values`` is then ``(len(layers), len(positions), len(heads))``.
+            call (``"...attn::scaled_dot_product_attention"``), its attention weights
+            (``"...attn::attention_weights"``, summed over the keys) or a query, key or value
+            projection, as for :func:`patching`, a cell one head at one position; ``values``
+            is then ``(len(layers), len(positions), len(heads))``.
 
     Returns:
         A :class:`Patching` of the estimates, comparable cell by cell with :func:`patching`'s
@@ -226,7 +236,9 @@ def attribution_patching(
         raise UsageError(f"heads must be True or False, not {heads!r}")
     need_grad("attribution_patching")
     batch = _batch_size(corrupted, "corrupted")
-    names, sources, grid, axes = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    names, sources, grid, axes, sizes = _clean_run(
+        model, clean, layers, positions, batch, heads=heads
+    )
     live: dict[str, Tensor] = {}
 
     def keep(name: str) -> Callable[[Tensor, EditContext], Tensor]:
@@ -254,13 +266,13 @@ def attribution_patching(
     grads = torch.autograd.grad(score, [live[n] for n in names], allow_unused=True)
     rows = []
     for name, grad in zip(names, grads, strict=True):
-        now = live[name].detach()
+        now = _as_heads(live[name].detach(), sizes[name])
         if grad is None or now.shape[1:] != sources[name].shape[1:]:
             raise UsageError(
                 f"attribution_patching: {name!r} is not on the metric's path, or the runs "
                 "differ in length"
             )
-        change = grad * (sources[name].to(now.dtype) - now)
+        change = _as_heads(grad, sizes[name]) * (sources[name].to(now.dtype) - now)
         rows.append(_first_order(change, grid, heads, axes[name]))
     values = score.detach().reshape(()) + torch.stack(rows)
     if not heads:
@@ -288,9 +300,12 @@ def _clean_run(
     batch: int,
     *,
     heads: bool = False,
-) -> tuple[tuple[str, ...], dict[str, Tensor], list[int], dict[str, int]]:
-    """The layers' outputs in the clean run (checked), the grid's positions, and each layer's
-    position axis (2 for an SDPA call or its attention weights, whose axis 1 is the heads)."""
+) -> tuple[tuple[str, ...], dict[str, Tensor], list[int], dict[str, int], dict[str, int | None]]:
+    """The layers' outputs in the clean run (checked), the grid's positions, each layer's
+    position axis (2 for an SDPA call or its attention weights, whose axis 1 is the heads),
+    and with ``heads`` the head size of each projection (its heads side by side in the last
+    axis, None for the others); its output is then returned as ``(N, heads, T, size)``
+    (:func:`_as_heads`)."""
     with (
         run_eagerly(model),
         torch.no_grad(),
@@ -302,13 +317,19 @@ def _clean_run(
     sites = Layers(model).sites(layers)
     headed = {n for n, site in sites.items() if site.op is not None and site.op.op in HEADED}
     axes = {name: 2 if heads or name in headed else 1 for name in names}
+    sizes: dict[str, int | None] = dict.fromkeys(names)
+    if heads:
+        sizes |= _head_sizes(model, clean, {n: v for n, v in sources.items() if v.dim() == 3})
+        sources = {name: _as_heads(value, sizes[name]) for name, value in sources.items()}
     first = sources[names[0]].shape[axes[names[0]]]
     for name, value in sources.items():
         if heads and (value.dim() != 4 or value.shape[1] != sources[names[0]].shape[1]):
             raise UsageError(
                 f"patching heads: {name!r} returned {tuple(value.shape)}; with heads=True each "
-                "layer is an SDPA call (batch, heads, positions, head size) or its attention "
-                "weights (batch, heads, queries, keys) with as many heads as the first, e.g. "
+                "layer is an SDPA call (batch, heads, positions, head size), its attention "
+                "weights (batch, heads, queries, keys) or a query, key or value projection "
+                "(q_proj, k_proj, v_proj), each with as many heads as the first (keys and "
+                "values of grouped-query attention have fewer: sweep them apart), e.g. "
                 "'transformer.h.0.attn::scaled_dot_product_attention' or "
                 "'transformer.h.0.attn::attention_weights'"
             )
@@ -318,7 +339,48 @@ def _clean_run(
                 f"{axes[name]}; the first layer has {first}: patch layers that share the "
                 "position axis"
             )
-    return names, sources, _positions(positions, first), axes
+    return names, sources, _positions(positions, first), axes, sizes
+
+
+def _head_sizes(model: nn.Module, clean: Any, outputs: Mapping[str, Tensor]) -> dict[str, int]:
+    """The head size of each layer of ``outputs`` (its clean output ``(N, T, width)``): the
+    width a capture of head 0 keeps, where core's narrowing knows the layer's heads (an
+    attention projection, from the model's config); its heads must lie side by side, head
+    ``h`` in columns ``h * size`` to ``(h + 1) * size``."""
+    names = list(outputs)
+    if not names:
+        return {}
+    try:
+        with (
+            run_eagerly(model),
+            torch.no_grad(),
+            capture(model, names, heads=[0], recompile=True, this_thread=True) as cap,
+        ):
+            _run(model, clean)
+    except UsageError as err:
+        raise UsageError(
+            f"patching heads: with heads=True each layer is an SDPA call, its attention "
+            f"weights or a query, key or value projection (q_proj, k_proj, v_proj) of a model "
+            f"whose config gives its heads, e.g. "
+            f"'transformer.h.0.attn::scaled_dot_product_attention' ({err})"
+        ) from err
+    sizes = {}
+    for name, full in outputs.items():
+        one = cap[name].calls[0].output
+        if full.shape[-1] % one.shape[-1] or not torch.equal(one, full[..., : one.shape[-1]]):
+            raise UsageError(
+                f"patching heads: the heads of {name!r} do not lie side by side in its last "
+                "axis (a fused projection's queries, keys and values, or a model that is not "
+                "deterministic: call model.eval()); sweep its SDPA call's heads instead"
+            )
+        sizes[name] = int(one.shape[-1])
+    return sizes
+
+
+def _as_heads(t: Tensor, size: int | None) -> Tensor:
+    """A projection's output ``(N, T, heads x size)`` as ``(N, heads, T, size)``, a view of a
+    contiguous ``t`` (writing into it writes into ``t``); ``t`` itself where ``size`` is None."""
+    return t if size is None else t.reshape(*t.shape[:-1], -1, size).transpose(1, 2)
 
 
 def _run(model: nn.Module, inputs: Any) -> Any:
@@ -407,6 +469,7 @@ def _patcher(
     batch: int,
     heads: bool,
     axis: int,
+    size: int | None,
 ) -> Callable[[Tensor, EditContext], Tensor]:
     """The edit of ``name`` for this forward's cells: copy ``i`` of the batch gets the clean
     values at its cell's position (along ``axis``; every head of an SDPA call or its weights
@@ -419,16 +482,17 @@ def _patcher(
                 f"patching: {name!r} ran more than once in a forward; a layer patched by "
                 "position must run once per forward"
             )
-        if t.shape[0] != batch * len(chunk) or t.shape[1:] != clean.shape[1:]:
+        if t.shape[0] != batch * len(chunk) or _as_heads(t, size).shape[1:] != clean.shape[1:]:
             raise UsageError(
                 f"patching: {name!r} returned {tuple(t.shape)} on the corrupted input, "
                 f"{tuple(clean.shape)} on the clean one: the runs must have the same length"
             )
         out = t.clone()
+        view = _as_heads(out, size)  # (writes into out)
         for i, p, h in mine:
             rows = slice(i * batch, (i + 1) * batch)
             if heads:
-                out[rows, h, p] = clean[:, h, p].to(t.dtype)
+                view[rows, h, p] = clean[:, h, p].to(t.dtype)
             else:
                 at = (slice(None),) * (axis - 1) + (p,)  # every head before the positions
                 out[(rows, *at)] = clean[(slice(None), *at)].to(t.dtype)
