@@ -495,6 +495,16 @@ def test_attribution_patching_over_projection_heads_equals_the_formula_by_hand()
         hs.patching(model, clean, corrupt, _gpt2_metric, [*queries, site], heads=True)
 
 
+@pytest.mark.hf
+def test_a_sweep_over_the_heads_of_gpt2s_fused_projection_is_refused() -> None:
+    """c_attn's heads= takes each head's query, key and value columns, three blocks apart:
+    not one head's columns side by side, which a cell of the sweep patches."""
+    model = _gpt2()
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(hs.UsageError, match="do not lie side by side"):
+        hs.patching(model, ids, ids, _gpt2_metric, ["transformer.h.0.attn.c_attn"], heads=True)
+
+
 @pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
 def test_a_sweep_over_heads_refuses_layers_that_are_not_sdpa_calls(sweep: Any) -> None:
     model = _model()

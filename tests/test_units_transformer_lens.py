@@ -306,6 +306,51 @@ def test_patching_patterns_equals_transformer_lens_attn_head_pattern_by_pos(kind
     assert got.at(layers[1], 3, 2) == pytest.approx(float(expected[1, 3, 2]), abs=1e-5)
 
 
+#: GPT-2's attention splits c_attn into q, k, v and makes each (N, H, T, d) with a view and a
+#: transpose, keys first (transformers 5's GPT2Attention: k, v, then q): each transpose's
+#: output is TransformerLens' hook_q / hook_k / hook_v, transposed
+GPT2_QKV = {"q": "transpose#3", "k": "transpose#1", "v": "transpose#2"}
+
+
+def test_heads_of_gpt2s_fused_projection_equal_transformer_lens_hook_q_k_v() -> None:
+    """heads=[3, 0] on GPT-2's c_attn (queries | keys | values, each 4 heads of 16): each
+    head's query, key and value columns, TransformerLens' hook_q, hook_k, hook_v side by side;
+    and the operation sites that make each of them (N, H, T, d), their axes declared."""
+    hf, tl = _gpt2()
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    fused = "transformer.h.1.attn.c_attn"
+    parts = [f"transformer.h.1.attn::{GPT2_QKV[p]}" for p in "qkv"]
+    with torch.no_grad():
+        layout = dict.fromkeys(parts, "batch heads positions size")  # (N, H, T, d)
+        with hs.capture(hf, [fused, *parts], heads=[3, 0], positions=[-1, 2], layout=layout) as cap:
+            hf(ids)
+        _, cache = tl.run_with_cache(ids)
+    hooks = [cache[f"blocks.1.attn.hook_{p}"][:, [6, 2]][:, :, [3, 0]] for p in "qkv"]
+    expected = torch.cat([h.flatten(2) for h in hooks], 2)
+    torch.testing.assert_close(cap[fused].output, expected, rtol=0, atol=1e-5)
+    for part, hook in zip(parts, hooks, strict=True):
+        torch.testing.assert_close(cap[part].output, hook.transpose(1, 2), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("part", ["q", "k", "v"])
+def test_patching_gpt2_q_k_v_heads_equals_transformer_lens_by_pos(part: str) -> None:
+    """GPT-2's queries, keys or values per head: the operation making each (N, H, T, d) out
+    of c_attn's split, swept with heads=True, equals get_act_patch_attn_head_{q,k,v}_by_pos."""
+    hf, tl = _gpt2(sharp=True)
+    clean, corrupt, metric = _runs(5, seed=4)
+    expected = _transformer_lens_sweep(
+        tl, f"get_act_patch_attn_head_{part}_by_pos", clean, corrupt, metric
+    )
+    layers = [f"transformer.h.{i}.attn::{GPT2_QKV[part]}" for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=7
+    )
+    assert got.values.shape == expected.shape == (2, 5, 4)
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    for axis in (1, 2):  # a sweep that patched the next head, or the next position, fails
+        assert (expected - expected.roll(1, axis)).abs().max() > 100 * 1e-5
+
+
 @pytest.mark.parametrize("part", ["q", "k", "v"])
 def test_patching_projection_heads_equals_transformer_lens_q_k_v_by_pos(part: str) -> None:
     """A layers x positions x heads sweep of Llama's q_proj, k_proj or v_proj (the heads side
