@@ -496,6 +496,50 @@ def test_attribution_patching_over_projection_heads_equals_the_formula_by_hand()
 
 
 @pytest.mark.hf
+def test_a_sweep_over_gpt_neox_fused_heads_patches_each_heads_query_key_and_value() -> None:
+    """GPT-NeoX's query_key_value holds [q_h | k_h | v_h] head after head (its own
+    view(..., H, 3 d)): a cell patches head h's 3 d columns at one position, as a plain
+    forward hook does, one forward per cell."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    clean = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    corrupt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    site = "gpt_neox.layers.0.attention.query_key_value"
+    got = hs.patching(model, clean, corrupt, _gpt2_metric, [site], positions=[-1, 1], heads=True)
+    module = model.get_submodule(site)
+    kept: list[Tensor] = []
+    handle = module.register_forward_hook(lambda m, a, out: kept.append(out))
+    with torch.no_grad():
+        model(clean)
+    handle.remove()
+    expected = torch.zeros(2, 4)
+    for i, p in enumerate((4, 1)):
+        for h in range(4):
+            columns = slice(h * 24, (h + 1) * 24)  # 3 x head size 8
+
+            def patch(m: nn.Module, a: Any, out: Tensor, p: int = p, c: slice = columns) -> Tensor:
+                out = out.clone()
+                out[:, p, c] = kept[0][:, p, c]
+                return out
+
+            handle = module.register_forward_hook(patch)
+            with torch.no_grad():
+                expected[i, h] = _gpt2_metric(model(corrupt))
+            handle.remove()
+    assert got.values.shape == (1, 2, 4) and got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values[0], expected, rtol=1e-5, atol=1e-6)
+    assert (expected - expected.roll(1, 1)).abs().max() > 1e-4  # the heads differ
+
+
+@pytest.mark.hf
 def test_a_sweep_over_the_heads_of_gpt2s_fused_projection_is_refused() -> None:
     """c_attn's heads= takes each head's query, key and value columns, three blocks apart:
     not one head's columns side by side, which a cell of the sweep patches."""
