@@ -242,3 +242,13 @@ def test_ablating_a_fused_projections_head_zeroes_that_heads_query_key_and_value
         assert seen[:, 1].abs().max() == 0  # (N, H, T, d): head 1 zeroed, rotary or not
         torch.testing.assert_close(seen[:, [0, 2, 3]], before[:, [0, 2, 3]], rtol=0, atol=0)
         assert before[:, 1].abs().max() > 0
+
+
+def test_gpt2s_cross_attention_c_attn_keys_and_values_only_has_no_fused_heads() -> None:
+    """GPT-2's cross-attention c_attn makes keys | values (2 x H·d), not the self-attention's
+    queries | keys | values: refused rather than split in three."""
+    options = {**FAMILIES["gpt2"].options, "add_cross_attention": True}
+    model = transformers.GPT2Model(transformers.GPT2Config(**options)).eval()
+    with pytest.raises(hs.UsageError, match="has no head axis"):
+        hs.capture(model, "h.0.crossattention.c_attn", heads=[0])
+    hs.capture(model, "h.0.attn.c_attn", heads=[0])  # the self-attention's: q | k | v

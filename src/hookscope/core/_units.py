@@ -188,7 +188,8 @@ class Axes:
                 "attention' (each head's output before the output projection), or "
                 "'<attention layer>::attention_weights' (each head's attention pattern), or "
                 "a query, key or value projection (q_proj, k_proj, v_proj; query, key, "
-                "value) of a model whose config gives its heads; for attention written by "
+                "value; fused: GPT-2's c_attn, GPT-NeoX's query_key_value) of a model whose "
+                "config gives its heads; for attention written by "
                 "hand, declare the axes of its site with layout= "
                 "(e.g. layout={'blocks.*.attn::softmax': 'batch heads positions keys'})"
             )
