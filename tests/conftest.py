@@ -62,6 +62,7 @@ FILE_SECONDS = {
     "test_demo.py": 10,
     "test_architecture.py": 10,
     "test_residue.py": 9,
+    "test_patching.py": 9,
     "test_summary_ops.py": 9,
     "test_integrations_transformers.py": 8,
     "test_residue_fixture.py": 8,

@@ -359,6 +359,196 @@ def test_attribution_patching_over_heads_is_exact_where_the_model_is_linear_afte
     assert some.at(Z[0], 4, 3) == pytest.approx(exact.at(Z[0], 4, 3), abs=1e-5)
 
 
+# -- attention patterns ---------------------------------------------------------------------------
+
+W = ["attn::attention_weights"]
+
+
+def _patterns_by_hand(model: Heads, clean: Tensor, corrupt: Tensor, heads: list[int]) -> Tensor:
+    """Heads' forward written out (causal softmax(q kᵀ / √d) @ v), one per cell: the corrupted
+    run with the clean patterns of ``heads`` at one query position, every position in turn,
+    the output recomputed from the patched patterns. ``(positions, len(heads))``, or
+    ``(positions,)`` when ``heads`` is every head patched at once (``[-1]``)."""
+
+    def run(ids: Tensor, pattern: Any = None) -> tuple[Tensor, Tensor]:
+        h = model.embed(ids)
+        n, t, _ = h.shape
+        q, k, v = model.attn.qkv(h).view(n, t, 3, 4, 2).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-2, -1)) / 2**0.5
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        p = scores.masked_fill(~causal, -torch.inf).softmax(-1)  # (N, H, Tq, Tk)
+        if pattern is not None:
+            p = pattern(p)
+        z = (p @ v).transpose(1, 2).reshape(n, t, 8)
+        return model.head(h + model.attn.out(z)), p
+
+    with torch.no_grad():
+        _, kept = run(clean)
+        rows = []
+        for position in range(clean.shape[1]):
+            row = []
+            for head in heads:
+                chosen = slice(None) if head == -1 else head
+
+                def patched(p: Tensor, pos: int = position, at: Any = chosen) -> Tensor:
+                    p = p.clone()
+                    p[:, at, pos] = kept[:, at, pos]
+                    return p
+
+                row.append(_metric(run(corrupt, patched)[0]))
+            rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def test_patching_patterns_equals_patterns_patched_by_hand() -> None:
+    """Each cell writes one head's clean attention pattern at one query position into the
+    corrupted run, and the head's output follows it (the SDPA call is computed explicitly
+    with the patched weights): equal to the attention written out by hand. TransformerLens'
+    get_act_patch_attn_head_pattern_by_pos is the other oracle (test_units_transformer_lens)."""
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.patching(model, clean, corrupt, _metric, W, heads=True, cells_per_forward=6)
+    expected = _patterns_by_hand(model, clean, corrupt, [0, 1, 2, 3])
+    assert got.values.shape == (1, 5, 4) and got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values[0], expected, rtol=1e-5, atol=1e-6)
+    for axis in (0, 1):  # patching the next position, or the next head, would fail
+        assert (expected - expected.roll(1, axis)).abs().max() > 1e-3
+    assert got.at(W[0], 3, 2) == pytest.approx(float(expected[3, 2]), abs=1e-6)
+
+
+def test_without_heads_an_sdpa_call_or_its_weights_is_patched_at_a_position_in_every_head() -> None:
+    """heads=False on an SDPA call or its attention weights: the positions are their axis 2
+    (axis 1 is the heads), every head patched at once. The SDPA output at a position in every
+    head is what the output projection reads there, so the grid is the attention layer's."""
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    z = hs.patching(model, clean, corrupt, _metric, Z, cells_per_forward=3)
+    layer = hs.patching(model, clean, corrupt, _metric, ["attn"])
+    assert z.values.shape == (1, 5) and z.positions == (0, 1, 2, 3, 4)
+    torch.testing.assert_close(z.values, layer.values, rtol=1e-5, atol=1e-6)
+    patterns = hs.patching(model, clean, corrupt, _metric, W, positions=[-1, 1])
+    expected = _patterns_by_hand(model, clean, corrupt, [-1])[[4, 1], 0]
+    torch.testing.assert_close(patterns.values[0], expected, rtol=1e-5, atol=1e-6)
+    both = hs.attribution_patching(model, clean, corrupt, _metric, Z + W)
+    assert both.values.shape == (2, 5)  # each layer's own position axis
+    exact = hs.patching(model, clean, corrupt, _metric, Z)
+    torch.testing.assert_close(both.values[:1], exact.values, rtol=1e-5, atol=1e-5)
+
+
+def test_attribution_patching_over_patterns_is_exact_where_the_model_is_linear_after_them() -> None:
+    """The logits are linear in the patterns (for the corrupted run's values) and the metric
+    linear in the logits: the first-order estimate over the attention weights is
+    hs.patching's exact sweep."""
+    model = _heads_model()
+    clean, corrupt = _ids(1), _ids(2)
+    got = hs.attribution_patching(model, clean, corrupt, _metric, W, heads=True)
+    exact = hs.patching(model, clean, corrupt, _metric, W, heads=True)
+    assert got.values.shape == (1, 5, 4)
+    torch.testing.assert_close(got.values, exact.values, rtol=1e-5, atol=1e-5)
+
+
+def _llama() -> nn.Module:
+    """Grouped-query attention: 4 query heads of 8, 2 key/value heads."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.hf
+def test_attribution_patching_over_projection_heads_equals_the_formula_by_hand() -> None:
+    """heads=True on v_proj (2 key/value heads of 8 side by side, from the config): each
+    cell is grad x (clean - corrupted) summed over the batch and the head's 8 columns at one
+    position, with plain hooks and torch.autograd.grad; q_proj has the 4 query heads."""
+    model = _llama()
+    clean = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    corrupt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    site = "model.layers.0.self_attn.v_proj"
+    got = hs.attribution_patching(model, clean, corrupt, _gpt2_metric, [site], heads=True)
+    kept: list[Tensor] = []
+    handle = model.get_submodule(site).register_forward_hook(
+        lambda m, a, out: kept.append(out if out.requires_grad else out.requires_grad_())
+    )
+    try:
+        with torch.no_grad():
+            model(clean)
+        score = _gpt2_metric(model(corrupt))
+    finally:
+        handle.remove()
+    (grad,) = torch.autograd.grad(score, [kept[1]])
+    change = (grad * (kept[0] - kept[1].detach())).unflatten(2, (2, 8))  # (N, T, heads, d)
+    expected = score.detach() + change.sum((0, 3))
+    assert got.values.shape == (1, 5, 2) and got.heads == (0, 1)
+    torch.testing.assert_close(got.values[0], expected, rtol=0, atol=1e-5)
+    assert (expected - expected.roll(1, 1)).abs().max() > 1e-4  # the heads differ
+    queries = ["model.layers.0.self_attn.q_proj"]
+    by_query = hs.patching(model, clean, corrupt, _gpt2_metric, queries, heads=True)
+    assert by_query.values.shape == (1, 5, 4) and by_query.heads == (0, 1, 2, 3)
+    with pytest.raises(hs.UsageError, match="as many heads as the first"):
+        hs.patching(model, clean, corrupt, _gpt2_metric, [*queries, site], heads=True)
+
+
+@pytest.mark.hf
+def test_a_sweep_over_gpt_neox_fused_heads_patches_each_heads_query_key_and_value() -> None:
+    """GPT-NeoX's query_key_value holds [q_h | k_h | v_h] head after head (its own
+    view(..., H, 3 d)): a cell patches head h's 3 d columns at one position, as a plain
+    forward hook does, one forward per cell."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPTNeoXConfig(
+        num_hidden_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        vocab_size=50,
+    )
+    model = transformers.GPTNeoXForCausalLM(config).eval()
+    clean = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    corrupt = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(2))
+    site = "gpt_neox.layers.0.attention.query_key_value"
+    got = hs.patching(model, clean, corrupt, _gpt2_metric, [site], positions=[-1, 1], heads=True)
+    module = model.get_submodule(site)
+    kept: list[Tensor] = []
+    handle = module.register_forward_hook(lambda m, a, out: kept.append(out))
+    with torch.no_grad():
+        model(clean)
+    handle.remove()
+    expected = torch.zeros(2, 4)
+    for i, p in enumerate((4, 1)):
+        for h in range(4):
+            columns = slice(h * 24, (h + 1) * 24)  # 3 x head size 8
+
+            def patch(m: nn.Module, a: Any, out: Tensor, p: int = p, c: slice = columns) -> Tensor:
+                out = out.clone()
+                out[:, p, c] = kept[0][:, p, c]
+                return out
+
+            handle = module.register_forward_hook(patch)
+            with torch.no_grad():
+                expected[i, h] = _gpt2_metric(model(corrupt))
+            handle.remove()
+    assert got.values.shape == (1, 2, 4) and got.heads == (0, 1, 2, 3)
+    torch.testing.assert_close(got.values[0], expected, rtol=1e-5, atol=1e-6)
+    assert (expected - expected.roll(1, 1)).abs().max() > 1e-4  # the heads differ
+
+
+@pytest.mark.hf
+def test_a_sweep_over_the_heads_of_gpt2s_fused_projection_is_refused() -> None:
+    """c_attn's heads= takes each head's query, key and value columns, three blocks apart:
+    not one head's columns side by side, which a cell of the sweep patches."""
+    model = _gpt2()
+    ids = torch.randint(0, 50, (2, 5), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(hs.UsageError, match="do not lie side by side"):
+        hs.patching(model, ids, ids, _gpt2_metric, ["transformer.h.0.attn.c_attn"], heads=True)
+
+
 @pytest.mark.parametrize("sweep", [hs.patching, hs.attribution_patching])
 def test_a_sweep_over_heads_refuses_layers_that_are_not_sdpa_calls(sweep: Any) -> None:
     model = _model()

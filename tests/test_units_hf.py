@@ -185,3 +185,70 @@ def test_ablating_a_head_equals_zeroing_it_before_the_eager_output_projection(na
     mask = inputs.get("attention_mask")
     live = torch.ones(got.shape[:2], dtype=torch.bool) if mask is None else mask.bool()
     torch.testing.assert_close(got[live], want[live], rtol=0, atol=1e-5)
+
+
+#: the fused query/key/value projection of a family, and how its own code splits a head out
+#: of it: GPT-2 splits q | k | v (each H·d), GPT-NeoX views (H, 3·d) and chunks q, k, v
+FUSED = {"gpt2": "h.0.attn.c_attn", "gpt_neox": "layers.0.attention.query_key_value"}
+
+
+def _fused_heads(name: str, full: Tensor, heads: list[int]) -> Tensor:
+    """The columns of ``heads`` in a fused projection's output, by the model's own split."""
+    n, t, _ = full.shape
+    if name == "gpt2":
+        parts = full.split(HEADS * HEAD_SIZE, dim=2)  # q, k, v
+        return torch.cat([p.view(n, t, HEADS, HEAD_SIZE)[:, :, heads].flatten(2) for p in parts], 2)
+    return full.view(n, t, HEADS, 3 * HEAD_SIZE)[:, :, heads].flatten(2)
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_heads_of_a_fused_projection_are_its_query_key_and_value_columns(name: str) -> None:
+    """heads=[3, 1] on GPT-2's c_attn and GPT-NeoX's query_key_value: each head's query, key
+    and value columns, in the projection's own layout, at the chosen positions."""
+    family = FAMILIES[name]
+    model, _ = _pair(family)
+    inputs = _inputs(family)
+    site = FUSED[name]
+    with torch.no_grad():
+        with hs.capture(model, site, heads=[3, 1], positions=[-1, 2]) as cap:
+            model(**inputs)
+        with hs.capture(model, site) as full:
+            model(**inputs)
+    expected = _fused_heads(name, full[site].output, [3, 1])[:, [6, 2]]
+    assert cap[site].output.shape == (3, 2, 2 * 3 * HEAD_SIZE)
+    torch.testing.assert_close(cap[site].output, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", list(FUSED))
+def test_ablating_a_fused_projections_head_zeroes_that_heads_query_key_and_value(
+    name: str,
+) -> None:
+    """The attention reads what the edit wrote where it reads head 1: the SDPA call gets zero
+    query, key and value for head 1 (at every position), the other heads untouched."""
+    family = FAMILIES[name]
+    model, _ = _pair(family)
+    inputs = _inputs(family)
+    sdpa = family.attention.format(0) + "::scaled_dot_product_attention"
+    with torch.no_grad():
+        with hs.capture(model, sdpa, inputs=True) as plain:
+            model(**inputs)
+        with (
+            hs.edit(model, {FUSED[name]: hs.ablate()}, heads=[1]),
+            hs.capture(model, sdpa, inputs=True) as cap,
+        ):
+            model(**inputs)
+    for part in ("query", "key", "value"):
+        seen, before = cap[sdpa].inputs[part], plain[sdpa].inputs[part]
+        assert seen[:, 1].abs().max() == 0  # (N, H, T, d): head 1 zeroed, rotary or not
+        torch.testing.assert_close(seen[:, [0, 2, 3]], before[:, [0, 2, 3]], rtol=0, atol=0)
+        assert before[:, 1].abs().max() > 0
+
+
+def test_gpt2s_cross_attention_c_attn_keys_and_values_only_has_no_fused_heads() -> None:
+    """GPT-2's cross-attention c_attn makes keys | values (2 x H·d), not the self-attention's
+    queries | keys | values: refused rather than split in three."""
+    options = {**FAMILIES["gpt2"].options, "add_cross_attention": True}
+    model = transformers.GPT2Model(transformers.GPT2Config(**options)).eval()
+    with pytest.raises(hs.UsageError, match="has no head axis"):
+        hs.capture(model, "h.0.crossattention.c_attn", heads=[0])
+    hs.capture(model, "h.0.attn.c_attn", heads=[0])  # the self-attention's: q | k | v

@@ -44,13 +44,27 @@ def _noisy(model: nn.Module) -> nn.Module:
     return model
 
 
-def _gpt2(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
+def _sharp(hf: nn.Module, factor: float = 6.0) -> None:
+    """Queries and keys ``factor`` times larger, so that attention patterns are far from
+    uniform and patching one head's pattern at one position moves the metric well beyond the
+    tolerance (random initialisation leaves every head attending almost evenly)."""
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("c_attn.weight"):  # GPT-2: queries, keys, values side by side
+                p[:, : 2 * p.size(0)] *= factor
+            elif name.endswith(("q_proj.weight", "k_proj.weight")):
+                p *= factor
+
+
+def _gpt2(fold_ln: bool = False, noisy: bool = False, sharp: bool = False) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100)
     ).eval()
     if noisy:
         _noisy(hf)
+    if sharp:
+        _sharp(hf)
     cfg = lens.HookedTransformerConfig(
         d_model=64,
         d_head=16,
@@ -68,7 +82,9 @@ def _gpt2(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
     return hf, _converted(cfg, conversions.convert_gpt2_weights(hf, cfg), fold_ln)
 
 
-def _llama(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
+def _llama(
+    fold_ln: bool = False, noisy: bool = False, sharp: bool = False
+) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         num_hidden_layers=2,
@@ -81,6 +97,8 @@ def _llama(fold_ln: bool = False, noisy: bool = False) -> tuple[nn.Module, Any]:
     hf = transformers.LlamaForCausalLM(config).eval()
     if noisy:
         _noisy(hf)
+    if sharp:
+        _sharp(hf)
     rope = getattr(config, "rope_parameters", None) or {}
     cfg = lens.HookedTransformerConfig(
         d_model=64,
@@ -118,7 +136,7 @@ def _converted(cfg: Any, state: dict[str, Any], fold_ln: bool = False) -> Any:
     return model.eval()
 
 
-MODELS: dict[str, tuple[Callable[[], tuple[nn.Module, Any]], str]] = {
+MODELS: dict[str, tuple[Callable[..., tuple[nn.Module, Any]], str]] = {
     "gpt2": (_gpt2, "transformer.h.{}.attn"),
     "llama": (_llama, "model.layers.{}.self_attn"),
 }
@@ -262,6 +280,97 @@ def test_patching_heads_equals_transformer_lens_attn_head_out_by_pos(kind: str) 
     torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
     assert expected.max() - expected.min() > 100 * 1e-5
     assert got.at(layers[1], 4, 2) == pytest.approx(float(expected[1, 4, 2]), abs=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_patching_patterns_equals_transformer_lens_attn_head_pattern_by_pos(kind: str) -> None:
+    """A layers x positions x heads sweep of each SDPA call's attention weights: a cell writes
+    one head's clean pattern at one query position into the corrupted run, the head's output
+    recomputed from it (pattern @ values), and equals get_act_patch_attn_head_pattern_by_pos
+    (its grid is layer x head x position; grouped-query Llama: the 4 query heads)."""
+    make, attention = MODELS[kind]
+    hf, tl = make(sharp=True)
+    clean, corrupt, metric = _runs(5, seed=4)
+    helper = "get_act_patch_attn_head_pattern_by_pos"
+    expected = _transformer_lens_sweep(tl, helper, clean, corrupt, metric).permute(0, 2, 1)
+    layers = [f"{attention.format(i)}::attention_weights" for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=7
+    )
+    assert got.values.shape == expected.shape == (2, 5, 4)
+    assert got.heads == (0, 1, 2, 3) and got.layers == tuple(layers)
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    # a sweep that patched the next head, or the next position, would be far off
+    for axis in (1, 2):
+        assert (expected - expected.roll(1, axis)).abs().max() > 100 * 1e-5
+    assert got.at(layers[1], 3, 2) == pytest.approx(float(expected[1, 3, 2]), abs=1e-5)
+
+
+#: GPT-2's attention splits c_attn into q, k, v and makes each (N, H, T, d) with a view and a
+#: transpose, keys first (transformers 5's GPT2Attention: k, v, then q): each transpose's
+#: output is TransformerLens' hook_q / hook_k / hook_v, transposed
+GPT2_QKV = {"q": "transpose#3", "k": "transpose#1", "v": "transpose#2"}
+
+
+def test_heads_of_gpt2s_fused_projection_equal_transformer_lens_hook_q_k_v() -> None:
+    """heads=[3, 0] on GPT-2's c_attn (queries | keys | values, each 4 heads of 16): each
+    head's query, key and value columns, TransformerLens' hook_q, hook_k, hook_v side by side;
+    and the operation sites that make each of them (N, H, T, d), their axes declared."""
+    hf, tl = _gpt2()
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(1))
+    fused = "transformer.h.1.attn.c_attn"
+    parts = [f"transformer.h.1.attn::{GPT2_QKV[p]}" for p in "qkv"]
+    with torch.no_grad():
+        layout = dict.fromkeys(parts, "batch heads positions size")  # (N, H, T, d)
+        with hs.capture(hf, [fused, *parts], heads=[3, 0], positions=[-1, 2], layout=layout) as cap:
+            hf(ids)
+        _, cache = tl.run_with_cache(ids)
+    hooks = [cache[f"blocks.1.attn.hook_{p}"][:, [6, 2]][:, :, [3, 0]] for p in "qkv"]
+    expected = torch.cat([h.flatten(2) for h in hooks], 2)
+    torch.testing.assert_close(cap[fused].output, expected, rtol=0, atol=1e-5)
+    for part, hook in zip(parts, hooks, strict=True):
+        torch.testing.assert_close(cap[part].output, hook.transpose(1, 2), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("part", ["q", "k", "v"])
+def test_patching_gpt2_q_k_v_heads_equals_transformer_lens_by_pos(part: str) -> None:
+    """GPT-2's queries, keys or values per head: the operation making each (N, H, T, d) out
+    of c_attn's split, swept with heads=True, equals get_act_patch_attn_head_{q,k,v}_by_pos."""
+    hf, tl = _gpt2(sharp=True)
+    clean, corrupt, metric = _runs(5, seed=4)
+    expected = _transformer_lens_sweep(
+        tl, f"get_act_patch_attn_head_{part}_by_pos", clean, corrupt, metric
+    )
+    layers = [f"transformer.h.{i}.attn::{GPT2_QKV[part]}" for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=7
+    )
+    assert got.values.shape == expected.shape == (2, 5, 4)
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    for axis in (1, 2):  # a sweep that patched the next head, or the next position, fails
+        assert (expected - expected.roll(1, axis)).abs().max() > 100 * 1e-5
+
+
+@pytest.mark.parametrize("part", ["q", "k", "v"])
+def test_patching_projection_heads_equals_transformer_lens_q_k_v_by_pos(part: str) -> None:
+    """A layers x positions x heads sweep of Llama's q_proj, k_proj or v_proj (the heads side
+    by side in the last axis, from the config): get_act_patch_attn_head_{q,k,v}_by_pos, the
+    keys and values over the 2 key/value heads of grouped-query attention."""
+    hf, tl = _llama(sharp=True)
+    clean, corrupt, metric = _runs(5, seed=4)
+    expected = _transformer_lens_sweep(
+        tl, f"get_act_patch_attn_head_{part}_by_pos", clean, corrupt, metric
+    )
+    layers = [f"model.layers.{i}.self_attn.{part}_proj" for i in range(2)]
+    got = hs.patching(
+        hf, clean, corrupt, lambda out: metric(out.logits), layers, heads=True, cells_per_forward=6
+    )
+    heads = 4 if part == "q" else 2
+    assert got.values.shape == expected.shape == (2, 5, heads)
+    assert got.heads == tuple(range(heads))
+    torch.testing.assert_close(got.values, expected.float(), rtol=0, atol=1e-5)
+    for axis in (1, 2):  # a sweep that patched the next head, or the next position, fails
+        assert (expected - expected.roll(1, axis)).abs().max() > 100 * 1e-5
 
 
 #: per model: its residual-stream layers (before each block, then after the last), final

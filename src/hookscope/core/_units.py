@@ -10,6 +10,7 @@ a layer, an operation                      ``(N, T, ..., D)``   1          —  
 ``"attn::scaled_dot_product_attention"``   ``(N, H, T, d)``     2          1      -1
 ``"attn::attention_weights"``              ``(N, H, Tq, Tk)``   2 (query)  1      —
 an attention projection (``q_proj``...)    ``(N, T, H·d)``      1          -1     -1
+a fused projection (``c_attn``...)         ``(N, T, 3·H·d)``    1          -1     -1
 =========================================  ===================  =========  =====  =======
 
 The output of an SDPA call is each head's output before the output projection
@@ -27,7 +28,11 @@ The query, key and value projections of a Hugging Face model (``q_proj``, ``k_pr
 ``v_proj``; BERT's ``query``, ``key``, ``value``) hold their heads side by side in the last
 axis: the config gives their number and size (:func:`config_heads`), and a query head selects
 its ``d`` columns of ``q_proj`` and those of the key/value head it reads in ``k_proj`` and
-``v_proj`` (key/value heads in increasing order, each once).
+``v_proj`` (key/value heads in increasing order, each once). Fused projections hold the
+queries, keys and values of every head (:data:`FUSED`): GPT-2's ``c_attn`` as three blocks
+``q | k | v`` of ``H·d`` columns each, GPT-NeoX's ``query_key_value`` head by head
+``[q_h | k_h | v_h]`` of ``3·d`` columns; a head selects its query, key and value columns,
+kept in that layout (``c_attn`` narrowed to heads ``[3, 1]`` is ``q3 q1 | k3 k1 | v3 v1``).
 
 A tensor without the axes of its site's layout is refused (:meth:`Axes.fits`) rather than
 narrowed along another axis: an output ``(N, D)`` has no positions (its axis 1 is the
@@ -82,6 +87,8 @@ end)."""
 Positions: TypeAlias = int | Sequence[int] | Literal["last"]
 """The type of ``positions=``: an index or a list of them (negative from the end), or
 ``"last"``, each sample's last real token (from the forward's ``attention_mask``)."""
+Fused: TypeAlias = Literal["blocks", "interleaved"]
+"""Where a fused query/key/value projection holds each head's columns (:data:`FUSED`)."""
 
 
 def _indices(value: Any, what: str) -> tuple[int, ...] | None:
@@ -146,6 +153,9 @@ class Axes:
     #: each head's size ``d``, and how many query heads read each of them (1 for queries,
     #: ``H / H_kv`` for the keys and values of grouped-query attention)
     packed: tuple[int, int] | None = None
+    #: a fused projection's layout of queries, keys and values (:data:`FUSED`), None for one
+    #: of them alone
+    fused: Fused | None = None
     #: how many axes the layout names, None where it leaves some unnamed (a layer's output
     #: ``(N, T, ..., D)``: a batch, then positions before the features, if it has positions)
     rank: int | None = None
@@ -178,7 +188,8 @@ class Axes:
                 "attention' (each head's output before the output projection), or "
                 "'<attention layer>::attention_weights' (each head's attention pattern), or "
                 "a query, key or value projection (q_proj, k_proj, v_proj; query, key, "
-                "value) of a model whose config gives its heads; for attention written by "
+                "value; fused: GPT-2's c_attn, GPT-NeoX's query_key_value) of a model whose "
+                "config gives its heads; for attention written by "
                 "hand, declare the axes of its site with layout= "
                 "(e.g. layout={'blocks.*.attn::softmax': 'batch heads positions keys'})"
             )
@@ -225,6 +236,17 @@ PROJECTIONS = {"q_proj": False, "k_proj": True, "v_proj": True}
 PROJECTIONS |= {"query": False, "key": True, "value": True}
 
 
+#: fused query/key/value projections per ``config.model_type``: its last name, and where head
+#: ``h``'s ``d`` query, key and value columns lie: ``"blocks"`` (GPT-2's ``c_attn``: ``q | k |
+#: v``, each ``H·d`` wide, head ``h`` at ``h·d`` in each), ``"interleaved"`` (GPT-NeoX's
+#: ``query_key_value``: ``3·d`` columns per head, ``[q_h | k_h | v_h]``, as its
+#: ``view(..., H, 3·d).chunk(3)`` reads them)
+FUSED: dict[str, tuple[str, Fused]] = {
+    "gpt2": ("c_attn", "blocks"),
+    "gpt_neox": ("query_key_value", "interleaved"),
+}
+
+
 def config_heads(model: object) -> tuple[int, int, int] | None:
     """``(query heads, key/value heads, head size)`` from a Hugging Face model's config
     (``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` or ``hidden_size / heads``),
@@ -247,6 +269,16 @@ def projection_axes(name: str, model: object) -> Axes | None:
     """The axes of an attention projection's output ``(N, T, H·d)``, heads side by side in
     the last axis, from the model's config; None for any other layer."""
     last = name.rsplit(".", 1)[-1]
+    kind_of = getattr(getattr(model, "config", None), "model_type", None)
+    fused = FUSED.get(kind_of) if isinstance(kind_of, str) else None
+    if fused is not None and last == fused[0] and ".crossattention." not in f".{name}":
+        # (GPT-2's cross-attention c_attn makes keys and values only: not this layout)
+        found = config_heads(model)
+        if found is None or found[1] != found[0]:
+            return None
+        size = found[2]
+        kind = f"a fused projection's output (N, positions, 3 x heads x {size}), from the config"
+        return Axes(1, -1, -1, kind, packed=(size, 1), fused=fused[1])
     found = config_heads(model) if last in PROJECTIONS else None
     if found is None:
         return None
@@ -419,11 +451,14 @@ class Narrow:
         and values of grouped-query attention: the key/value head each query head reads."""
         assert self.axes.packed is not None
         size, group = self.axes.packed
-        count = width // size * group  # query heads
-        if width % size:
+        fused = self.axes.fused
+        parts = 1 if fused is None else 3  # a fused head: its query, key and value
+        count = width // (size * parts) * group  # query heads
+        if width % (size * parts):
+            what = f"{parts} x " if fused else ""
             raise UsageError(
                 f"heads= on {self.site!r}: its last axis ({width}) is not a whole number of "
-                f"heads of {size} (the config's head size)"
+                f"heads of {what}{size} (the config's head size)"
             )
         bad = [h for h in heads if not -count <= h < count]
         if bad:
@@ -432,7 +467,13 @@ class Narrow:
                 f"heads (tensor {tuple(t.shape)})"
             )
         chosen = kv_heads([h % count for h in heads], count, count // group)
-        columns = [c for h in chosen for c in range(h * size, (h + 1) * size)]
+        if fused == "blocks":  # q | k | v, each of count x size columns
+            starts = [b * count * size + h * size for b in range(3) for h in chosen]
+        elif fused == "interleaved":  # [q_h | k_h | v_h] head after head
+            starts = [h * 3 * size + j * size for h in chosen for j in range(3)]
+        else:
+            starts = [h * size for h in chosen]
+        columns = [c for start in starts for c in range(start, start + size)]
         return torch.tensor(columns, device=t.device)
 
     def take(self, t: Tensor) -> Tensor:

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ..core import (
     Edit,
     EditContext,
+    Layers,
     LayerSelector,
     capture,
     edit,
@@ -30,6 +31,10 @@ from ..core import (
 )
 from ..errors import UsageError
 from ._path import need_grad
+
+#: operations whose output is ``(batch, heads, positions, ...)``: an SDPA call's (each head's
+#: output) and its attention weights (each head's pattern, positions = queries)
+HEADED = ("scaled_dot_product_attention", "attention_weights")
 
 
 @dataclass(frozen=True)
@@ -109,13 +114,25 @@ def patching(
             one tensor of shape ``(batch, positions, ...)`` and run once per forward. For a
             Hugging Face GPT-2, the residual stream before block ``i`` (TransformerLens'
             ``resid_pre``) is the output of ``transformer.drop`` (``i = 0``) or of
-            ``transformer.h.{i-1}``.
+            ``transformer.h.{i-1}``. An SDPA call (``"...attn::scaled_dot_product_attention"``,
+            ``(batch, heads, positions, head size)``) or its attention weights
+            (``"...attn::attention_weights"``, ``(batch, heads, queries, keys)``) has its
+            positions in axis 2: a cell patches every head at that position (query position).
         positions: the positions patched (negative from the end); default every position.
-        heads: sweep over attention heads too: each layer is an SDPA call
-            (``"...attn::scaled_dot_product_attention"``, output ``(batch, heads, positions,
-            head size)``: each head's output before the output projection, TransformerLens'
-            ``hook_z``), and a cell patches one head at one position
-            (``get_act_patch_attn_head_out_by_pos``).
+        heads: sweep over attention heads too: each layer is an SDPA call, whose output is
+            each head's output before the output projection (TransformerLens' ``hook_z``),
+            or its attention weights (``hook_pattern``), and a cell patches one head at one
+            position: TransformerLens' ``get_act_patch_attn_head_out_by_pos``, or for the
+            weights ``get_act_patch_attn_head_pattern_by_pos`` (transposed: ours is layers x
+            positions x heads): the head's clean pattern at that query position, every key,
+            its output then recomputed from it in the corrupted run (the SDPA call runs
+            explicitly, ``weights @ values``, in the patched forwards). A query, key or value
+            projection of a model whose config gives its heads (``q_proj``, ``k_proj``,
+            ``v_proj``; BERT's ``query``, ``key``, ``value``) has its heads side by side in
+            its last axis, and a cell patches one head's columns at one position
+            (``get_act_patch_attn_head_q_by_pos`` and its ``k`` / ``v`` relatives; the keys
+            and values of grouped-query attention have their own, fewer heads). Every layer
+            of a sweep has as many heads as the first.
         cells_per_forward: how many cells run in one forward (memory grows with it).
 
     Returns:
@@ -142,14 +159,19 @@ def patching(
     batch = _batch_size(corrupted, "corrupted")
     if not isinstance(heads, bool):
         raise UsageError(f"heads must be True or False, not {heads!r}")
-    names, sources, grid = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    names, sources, grid, axes, sizes = _clean_run(
+        model, clean, layers, positions, batch, heads=heads
+    )
     n_heads = sources[names[0]].shape[1] if heads else 1
     cells = [(n, p, h) for n in names for p in grid for h in range(n_heads)]
     scores: list[Tensor] = []
     for start in range(0, len(cells), cells_per_forward):
         chunk = cells[start : start + cells_per_forward]
         edits = {
-            name: Edit(_patcher(name, chunk, sources[name], batch, heads), name="patch cells")
+            name: Edit(
+                _patcher(name, chunk, sources[name], batch, heads, axes[name], sizes[name]),
+                name="patch cells",
+            )
             for name in dict.fromkeys(name for name, _, _ in chunk)
         }
         with (
@@ -196,8 +218,10 @@ def attribution_patching(
         layers: the layers, as for :func:`patching`.
         positions: the positions (negative from the end); default every position.
         heads: estimate :func:`patching`'s sweep over attention heads: each layer is an SDPA
-            call (``"...attn::scaled_dot_product_attention"``), a cell one head at one
-            position; ``values`` is then ``(len(layers), len(positions), len(heads))``.
+            call (``"...attn::scaled_dot_product_attention"``), its attention weights
+            (``"...attn::attention_weights"``, summed over the keys) or a query, key or value
+            projection, as for :func:`patching`, a cell one head at one position; ``values``
+            is then ``(len(layers), len(positions), len(heads))``.
 
     Returns:
         A :class:`Patching` of the estimates, comparable cell by cell with :func:`patching`'s
@@ -212,7 +236,9 @@ def attribution_patching(
         raise UsageError(f"heads must be True or False, not {heads!r}")
     need_grad("attribution_patching")
     batch = _batch_size(corrupted, "corrupted")
-    names, sources, grid = _clean_run(model, clean, layers, positions, batch, heads=heads)
+    names, sources, grid, axes, sizes = _clean_run(
+        model, clean, layers, positions, batch, heads=heads
+    )
     live: dict[str, Tensor] = {}
 
     def keep(name: str) -> Callable[[Tensor, EditContext], Tensor]:
@@ -240,13 +266,14 @@ def attribution_patching(
     grads = torch.autograd.grad(score, [live[n] for n in names], allow_unused=True)
     rows = []
     for name, grad in zip(names, grads, strict=True):
-        now = live[name].detach()
+        now = _as_heads(live[name].detach(), sizes[name])
         if grad is None or now.shape[1:] != sources[name].shape[1:]:
             raise UsageError(
                 f"attribution_patching: {name!r} is not on the metric's path, or the runs "
                 "differ in length"
             )
-        rows.append(_first_order(grad * (sources[name].to(now.dtype) - now), grid, heads))
+        change = _as_heads(grad, sizes[name]) * (sources[name].to(now.dtype) - now)
+        rows.append(_first_order(change, grid, heads, axes[name]))
     values = score.detach().reshape(()) + torch.stack(rows)
     if not heads:
         return Patching(values.float().cpu(), names, tuple(grid))
@@ -254,13 +281,15 @@ def attribution_patching(
     return Patching(values.float().cpu(), names, tuple(grid), tuple(range(n_heads)))
 
 
-def _first_order(change: Tensor, grid: list[int], heads: bool) -> Tensor:
+def _first_order(change: Tensor, grid: list[int], heads: bool, axis: int) -> Tensor:
     """One layer's row of estimates from ``grad * (clean - corrupted)``: summed over the batch
-    and the features at each position, ``(positions,)``; with heads (``change`` is ``(N, H,
-    T, d)``) over the batch and the head size at each position and head, ``(positions, H)``."""
+    and every other axis at each position (``axis``: the positions'), ``(positions,)``; with
+    heads (``change`` is ``(N, H, T, d)``, or ``(N, H, Tq, Tk)`` for attention weights) over
+    the batch and the last axis at each position and head, ``(positions, H)``."""
     if heads:
         return change[:, :, grid].sum((0, 3)).transpose(0, 1)
-    return change[:, grid].transpose(0, 1).flatten(1).sum(1)  # (N, positions, ...) -> (P,)
+    at = change.movedim(axis, 0)[grid]  # (P, ...)
+    return at.flatten(1).sum(1)
 
 
 def _clean_run(
@@ -271,8 +300,12 @@ def _clean_run(
     batch: int,
     *,
     heads: bool = False,
-) -> tuple[tuple[str, ...], dict[str, Tensor], list[int]]:
-    """The layers' outputs in the clean run (checked), and the grid's positions."""
+) -> tuple[tuple[str, ...], dict[str, Tensor], list[int], dict[str, int], dict[str, int | None]]:
+    """The layers' outputs in the clean run (checked), the grid's positions, each layer's
+    position axis (2 for an SDPA call or its attention weights, whose axis 1 is the heads),
+    and with ``heads`` the head size of each projection (its heads side by side in the last
+    axis, None for the others); its output is then returned as ``(N, heads, T, size)``
+    (:func:`_as_heads`)."""
     with (
         run_eagerly(model),
         torch.no_grad(),
@@ -281,21 +314,73 @@ def _clean_run(
         _run(model, clean)
     names = tuple(cap.records)
     sources = {name: _clean_value(name, cap[name].calls, batch) for name in names}
-    axis = 2 if heads else 1
+    sites = Layers(model).sites(layers)
+    headed = {n for n, site in sites.items() if site.op is not None and site.op.op in HEADED}
+    axes = {name: 2 if heads or name in headed else 1 for name in names}
+    sizes: dict[str, int | None] = dict.fromkeys(names)
+    if heads:
+        sizes |= _head_sizes(model, clean, {n: v for n, v in sources.items() if v.dim() == 3})
+        sources = {name: _as_heads(value, sizes[name]) for name, value in sources.items()}
+    first = sources[names[0]].shape[axes[names[0]]]
     for name, value in sources.items():
         if heads and (value.dim() != 4 or value.shape[1] != sources[names[0]].shape[1]):
             raise UsageError(
                 f"patching heads: {name!r} returned {tuple(value.shape)}; with heads=True each "
-                "layer is an SDPA call (batch, heads, positions, head size) with as many heads "
-                "as the first, e.g. 'transformer.h.0.attn::scaled_dot_product_attention'"
+                "layer is an SDPA call (batch, heads, positions, head size), its attention "
+                "weights (batch, heads, queries, keys) or a query, key or value projection "
+                "(q_proj, k_proj, v_proj), each with as many heads as the first (keys and "
+                "values of grouped-query attention have fewer: sweep them apart), e.g. "
+                "'transformer.h.0.attn::scaled_dot_product_attention' or "
+                "'transformer.h.0.attn::attention_weights'"
             )
-        if value.shape[axis] != sources[names[0]].shape[axis]:
+        if value.dim() <= axes[name] or value.shape[axes[name]] != first:
             raise UsageError(
-                f"patching: {name!r} has {value.shape[axis]} positions, the first layer "
-                f"{sources[names[0]].shape[axis]}: patch layers that share the position axis"
+                f"patching: {name!r} returned {tuple(value.shape)}, positions along axis "
+                f"{axes[name]}; the first layer has {first}: patch layers that share the "
+                "position axis"
             )
-    grid = _positions(positions, sources[names[0]].shape[axis])
-    return names, sources, grid
+    return names, sources, _positions(positions, first), axes, sizes
+
+
+def _head_sizes(model: nn.Module, clean: Any, outputs: Mapping[str, Tensor]) -> dict[str, int]:
+    """The head size of each layer of ``outputs`` (its clean output ``(N, T, width)``): the
+    width a capture of head 0 keeps, where core's narrowing knows the layer's heads (an
+    attention projection, from the model's config); its heads must lie side by side, head
+    ``h`` in columns ``h * size`` to ``(h + 1) * size``."""
+    names = list(outputs)
+    if not names:
+        return {}
+    try:
+        with (
+            run_eagerly(model),
+            torch.no_grad(),
+            capture(model, names, heads=[0], recompile=True, this_thread=True) as cap,
+        ):
+            _run(model, clean)
+    except UsageError as err:
+        raise UsageError(
+            f"patching heads: with heads=True each layer is an SDPA call, its attention "
+            f"weights or a query, key or value projection (q_proj, k_proj, v_proj) of a model "
+            f"whose config gives its heads, e.g. "
+            f"'transformer.h.0.attn::scaled_dot_product_attention' ({err})"
+        ) from err
+    sizes = {}
+    for name, full in outputs.items():
+        one = cap[name].calls[0].output
+        if full.shape[-1] % one.shape[-1] or not torch.equal(one, full[..., : one.shape[-1]]):
+            raise UsageError(
+                f"patching heads: the heads of {name!r} do not lie side by side in its last "
+                "axis (a fused projection's queries, keys and values, or a model that is not "
+                "deterministic: call model.eval()); sweep its SDPA call's heads instead"
+            )
+        sizes[name] = int(one.shape[-1])
+    return sizes
+
+
+def _as_heads(t: Tensor, size: int | None) -> Tensor:
+    """A projection's output ``(N, T, heads x size)`` as ``(N, heads, T, size)``, a view of a
+    contiguous ``t`` (writing into it writes into ``t``); ``t`` itself where ``size`` is None."""
+    return t if size is None else t.reshape(*t.shape[:-1], -1, size).transpose(1, 2)
 
 
 def _run(model: nn.Module, inputs: Any) -> Any:
@@ -378,10 +463,17 @@ def _positions(positions: Sequence[int] | None, length: int) -> list[int]:
 
 
 def _patcher(
-    name: str, chunk: Sequence[tuple[str, int, int]], clean: Tensor, batch: int, heads: bool
+    name: str,
+    chunk: Sequence[tuple[str, int, int]],
+    clean: Tensor,
+    batch: int,
+    heads: bool,
+    axis: int,
+    size: int | None,
 ) -> Callable[[Tensor, EditContext], Tensor]:
     """The edit of ``name`` for this forward's cells: copy ``i`` of the batch gets the clean
-    values at its cell's position (and head)."""
+    values at its cell's position (along ``axis``; every head of an SDPA call or its weights
+    unless ``heads``) and head."""
     mine = [(i, p, h) for i, (layer, p, h) in enumerate(chunk) if layer == name]
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
@@ -390,18 +482,20 @@ def _patcher(
                 f"patching: {name!r} ran more than once in a forward; a layer patched by "
                 "position must run once per forward"
             )
-        if t.shape[0] != batch * len(chunk) or t.shape[1:] != clean.shape[1:]:
+        if t.shape[0] != batch * len(chunk) or _as_heads(t, size).shape[1:] != clean.shape[1:]:
             raise UsageError(
                 f"patching: {name!r} returned {tuple(t.shape)} on the corrupted input, "
                 f"{tuple(clean.shape)} on the clean one: the runs must have the same length"
             )
         out = t.clone()
+        view = _as_heads(out, size)  # (writes into out)
         for i, p, h in mine:
             rows = slice(i * batch, (i + 1) * batch)
             if heads:
-                out[rows, h, p] = clean[:, h, p].to(t.dtype)
+                view[rows, h, p] = clean[:, h, p].to(t.dtype)
             else:
-                out[rows, p] = clean[:, p].to(t.dtype)
+                at = (slice(None),) * (axis - 1) + (p,)  # every head before the positions
+                out[(rows, *at)] = clean[(slice(None), *at)].to(t.dtype)
         return out
 
     return fn
