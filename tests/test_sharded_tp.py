@@ -25,7 +25,15 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
-from test_sharded import _CASES, _Collectives, _hand_histogram, _Log, _Sink, _spawn
+from test_sharded import (
+    _CASES,
+    _Collectives,
+    _hand_histogram,
+    _Log,
+    _monitor_added,
+    _Sink,
+    _spawn,
+)
 
 pytestmark = pytest.mark.slow  # (the models live in the ranks: nothing of the parent changes)
 
@@ -408,22 +416,16 @@ def _check_monitor(kind: str, mesh: Any, rank: int, world: int, two_d: bool, ran
             seen.append(c)
         with _Collectives() as closing:
             mon.close()
-    own, own_groups = Counter(plain.ops), Counter(map(tuple, plain.groups))
-    added = []
-    for c in [*seen, closing]:
-        base, base_groups = (own, own_groups) if c is not closing else (Counter(), Counter())
-        ops = Counter(c.ops)
-        assert not base - ops, c.ops
-        assert set(ops - base) <= {"c10d.allreduce_.default"}, c.ops
-        groups = Counter(map(tuple, c.groups)) - base_groups
-        assert sum(groups.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
-        added.append(groups)
+    added = _monitor_added(plain, seen, closing)  # (all started async, waited later)
     every = tuple(range(world))
-    shard = Counter({tuple(g): 2 for g in _groups(mesh, two_d)})  # a sum and a max each
-    # the groups' all-reduces at the step's end; but where the TP group is the world that
-    # reduces anyway ("reduce" on 2 ranks), its values join that reduction at k + 1
-    logged = shard if ranks == "each" or two_d else Counter()
-    read = Counter() if ranks == "each" else Counter({every: 3})  # sum, min, max at k + 1
+    # one packed sum per group at the step's end: TP alone, over the TP group (the world);
+    # FSDP2+TP, over the data-parallel group (the pieces TP replicates, such as a
+    # row-parallel bias) and over the world (those split over both dimensions). Those over
+    # the world join the world's reduction at k + 1 under "reduce": one all-reduce, there.
+    groups = [tuple(g) for g in _groups(mesh, two_d)]
+    mine = Counter({groups[0]: 1, every: 1}) if two_d else Counter({every: 1})
+    logged = mine if ranks == "each" else mine - Counter({every: 1})
+    read = Counter() if ranks == "each" else Counter({every: 1})
     assert added == [logged, read, logged, read], (kind, ranks, added)
     records = mon.records
     _check_records(records, want, kind, relus, ranks, dp, dp_rank, tp, tp_rank)
