@@ -529,6 +529,8 @@ def _monitor_rank(rank: int, world: int, out: str, hsdp: bool) -> None:
         torch.set_num_threads(1)
         for ranks in ("reduce", "each"):
             _check_monitor(rank, world, ranks, hsdp)
+            if not hsdp:
+                _check_raise_mid_step(rank, world, ranks)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -607,6 +609,34 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
                 if k == 2 and i == "0":  # the NaN (then in the weight too): not a value
                     assert stats["num"] == 5 * 3 + 5 - 1
                 assert counts == w_counts, (k, i, kind)
+
+
+def _check_raise_mid_step(rank: int, world: int, ranks: Any) -> None:
+    """A logged step whose all-reduce is in flight when the next step raises in the middle
+    (after its forward, on every rank): leaving the ``with`` block waits for it, once, and
+    the step's records are all there, in the sink too (rank 0 under "reduce")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp()
+    for m in [*model, model]:
+        if isinstance(m, nn.Linear) or m is model:
+            fully_shard(m, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = _batch().chunk(world)[rank]
+    sink = _Sink()
+    with _Collectives() as seen, pytest.raises(RuntimeError, match="in the middle"):
+        with hs.Monitor(model, every=1, optimizer=opt, ranks=ranks, sinks=[sink]) as mon:
+            model(x).pow(2).sum().backward()
+            opt.step()  # step 0, logged
+            model(x)  # step 1 starts: step 0's values are sent ("reduce")
+            raise RuntimeError("in the middle of step 1")
+    assert len(seen.started) == 1, seen.groups  # (one group: the world)
+    assert [len(w.waited_in) for w in seen.started] == [1], seen.started
+    kinds = {(r["step"], r["kind"]) for r in mon.records}
+    assert kinds == {(0, "activation"), (0, "gradient"), (0, "parameter")}, kinds
+    assert sink.records == ([] if ranks == "reduce" and rank > 0 else mon.records)
 
 
 def _check_records(
