@@ -4,7 +4,11 @@ ranks under ``torch.distributed``, read with one host transfer and turned into r
 
 The step's end (:func:`end_step`) does the device work while the parameters and gradients are
 those of the step; the transfer (:meth:`Ended.read`) may come later, so that scalars the user
-logs after the optimizer step (:meth:`Ended.log`) are read with the rest. Everything comes in
+logs after the optimizer step (:meth:`Ended.log`) are read with the rest. Across processes,
+the values cross each process group in one all-reduce (sums, and extremes in per-rank slots:
+:class:`~hookscope.diagnose._stats.Reduction`), started and not waited: at the step's end
+for sharded parameters' groups, at :meth:`Ended.send` for the world; :meth:`Ended.read`
+waits for them, so the Monitor reads a step when training has moved on. Everything comes in
 as a :class:`StepEnd`: this module never sees the Monitor.
 
 Sharded parameters (``DTensor``: FSDP2, HSDP) are measured on each rank's piece and combined

@@ -130,9 +130,12 @@ class Monitor(Session):
             others).
         ranks: under ``torch.distributed``: ``"reduce"`` (default) combines every rank's
             statistics (counts and sums added, extremes taken, a channel dead only if it is
-            dead on every rank, parameter statistics averaged) with three all-reduces per
+            dead on every rank, parameter statistics averaged) with one all-reduce per
             logging step, and only rank 0 writes to the sinks; ``"each"``: every rank logs its
-            own, with a ``rank`` key (give each rank its own files). Sharded parameters
+            own, with a ``rank`` key (give each rank its own files). Training does not wait
+            for these all-reduces: they are started (``async_op``) and waited at the next
+            logged step's end, when :attr:`records` is read, or at ``close()``; the sinks
+            get a step's records then. Sharded parameters
             (FSDP2, HSDP, tensor parallelism: ``DTensor``) are measured on each rank's piece
             and combined over the groups that shard them under both: their statistics are
             the whole tensors'. Under tensor parallelism (``parallelize_module``) activation

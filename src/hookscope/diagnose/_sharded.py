@@ -14,7 +14,9 @@ dimensions: one collective per such tensor, which gradients under FSDP2 and HSDP
 
 :class:`Plan` decides once which tensor combines over which group; :meth:`Plan.combine` packs
 every tensor's row of statistics into one buffer per process group and reduces it with one
-all-reduce per group. Plain tensors (DDP's gradients among them: already equal on every rank)
+all-reduce per group (waited: clipping needs the result now); :meth:`Plan.start` does the
+same for the Monitor's sums and extremes together, in one sum all-reduce per group that it
+does not wait for. Plain tensors (DDP's gradients among them: already equal on every rank)
 are never combined, and no ``DTensor`` at all means no plan (:func:`plan` returns None).
 
 Used by :func:`hookscope.clip_grad_norm` and the Monitor's parameter statistics
@@ -31,6 +33,7 @@ on the tensor-parallel mesh: the style's input hook made it) and the shape it re
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -134,9 +137,10 @@ class Plan:
         dims = [d for d, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]  # type: ignore[attr-defined]
         for dim in dims:
             self._join(mesh.get_group(dim), i)
-        if len(dims) > 1:  # (start: split over the whole mesh, and that mesh the world?)
-            whole = len(dims) == mesh.ndim and mesh.size() == torch.distributed.get_world_size()
-            self._several[i] = whole
+        if len(dims) > 1:  # (start: are they the world's?)
+            # the ranks holding its pieces: those of the product of these dimensions' groups
+            spanned = math.prod(int(mesh.size(d)) for d in dims)
+            self._several[i] = spanned == torch.distributed.get_world_size()
         return t.to_local()  # type: ignore[attr-defined, no-any-return]
 
     def _join(self, group: ProcessGroup, i: int) -> None:
@@ -181,7 +185,7 @@ class Plan:
 
     def over_world(self, i: int) -> bool:
         """Whether tensor ``i`` is combined over the whole world at once (its one group is
-        the world, or it is split over every dimension of a mesh of the whole world)."""
+        the world, or it is split over mesh dimensions whose groups together span the world)."""
         if i in self._several:
             return self._several[i]
         world = tuple(range(torch.distributed.get_world_size()))
@@ -193,10 +197,11 @@ class Plan:
         """Start combining each tensor's row of ``sums`` (added) and of ``highs`` (maximised)
         over the ranks that hold its pieces: one sum all-reduce per group (the maxima in
         per-rank slots: :class:`~hookscope.diagnose._stats.Reduction`), started now and
-        waited by :meth:`Combining.result`. Rows of tensors sharded nowhere stay as they are.
+        waited by :meth:`Combining.result`. Rows of tensors sharded nowhere, and of ``skip``,
+        stay as they are.
 
         A tensor split over one mesh dimension is combined over that dimension's group; one
-        split over every dimension of a mesh of the whole world (FSDP2 and tensor
+        split over several mesh dimensions whose groups together span the world (FSDP2 and tensor
         parallelism on a 2-D mesh) over the world, at once. One split over some of the
         dimensions of a larger mesh (HSDP with tensor parallelism) has no group of its own:
         its rows are combined group after group first (:meth:`combine`: two waited
