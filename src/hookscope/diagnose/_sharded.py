@@ -225,7 +225,7 @@ class Plan:
         for group, rows in by_group.values():
             if not rows:
                 continue
-            mine = torch.tensor(rows, device=sums.device)
+            mine = torch.tensor(rows).to(sums.device, non_blocking=True)  # (see Reduction)
             flat = torch.cat([sums[mine].reshape(-1), highs[mine].reshape(-1)])
             ops = torch.tensor([_stats.SUM] * (len(rows) * k) + [_stats.MAX] * (len(rows) * h))
             parts.append((mine, _stats.Reduction(flat, ops, group)))

@@ -293,9 +293,13 @@ class Reduction:
         dist = torch.distributed
         size, index = dist.get_world_size(group), dist.get_rank(group)
         extreme = torch.nonzero((ops == MIN) | (ops == MAX)).reshape(-1)
-        self._low = (ops[extreme] == MIN).to(values.device)
-        self._squares = (ops == ROOT_SUM_SQUARES).to(values.device)
-        self._extreme, self._size, self._n = extreme.to(values.device), size, values.numel()
+        # (non-blocking: a blocking copy from host memory waits for the device's queue,
+        # which is the step this all-reduce must not hold up)
+        device = values.device
+        self._low = (ops[extreme] == MIN).to(device, non_blocking=True)
+        self._squares = (ops == ROOT_SUM_SQUARES).to(device, non_blocking=True)
+        self._extreme = extreme.to(device, non_blocking=True)
+        self._size, self._n = size, values.numel()
         summed = torch.where(self._squares, values * values, values).index_fill(
             0, self._extreme, 0.0
         )
