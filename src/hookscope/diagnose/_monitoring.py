@@ -471,7 +471,8 @@ class Monitor(Session):
     def step(self) -> None:
         """Mark an optimizer step (called for you when optimizers were given): on a logging
         step, take the statistics on the device; they are read (one host transfer) and written
-        to the sinks when the step's span ends (see :meth:`log`)."""
+        to the sinks when the step's span ends (see :meth:`log`), or, where all-reduces across
+        processes combine them, when the next logging step ends (they run meanwhile)."""
         if self._writer is not None:
             self._writer.check()
         if self.logging:  # the last logged step's collectives, finished while this one ran
