@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import _harness as h
 import capture
@@ -26,12 +29,17 @@ LABELS = {
     "monitor_log": "hs.Monitor(every=10, a SummaryWriter as sink): a logging step",
     "monitor_quiet": "hs.Monitor(every=10): a step between logs (hooks on)",
     "hand_log": "plain step + add_histogram of every parameter and gradient",
+    "fsdp_plain": "an FSDP2 step, 2 gloo ranks: 4 x (Linear(512, 512), ReLU), batch 64 a rank",
+    "fsdp_log": "hs.Monitor(every=10, optimizer=): a logging step (its all-reduce not waited)",
+    "fsdp_quiet": "hs.Monitor(every=10, optimizer=): a step between logs",
 }
 #: Per 10 steps: (1 logging + 9 other) / 10, per round, from these variants' samples.
 PER10 = {
     "monitor_per10": ("monitor_log", "monitor_quiet", "hs.Monitor, per 10 steps"),
     "hand_per10": ("hand_log", "plain", "hand-written histograms, per 10 steps"),
+    "fsdp_per10": ("fsdp_log", "fsdp_quiet", "hs.Monitor under FSDP2, per 10 steps"),
 }
+SHARDED = "diagnose/fsdp2_mlp"  # the issue's 2 CPU ranks; DESIGN.md's 1.1x per 10 steps
 NONFINITE_OPS, MONITOR_OPS = "hs.nonfinite: added ÷ budget", "Monitor: per watched layer ÷ 10"
 TARGETS = [
     Target(f"diagnose/{m}{ops}", a, b, limit, what)
@@ -42,6 +50,9 @@ TARGETS = [
         ("/ops", NONFINITE_OPS, None, 1.0, "operators hs.nonfinite adds ÷ (10 + calls / 10)"),
         ("/ops", MONITOR_OPS, None, 1.0, "operators a Monitor logging step adds per layer ÷ 10"),
     )
+] + [
+    Target(SHARDED, "fsdp_per10", "fsdp_plain", 1.10, "FSDP2 with hs.Monitor every 10 ÷ without"),
+    Target(SHARDED, "fsdp_quiet", "fsdp_plain", 1.05, "FSDP2 step between logs ÷ without"),
 ]
 
 
@@ -150,29 +161,71 @@ def _counts(spec: Result) -> Result:
     }
 
 
+def _fsdp_rank(rank: int, plan: Result, folder: str) -> None:
+    """One of two gloo ranks: an FSDP2 MLP alone and one watched, in the same fixed rounds on
+    both ranks (they must make the same collectives); rank 0 writes the result."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    timeout = datetime.timedelta(seconds=120)  # (a rank that failed: the other errs, no hang)
+    dist.init_process_group("gloo", f"file://{folder}/init", timeout, world_size=2, rank=rank)
+    torch.set_num_threads(1)
+    x, models = torch.randn(64, 512, generator=torch.Generator().manual_seed(rank)), []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(512, 512), nn.ReLU())))
+        for m in [*model[::2], model]:
+            fully_shard(m)
+        models.append((model, torch.optim.SGD(model.parameters(), lr=1e-4)))
+
+    def step(model: nn.Module, opt: Any) -> None:
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with hs.Monitor(models[1][0], every=10, optimizer=models[1][1]) as mon:
+        count = lambda n: lambda: setattr(mon, "count", n)  # noqa: E731 (0: logged, 1: not)
+        variants = [Variant("fsdp_plain", LABELS["fsdp_plain"], lambda: step(*models[0]))]
+        for key, n in (("fsdp_log", 0), ("fsdp_quiet", 1)):
+            variants.append(Variant(key, LABELS[key], lambda: step(*models[1]), before=count(n)))
+        result = h.timing(variants, Plan(**{**plan, "budget_s": 0.0}), unit="fsdp_plain")
+    if rank == 0:
+        Path(folder, "rank0.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
 def work(spec: Result) -> Result:
     if spec["kind"] == "ops":
         return _counts(spec)
-    case = capture.build_case(spec["model"], spec["quick"])
-    with tempfile.TemporaryDirectory() as logdir:
-        result = h.timing(_variants(case, logdir), Plan(**spec["plan"]))
+    if spec["kind"] == "fsdp":
+        with tempfile.TemporaryDirectory() as folder:
+            torch.multiprocessing.start_processes(_fsdp_rank, (spec["plan"], folder), 2)
+            result = json.loads(Path(folder, "rank0.json").read_text())
+        result.update(case=SHARDED, title="FSDP2 MLP, 2 CPU ranks (gloo)")
+        result["about"] = "fully_shard on each Linear, then the root; training mode"
+    else:
+        case = capture.build_case(spec["model"], spec["quick"])
+        with tempfile.TemporaryDirectory() as logdir:
+            result = h.timing(_variants(case, logdir), Plan(**spec["plan"]))
+        result.update(case=f"diagnose/{spec['model']}", title=capture.MODELS[spec["model"]])
+        result["about"] = f"{case.description}, training mode"
     samples = result["samples"]
     for key, (log, quiet, label) in PER10.items():
         a, b = h.per_round(samples, log), h.per_round(samples, quiet)
+        if not a or not b:
+            continue
         samples += [
             {"key": key, "round": r, "warmup": False, "seconds": (a[r] + 9 * b[r]) / 10}
             for r in sorted(set(a) & set(b))
         ]
         result["variants"][key] = {"label": f"{label}: (1 logging + 9 other) ÷ 10", "floor": None}
-    return {
-        **result,
-        "case": f"diagnose/{spec['model']}",
-        "title": capture.MODELS[spec["model"]],
-        "about": f"{case.description}, training mode",
-    }
+    return result
 
 
 def jobs(cfg: Config) -> list[Job]:
     spec = {"kind": "ops", "quick": cfg.quick, "baseline": cfg.baseline}
     counts = [Job("diagnose", f"ops_{m}", {**spec, "model": m}) for m in capture.MODELS]
-    return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(capture.MODELS, 120.0))
+    sharded = h.timing_jobs("diagnose", cfg, {"fsdp2_mlp": 60.0}, kind="fsdp")
+    return counts + h.timing_jobs("diagnose", cfg, dict.fromkeys(capture.MODELS, 120.0)) + sharded

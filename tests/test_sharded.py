@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +54,29 @@ def _layer_grads(model: nn.Module) -> dict[str, list[Tensor]]:
     return out
 
 
+class _Work:
+    """The ``Work`` of an ``all_reduce(async_op=True)``, its ``wait`` calls seen: which
+    ``_Collectives`` block was open then."""
+
+    def __init__(self, work: Any) -> None:
+        self._work = work
+        self.waited_in: list[_Collectives | None] = []
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.waited_in.append(_Collectives.current)
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
 class _Collectives:
     """Every collective run inside ``with``, by operator name, counted at the dispatcher
     (ops of DTensors are let through first, so the collectives they turn into are counted
-    too), and the ranks of the group of every ``torch.distributed.all_reduce``."""
+    too), the ranks of the group of every ``torch.distributed.all_reduce``, and the works
+    of those started with ``async_op=True`` (``started``), their waits seen (:class:`_Work`)."""
+
+    current: _Collectives | None = None  # the block open now
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,17 +99,23 @@ class _Collectives:
 
         self.ops: list[str] = []
         self.groups: list[list[int]] = []
+        self.started: list[_Work] = []
         self._mode = Mode()
 
     def __enter__(self) -> _Collectives:
         import torch.distributed as dist
 
         self._all_reduce = dist.all_reduce
+        self._outer, _Collectives.current = _Collectives.current, self
 
         def all_reduce(tensor: Tensor, *args: Any, **kwargs: Any) -> Any:
             group = kwargs.get("group") or dist.group.WORLD
             self.groups.append(dist.get_process_group_ranks(group))
-            return self._all_reduce(tensor, *args, **kwargs)
+            work = self._all_reduce(tensor, *args, **kwargs)
+            if not kwargs.get("async_op"):
+                return work
+            self.started.append(_Work(work))
+            return self.started[-1]
 
         dist.all_reduce = all_reduce
         self._mode.__enter__()
@@ -100,6 +126,36 @@ class _Collectives:
 
         self._mode.__exit__(*exc)
         dist.all_reduce = self._all_reduce
+        _Collectives.current = self._outer
+
+
+def _monitor_added(
+    plain: _Collectives, steps: list[_Collectives], closing: _Collectives
+) -> list[Counter[tuple[int, ...]]]:
+    """The all-reduces the Monitor added in each step (and at ``close``), by group, beside
+    the model's own (``plain``: one step without the monitor), checked to be all it adds;
+    and every one of them started with ``async_op=True`` and waited exactly once, later than
+    the step that started it (a later step, or ``close``): no step waits for its own."""
+    fsdp, fsdp_groups = Counter(plain.ops), Counter(map(tuple, plain.groups))
+    added = []
+    for c in [*steps, closing]:
+        base, base_groups = (fsdp, fsdp_groups) if c is not closing else (Counter(), Counter())
+        ops = Counter(c.ops)
+        assert not base - ops, c.ops
+        assert set(ops - base) <= {"c10d.allreduce_.default"}, c.ops
+        groups = Counter(map(tuple, c.groups)) - base_groups
+        assert sum(groups.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
+        assert len(c.started) == sum(groups.values()), (c.ops, c.started)  # all async
+        added.append(groups)
+    order = [*steps, closing]
+    for i, c in enumerate(order):
+        for work in c.started:
+            assert len(work.waited_in) == 1, work.waited_in  # waited, once
+            waited = work.waited_in[0]
+            assert waited in order, waited
+            later = order.index(waited) > i  # type: ignore[arg-type]
+            assert later or c is closing, (i, order.index(waited))  # type: ignore[arg-type]
+    return added
 
 
 def _oracle(world: int) -> nn.Module:
@@ -473,6 +529,8 @@ def _monitor_rank(rank: int, world: int, out: str, hsdp: bool) -> None:
         torch.set_num_threads(1)
         for ranks in ("reduce", "each"):
             _check_monitor(rank, world, ranks, hsdp)
+            if not hsdp:
+                _check_raise_mid_step(rank, world, ranks)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -487,8 +545,6 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
     logged): every record and parameter histogram equal to the hand statistics of the
     unsharded model on the whole batch (``ranks="each"``: activations and output gradients of
     this rank's slice, parameters whole), and the all-reduces each step adds counted."""
-    from collections import Counter
-
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -528,26 +584,16 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
             seen.append(c)
         with _Collectives() as closing:
             mon.close()
-    seen.append(closing)
-    # FSDP's collectives unchanged; what the monitor adds: all-reduces, by group
-    fsdp, fsdp_groups = Counter(plain.ops), Counter(map(tuple, plain.groups))
-    added = []
-    for c in [*seen[:-1], closing]:
-        base = fsdp if c is not closing else Counter()
-        ops = Counter(c.ops)
-        assert not base - ops, c.ops
-        assert set(ops - base) <= {"c10d.allreduce_.default"}, c.ops
-        groups = Counter(map(tuple, c.groups)) - (fsdp_groups if c is not closing else Counter())
-        assert sum(groups.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
-        added.append(groups)
+    # FSDP's collectives unchanged; what the monitor adds: one all-reduce per group, by group
+    added = _monitor_added(plain, seen, closing)
     every = tuple(range(world))
-    if ranks == "each":  # one packed sum and one packed max (histograms), at the step's end
-        assert added == [Counter({shard: 2}), Counter(), Counter({shard: 2}), Counter()], added
-    elif not hsdp:  # step k's pieces join the DDP reduction (sum, min, max) at k + 1
-        assert added == [Counter(), Counter({every: 3}), Counter(), Counter({every: 3})], added
-    else:  # the shard group's at the step's end, the world's (DDP's three) at k + 1
-        reduced = Counter({every: 3})
-        assert added == [Counter({shard: 2}), reduced, Counter({shard: 2}), reduced], added
+    if ranks == "each":  # one packed sum (histograms' extremes in it), at the step's end
+        assert added == [Counter({shard: 1}), Counter(), Counter({shard: 1}), Counter()], added
+    elif not hsdp:  # step k's pieces join the DDP reduction at k + 1
+        assert added == [Counter(), Counter({every: 1}), Counter(), Counter({every: 1})], added
+    else:  # the shard group's at the step's end, the world's (DDP's) at k + 1
+        reduced = Counter({every: 1})
+        assert added == [Counter({shard: 1}), reduced, Counter({shard: 1}), reduced], added
     records = mon.records
     _check_records(records, want, rank, world, ranks)
     if ranks == "reduce" and rank > 0:
@@ -563,6 +609,34 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
                 if k == 2 and i == "0":  # the NaN (then in the weight too): not a value
                     assert stats["num"] == 5 * 3 + 5 - 1
                 assert counts == w_counts, (k, i, kind)
+
+
+def _check_raise_mid_step(rank: int, world: int, ranks: Any) -> None:
+    """A logged step whose all-reduce is in flight when the next step raises in the middle
+    (after its forward, on every rank): leaving the ``with`` block waits for it, once, and
+    the step's records are all there, in the sink too (rank 0 under "reduce")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = _mlp()
+    for m in [*model, model]:
+        if isinstance(m, nn.Linear) or m is model:
+            fully_shard(m, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = _batch().chunk(world)[rank]
+    sink = _Sink()
+    with _Collectives() as seen, pytest.raises(RuntimeError, match="in the middle"):
+        with hs.Monitor(model, every=1, optimizer=opt, ranks=ranks, sinks=[sink]) as mon:
+            model(x).pow(2).sum().backward()
+            opt.step()  # step 0, logged
+            model(x)  # step 1 starts: step 0's values are sent ("reduce")
+            raise RuntimeError("in the middle of step 1")
+    assert len(seen.started) == 1, seen.groups  # (one group: the world)
+    assert [len(w.waited_in) for w in seen.started] == [1], seen.started
+    kinds = {(r["step"], r["kind"]) for r in mon.records}
+    assert kinds == {(0, "activation"), (0, "gradient"), (0, "parameter")}, kinds
+    assert sink.records == ([] if ranks == "reduce" and rank > 0 else mon.records)
 
 
 def _check_records(

@@ -72,7 +72,7 @@ def _check_layouts(kind: str, mesh: Any, rank: int) -> None:
     plan = _MODELS[_base(kind)][1]
     x = _batches(kind, 1)[0]
     want = _oracle(kind, x, [*layers, after])
-    model = _parallelize(_make(kind), kind, mesh, False)
+    model = _parallelize(_make(kind), kind, mesh, "tp")
     with torch.no_grad(), hs.capture(model, [*layers, after]) as cap:
         model(x)
     for name in layers:
@@ -101,7 +101,7 @@ def _check_gather(kind: str, mesh: Any) -> None:
     plan = _MODELS[_base(kind)][1]
     x = _batches(kind, 1)[0]
     want = _oracle(kind, x, layers)
-    model = _parallelize(_make(kind), kind, mesh, False)
+    model = _parallelize(_make(kind), kind, mesh, "tp")
     with torch.no_grad(), _Collectives() as plain:
         model(x)
     with torch.no_grad(), _Collectives() as seen, hs.capture(model, layers, gather=True) as cap:
@@ -124,7 +124,7 @@ def _check_reduce(kind: str, mesh: Any) -> None:
     layers, _ = _LAYERS[_base(kind)]
     x = _batches(kind, 1)[0]
     want = _oracle(kind, x, layers)
-    model = _parallelize(_make(kind), kind, mesh, False)
+    model = _parallelize(_make(kind), kind, mesh, "tp")
     reducers: dict[str, Any] = {
         "batch_mean": lambda t: t.mean(0),
         "spatial_mean": lambda t: t.mean(tuple(range(2, t.dim()))) if t.dim() > 2 else t,
@@ -153,7 +153,7 @@ def _check_dtensor(mesh: Any, rank: int) -> None:
     kind = "mlp-dtensor"
     x = _batches(kind, 1)[0]
     want = _oracle(kind, x, ["0", "1", "2"])
-    model = _parallelize(_make(kind), kind, mesh, False)
+    model = _parallelize(_make(kind), kind, mesh, "tp")
     with torch.no_grad(), hs.capture(model, ["0", "1"]) as cap:
         model(x)
     for name in ("0", "1"):  # (the ReLU gets the DTensor and hands one on)
@@ -252,7 +252,7 @@ def _rank(rank: int, world: int, out: str) -> None:
             timeout=timedelta(seconds=60),
         )
         torch.set_num_threads(1)
-        mesh = _mesh(world, False)
+        mesh = _mesh(world, "tp")
         for kind in ("mlp", "block", "mlp64"):
             _check_layouts(kind, mesh, rank)
             _check_gather(kind, mesh)

@@ -27,7 +27,15 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
-from test_sharded import _CASES, _Collectives, _hand_histogram, _Log, _Sink, _spawn
+from test_sharded import (
+    _CASES,
+    _Collectives,
+    _hand_histogram,
+    _Log,
+    _monitor_added,
+    _Sink,
+    _spawn,
+)
 
 pytestmark = pytest.mark.slow  # (the models live in the ranks: nothing of the parent changes)
 
@@ -442,23 +450,17 @@ def _check_monitor(kind: str, mesh: Any, rank: int, world: int, mode: str, ranks
             seen.append(c)
         with _Collectives() as closing:
             mon.close()
-    own, own_groups = Counter(plain.ops), Counter(map(tuple, plain.groups))
-    added = []
-    for c in [*seen, closing]:
-        base, base_groups = (own, own_groups) if c is not closing else (Counter(), Counter())
-        ops = Counter(c.ops)
-        assert not base - ops, c.ops
-        assert set(ops - base) <= {"c10d.allreduce_.default"}, c.ops
-        by_group = Counter(map(tuple, c.groups)) - base_groups
-        assert sum(by_group.values()) == (ops - base)["c10d.allreduce_.default"], c.ops
-        added.append(by_group)
+    added = _monitor_added(plain, seen, closing)  # (all started async, waited later)
     every = tuple(range(world))
-    groups = _groups(mesh, mode)
-    shard = Counter({tuple(g): 2 for g in groups})  # a sum and a max each
-    # the groups' all-reduces at the step's end; but where the one group is the world that
-    # reduces anyway ("reduce" on 2 ranks), its values join that reduction at k + 1
-    logged = shard if ranks == "each" or groups != [list(every)] else Counter()
-    read = Counter() if ranks == "each" else Counter({every: 3})  # sum, min, max at k + 1
+    # one packed sum per group at the step's end: TP alone or FSDP2 alone, over the world;
+    # HSDP, over the shard pair (never the replicate pair); FSDP2+TP, over the data-parallel
+    # group (the pieces TP replicates, such as a row-parallel bias) and over the world (those
+    # split over both dimensions). Those over the world join the world's reduction at k + 1
+    # under "reduce": one all-reduce, there.
+    groups = [tuple(g) for g in _groups(mesh, mode)]
+    mine = Counter({groups[0]: 1, every: 1}) if mode == "fsdp+tp" else Counter({groups[0]: 1})
+    logged = mine if ranks == "each" else mine - Counter({every: 1})
+    read = Counter() if ranks == "each" else Counter({every: 1})
     assert added == [logged, read, logged, read], (kind, ranks, added)
     records = mon.records
     _check_records(records, want, kind, relus, ranks, dp, dp_rank, tp, tp_rank)

@@ -4,7 +4,11 @@ ranks under ``torch.distributed``, read with one host transfer and turned into r
 
 The step's end (:func:`end_step`) does the device work while the parameters and gradients are
 those of the step; the transfer (:meth:`Ended.read`) may come later, so that scalars the user
-logs after the optimizer step (:meth:`Ended.log`) are read with the rest. Everything comes in
+logs after the optimizer step (:meth:`Ended.log`) are read with the rest. Across processes,
+the values cross each process group in one all-reduce (sums, and extremes in per-rank slots:
+:class:`~hookscope.diagnose._stats.Reduction`), started and not waited: at the step's end
+for sharded parameters' groups, at :meth:`Ended.send` for the world; :meth:`Ended.read`
+waits for them, so the Monitor reads a step when training has moved on. Everything comes in
 as a :class:`StepEnd`: this module never sees the Monitor.
 
 Sharded parameters (``DTensor``: FSDP2, HSDP) are measured on each rank's piece and combined
@@ -30,6 +34,7 @@ from ._stats import MAX, SUM, Moments, merged, summary
 __all__ = ["Ended", "StepEnd", "end_step", "zero64"]
 
 MEAN = 4  # parameter statistics, the same on every rank up to rounding: averaged
+KEPT = 5  # the same on every rank (combined already, or never split): this rank's value
 _ZERO64: dict[torch.device, Tensor] = {}
 
 
@@ -40,58 +45,92 @@ def zero64(device: torch.device) -> Tensor:
     return _ZERO64[device]
 
 
+#: a value to read: a device tensor, or a function giving one once this step's group
+#: combinations have finished (it waits for them)
+Value = Tensor | Callable[[], Tensor]
+
+
 class _Gather:
     """Device values to read in one transfer, with how each combines across ranks: scalars
-    are stacked and vectors concatenated (no operator per value)."""
+    are stacked and vectors concatenated (no operator per value). :meth:`send` starts the
+    combination across ranks (one all-reduce, not waited), :meth:`read` waits and reads.
+    Values coded :data:`KEPT` are not sent: they are read as they are, after the rest."""
 
     def __init__(self) -> None:
         self.scalars: list[Tensor] = []
         self.vectors: list[Tensor] = []
+        self.kept: list[Value] = []
         self._codes: tuple[list[int], list[int]] = ([], [])
-        self._where: list[tuple[bool, int, int]] = []  # (vector?, start, length) per add
+        self._where: list[tuple[int, int, int]] = []  # (section, start, length) per add
+        self._sizes = [0, 0, 0]  # values per section: scalars, vectors, kept
+        self._sent: Tensor | _stats.Reduction | None = None
+        self._world = 1
 
-    def add(self, t: Tensor, code: int) -> int:
-        vector = t.dim() > 0
-        n = t.numel() if vector else 1
-        start = sum(v.numel() for v in self.vectors) if vector else len(self.scalars)
-        (self.vectors if vector else self.scalars).append(t)
-        self._codes[vector].extend([code] * n)
-        self._where.append((vector, start, n))
+    def add(self, t: Value, code: int, n: int = 1) -> int:
+        """Gather ``t`` (a function: a kept vector of ``n`` values, made at :meth:`read`)."""
+        if callable(t) or code == KEPT:
+            section, n = 2, (n if callable(t) else t.numel())
+            self.kept.append(t if callable(t) else t.reshape(-1))
+        else:
+            section, n = (1, t.numel()) if t.dim() > 0 else (0, 1)
+            (self.vectors if section else self.scalars).append(t)
+            self._codes[section].extend([code] * n)
+        self._where.append((section, self._sizes[section], n))
+        self._sizes[section] += n
         return len(self._where) - 1
-
-    @property
-    def tensors(self) -> list[Tensor]:
-        return self.scalars + self.vectors
 
     def moments(self, m: Moments) -> list[int]:
         return [self.add(t, code) for t, code in m.parts()]
 
-    def read(self, world: int) -> list[list[float]]:
-        """The values of each :meth:`add`, in order (a list per add), combined across
-        ``world`` processes when there are several."""
-        if not self._where:
-            return []
-        device = self.tensors[0].device
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`read` waits for a collective (started but not waited)."""
+        return isinstance(self._sent, _stats.Reduction) or any(callable(k) for k in self.kept)
+
+    def send(self, world: int) -> None:
+        """Start combining the values across ``world`` processes (once; nothing with one)."""
+        if self._sent is not None or not (self.scalars or self.vectors):
+            return
+        device = (self.scalars or self.vectors)[0].device
         # a float64 zero first makes everything float64 (counts above 2**24 stay exact); it
-        # is read too, and skipped here rather than sliced off on the device
+        # is read too, and skipped at the read rather than sliced off on the device
         parts = [torch.stack([zero64(device), *(t.to(device) for t in self.scalars)])]
         parts += [t.to(device) for t in self.vectors]
         values = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self._world = world
         if world > 1:
             codes = torch.tensor([SUM, *self._codes[0], *self._codes[1]], dtype=torch.float64)
-            values = _reduce(values, codes.to(device), world)
-        flat = values.tolist()[1:]
-        offset = len(self.scalars)
-        return [
-            flat[offset + start : offset + start + n] if vector else [flat[start]]
-            for vector, start, n in self._where
-        ]
+            sent = torch.where(codes == MEAN, float(SUM), codes)
+            self._sent = _stats.Reduction(values, sent.to(torch.int64))
+        else:
+            self._sent = values
 
+    def read(self, world: int) -> list[list[float]]:
+        """The values of each :meth:`add`, in order (a list per add), combined across
+        ``world`` processes when there are several (sent first if they were not)."""
+        if not self._where:
+            return []
+        self.send(world)
+        parts = []
+        if self._sent is not None:
+            parts.append(self._combined())
+        parts += [(k() if callable(k) else k).to(torch.float64).reshape(-1) for k in self.kept]
+        devices = {p.device for p in parts}
+        if len(devices) > 1:
+            parts = [p.to(parts[0].device) for p in parts]
+        flat = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+        head = 1 if self._sent is not None else 0  # (the zero)
+        base = [head, head + self._sizes[0], head + self._sizes[0] + self._sizes[1]]
+        return [flat[base[s] + start : base[s] + start + n] for s, start, n in self._where]
 
-def _reduce(values: Tensor, codes: Tensor, world: int) -> Tensor:
-    averaged = codes == MEAN
-    combined = _stats.reduce(values, torch.where(averaged, float(SUM), codes), world)
-    return torch.where(averaged, combined / world, combined)
+    def _combined(self) -> Tensor:
+        sent = self._sent
+        if not isinstance(sent, _stats.Reduction):
+            assert sent is not None
+            return sent
+        values = sent.result()
+        codes = torch.tensor([SUM, *self._codes[0], *self._codes[1]], device=values.device)
+        return torch.where(codes == MEAN, values / self._world, values)
 
 
 @dataclass
@@ -146,9 +185,20 @@ class Ended:
                 (self._gather.add(v.detach().float(), MEAN),) if isinstance(v, Tensor) else float(v)
             )
 
+    def send(self) -> None:
+        """Start combining the values across ranks (one all-reduce over the world, not
+        waited): the step's scalars are all in."""
+        self._gather.send(self._world)
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`read` waits for a collective started at the step's end or by
+        :meth:`send`."""
+        return self._gather.pending
+
     def read(self) -> tuple[list[dict[str, Any]], list[Any]]:
-        """``(records, histograms)``: one host transfer (and, across ranks, three
-        all-reduces)."""
+        """``(records, histograms)``: one host transfer, after waiting for the collectives
+        (:meth:`send`'s, if it was not called: it is then)."""
         host = self._gather.read(self._world)
         step, records = self.step, []
         for name, kind, count, slices, channels, centered in self._entries:
@@ -300,10 +350,11 @@ def _sharded_parameters(
     """:func:`_parameters` (and the parameter histograms) when some parameters are sharded
     (``DTensor``): every statistic is taken on each rank's piece (``plan.values``) as additive
     partials, one row per parameter and per gradient, and combined over the process group
-    that shards it (:class:`_sharded.Plan`): one packed sum all-reduce per group, and one max
-    all-reduce (``-min`` and ``max``) with histograms. Where every group spans the whole world
-    whose values are reduced anyway (``ranks="reduce"`` under plain FSDP2), the rows join that
-    reduction instead and no all-reduce is added."""
+    that shards it (:class:`_sharded.Plan`): one packed sum all-reduce per group (the
+    ``-min`` and ``max`` of histograms in per-rank slots), started here and waited when the
+    step is read. Where every group spans the whole world whose values are reduced anyway
+    (``ranks="reduce"`` under plain FSDP2), the rows join that reduction instead and no
+    all-reduce is added."""
     flat = [p for ps in inputs.params.values() for p in ps]
     with_grad = [p for p in flat if p.grad is not None]
     grads: list[Tensor] = [p.grad for p in with_grad if p.grad is not None]
@@ -312,15 +363,26 @@ def _sharded_parameters(
     n, hist = len(flat), bool(inputs.histograms)
     with torch.no_grad():
         sums, highs = _sharded_rows(values, flat, inputs.before, hist)
-        fold = inputs.world > 1 and all(g.ranks == tuple(range(inputs.world)) for g in plan.groups)
-        if not fold:
-            sums = plan.combine(sums, torch.distributed.ReduceOp.SUM)
-            if hist:
-                highs = plan.combine(highs, torch.distributed.ReduceOp.MAX)
-    # combined rows are equal on every rank (MAX keeps them as they are); folded ones add up
-    code = [SUM if fold and plan.combined(i) else MAX for i in range(len(values))]
-    at = [gather.add(sums[i], code[i]) for i in range(len(values))]
-    high_at = [gather.add(highs[i], MAX) for i in range(len(values))] if hist else []
+    rows = range(len(values))
+    # rows combined over the world at once join the world's reduction where there is one
+    # ("reduce" across processes); the rest are combined over their groups from now on
+    joins = {i for i in rows if inputs.world > 1 and plan.over_world(i)}
+    later = [i for i in rows if plan.combined(i) and i not in joins]
+    combining = plan.start(sums, highs, skip=joins) if later else None
+
+    def row_of(i: int, part: int) -> Callable[[], Tensor]:
+        assert combining is not None
+        return lambda: combining.result()[part][i]
+
+    def add(i: int, part: int) -> int:
+        if i in joins:
+            return gather.add((sums, highs)[part][i], (SUM, MAX)[part])
+        if combining is not None and plan.combined(i):  # (waits at the read)
+            return gather.add(row_of(i, part), KEPT, (sums, highs)[part].shape[1])
+        return gather.add((sums, highs)[part][i], KEPT)  # the same on every rank
+
+    at = [add(i, 0) for i in rows]
+    high_at = [add(i, 1) for i in rows] if hist else []
     row = {id(p): i for i, p in enumerate(flat)}
     grad_row = {id(p): n + i for i, p in enumerate(with_grad)}
     moved = {id(p) for p in flat if id(p) in inputs.before}

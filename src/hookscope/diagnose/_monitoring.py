@@ -130,9 +130,12 @@ class Monitor(Session):
             others).
         ranks: under ``torch.distributed``: ``"reduce"`` (default) combines every rank's
             statistics (counts and sums added, extremes taken, a channel dead only if it is
-            dead on every rank, parameter statistics averaged) with three all-reduces per
+            dead on every rank, parameter statistics averaged) with one all-reduce per
             logging step, and only rank 0 writes to the sinks; ``"each"``: every rank logs its
-            own, with a ``rank`` key (give each rank its own files). Sharded parameters
+            own, with a ``rank`` key (give each rank its own files). Training does not wait
+            for these all-reduces: they are started (``async_op``) and waited at the next
+            logged step's end, when :attr:`records` is read, or at ``close()``; the sinks
+            get a step's records then. Sharded parameters
             (FSDP2, HSDP, tensor parallelism: ``DTensor``) are measured on each rank's piece
             and combined over the groups that shard them under both: their statistics are
             the whole tensors'. Under tensor parallelism (``parallelize_module``) activation
@@ -233,6 +236,8 @@ class Monitor(Session):
         self._before: dict[int, Tensor] = {}
         self._stepped: dict[int, int] = {}
         self._writer: _Writer | None = None
+        #: logged steps whose collectives were started and not yet waited for (see _flush)
+        self._pending: list[Ended] = []
 
     @property
     def logging(self) -> bool:
@@ -249,6 +254,7 @@ class Monitor(Session):
         at its next forward: there the step appears then."""
         if not self._collective():
             self._end_gap()
+        self._flush()  # (waits for the collectives already started: no rank waits alone)
         return list(self._records)
 
     @contextlib.contextmanager
@@ -320,7 +326,9 @@ class Monitor(Session):
         writer, self._writer = self._writer, None
         try:
             self._end_gap(writer)
+            self._flush(writer)
         finally:
+            self._pending = []  # (a collective that failed: its step is dropped, not waited again)
             if writer is not None:
                 writer.close()
 
@@ -463,9 +471,12 @@ class Monitor(Session):
     def step(self) -> None:
         """Mark an optimizer step (called for you when optimizers were given): on a logging
         step, take the statistics on the device; they are read (one host transfer) and written
-        to the sinks when the step's span ends (see :meth:`log`)."""
+        to the sinks when the step's span ends (see :meth:`log`), or, where all-reduces across
+        processes combine them, when the next logging step ends (they run meanwhile)."""
         if self._writer is not None:
             self._writer.check()
+        if self.logging:  # the last logged step's collectives, finished while this one ran
+            self._flush()
         self._end_gap()  # no forward since the last step
         ended = self._end_step() if self.logging else None
         self._gap = _Gap(self._names, ended)
@@ -494,15 +505,26 @@ class Monitor(Session):
         return ended
 
     def _end_gap(self, writer: _Writer | None = None) -> None:
-        """Read the step that ended, if it was logged, and hand its records to the sinks."""
+        """The step that ended, if it was logged, has all its scalars: start combining its
+        values across ranks and, when no collective is in flight, read it now."""
         gap, self._gap = self._gap, None
         if gap is None or gap.ended is None:
             return
-        records, histograms = gap.ended.read()
-        self._records.extend(records)
+        gap.ended.send()
+        self._pending.append(gap.ended)
+        if not gap.ended.pending:
+            self._flush(writer)
+
+    def _flush(self, writer: _Writer | None = None) -> None:
+        """Read the logged steps whose collectives were started, waiting for them (they ran
+        while training went on), and hand their records to the sinks."""
+        pending, self._pending = self._pending, []
         writer = writer or self._writer
-        if writer is not None:
-            writer.submit(records, histograms)
+        for ended in pending:
+            records, histograms = ended.read()
+            self._records.extend(records)
+            if writer is not None:
+                writer.submit(records, histograms)
 
     def _collective(self) -> bool:
         return self.ranks == "reduce" and _world() > 1

@@ -14,7 +14,9 @@ dimensions: one collective per such tensor, which gradients under FSDP2 and HSDP
 
 :class:`Plan` decides once which tensor combines over which group; :meth:`Plan.combine` packs
 every tensor's row of statistics into one buffer per process group and reduces it with one
-all-reduce per group. Plain tensors (DDP's gradients among them: already equal on every rank)
+all-reduce per group (waited: clipping needs the result now); :meth:`Plan.start` does the
+same for the Monitor's sums and extremes together, in one sum all-reduce per group that it
+does not wait for. Plain tensors (DDP's gradients among them: already equal on every rank)
 are never combined, and no ``DTensor`` at all means no plan (:func:`plan` returns None).
 
 Used by :func:`hookscope.clip_grad_norm` and the Monitor's parameter statistics
@@ -31,18 +33,22 @@ on the tensor-parallel mesh: the style's input hook made it) and the shape it re
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from . import _stats
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "Combining",
     "Piece",
     "Plan",
     "among",
@@ -125,6 +131,7 @@ class Plan:
         self._by_ranks: dict[tuple[int, ...], _Group] = {}
         self._combined: set[int] = set()
         self._ranks: dict[int, tuple[int, ...]] = {}
+        self._several: dict[int, bool] = {}  # split over several groups: over the world?
         for i, t in enumerate(tensors):
             self.values.append(self._place(i, t))
 
@@ -137,11 +144,15 @@ class Plan:
 
             summed = [Replicate() if p.is_partial() else p for p in placements]
             t = t.redistribute(mesh, summed)  # type: ignore[attr-defined]
-        for dim, p in enumerate(t.placements):  # type: ignore[attr-defined]
-            # split over that dimension: Shard, and the _StridedShard FSDP2 puts on a
-            # tensor-parallel Shard(0) (whose is_shard() is False)
-            if not (p.is_replicate() or p.is_partial()):
-                self._join(mesh.get_group(dim), i)
+        # split over a dimension: Shard, and the _StridedShard FSDP2 puts on a
+        # tensor-parallel Shard(0) (whose is_shard() is False)
+        dims = [d for d, p in enumerate(t.placements) if not (p.is_replicate() or p.is_partial())]  # type: ignore[attr-defined]
+        for dim in dims:
+            self._join(mesh.get_group(dim), i)
+        if len(dims) > 1:  # (start: are they the world's?)
+            # the ranks holding its pieces: those of the product of these dimensions' groups
+            spanned = math.prod(int(mesh.size(d)) for d in dims)
+            self._several[i] = spanned == torch.distributed.get_world_size()
         return t.to_local()  # type: ignore[attr-defined, no-any-return]
 
     def _join(self, group: ProcessGroup, i: int) -> None:
@@ -184,6 +195,54 @@ class Plan:
                 out[r] = value
         return torch.stack(out) if out else rows
 
+    def over_world(self, i: int) -> bool:
+        """Whether tensor ``i`` is combined over the whole world at once (its one group is
+        the world, or it is split over mesh dimensions whose groups together span the world)."""
+        if i in self._several:
+            return self._several[i]
+        world = tuple(range(torch.distributed.get_world_size()))
+        return i in self._combined and any(
+            i in g.rows and g.ranks == world for g in self._by_ranks.values()
+        )
+
+    def start(self, sums: Tensor, highs: Tensor, skip: Collection[int] = ()) -> Combining:
+        """Start combining each tensor's row of ``sums`` (added) and of ``highs`` (maximised)
+        over the ranks that hold its pieces: one sum all-reduce per group (the maxima in
+        per-rank slots: :class:`~hookscope.diagnose._stats.Reduction`), started now and
+        waited by :meth:`Combining.result`. Rows of tensors sharded nowhere, and of ``skip``,
+        stay as they are.
+
+        A tensor split over one mesh dimension is combined over that dimension's group; one
+        split over several mesh dimensions whose groups together span the world (FSDP2 and tensor
+        parallelism on a 2-D mesh) over the world, at once. One split over some of the
+        dimensions of a larger mesh (HSDP with tensor parallelism) has no group of its own:
+        its rows are combined group after group first (:meth:`combine`: two waited
+        all-reduces per group, the only case that waits)."""
+        chained = [i for i, whole in self._several.items() if not whole and i not in skip]
+        if chained:
+            sums, highs = sums.clone(), highs.clone()
+            sums[chained] = self.combine(sums[chained], torch.distributed.ReduceOp.SUM, chained)
+            highs[chained] = self.combine(highs[chained], torch.distributed.ReduceOp.MAX, chained)
+        by_group: dict[tuple[int, ...], tuple[ProcessGroup | None, list[int]]] = {}
+        for g in self._by_ranks.values():
+            rows = [i for i in g.rows if i not in self._several and i not in skip]
+            by_group[g.ranks] = (g.group, rows)
+        world = tuple(range(torch.distributed.get_world_size()))
+        wholes = [i for i, whole in self._several.items() if whole and i not in skip]
+        if wholes:
+            group, rows = by_group.get(world, (None, []))
+            by_group[world] = (group, rows + wholes)
+        k, h = sums.shape[1], highs.shape[1]
+        parts = []
+        for group, rows in by_group.values():
+            if not rows:
+                continue
+            mine = torch.tensor(rows).to(sums.device, non_blocking=True)  # (see Reduction)
+            flat = torch.cat([sums[mine].reshape(-1), highs[mine].reshape(-1)])
+            ops = torch.tensor([_stats.SUM] * (len(rows) * k) + [_stats.MAX] * (len(rows) * h))
+            parts.append((mine, _stats.Reduction(flat, ops, group)))
+        return Combining(sums, highs, parts)
+
     def holders(self, flags: Sequence[bool], only: Sequence[int]) -> list[list[int]]:
         """For each tensor of ``only``, the global ranks whose piece has its flag set (each
         rank passes its own flags): one all-reduce per group over a row of the world's ranks.
@@ -195,6 +254,28 @@ class Plan:
         device = self.values[only[0]].device if only else table.device
         found = self.combine(table.to(device), dist.ReduceOp.SUM, only).cpu()
         return [[r for r in range(found.shape[1]) if found[k, r] > 0] for k in range(len(only))]
+
+
+class Combining:
+    """The rows :meth:`Plan.start` is combining; :meth:`result` waits for them."""
+
+    def __init__(
+        self, sums: Tensor, highs: Tensor, parts: list[tuple[Tensor, _stats.Reduction]]
+    ) -> None:
+        self._sums, self._highs, self._parts = sums, highs, parts
+        self._out: tuple[Tensor, Tensor] | None = None
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        """``(sums, highs)``, every sharded tensor's rows combined over its groups."""
+        if self._out is None:
+            sums, highs = self._sums.clone(), self._highs.clone()
+            n = sums.shape[1]
+            for mine, reduction in self._parts:
+                flat = reduction.result()
+                sums[mine] = flat[: mine.numel() * n].reshape(-1, n)
+                highs[mine] = flat[mine.numel() * n :].reshape(mine.numel(), -1)
+            self._out = sums, highs
+        return self._out
 
 
 def plan(tensors: Sequence[Tensor]) -> Plan | None:

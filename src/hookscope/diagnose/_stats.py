@@ -16,7 +16,7 @@ flat regions are the bounds of its range (Tanh, ReLU6) the values strictly betwe
 four operators more (``_dead.py`` says which is which). Everything is read on the host once
 per logging step and combined there, so micro-batches, layers and kinds cost no extra device
 work; under ``torch.distributed`` the values are combined across ranks first
-(:func:`reduce`).
+(:class:`Reduction`).
 
 Unusual tensors: a sparse tensor's statistics are those of the dense tensor it stands for,
 computed on its stored values (the rest counted as zeros), without dead units; a nested
@@ -29,9 +29,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "EDGES",
@@ -41,10 +45,10 @@ __all__ = [
     "SUM",
     "Flat",
     "Moments",
+    "Reduction",
     "few_operators",
     "has_values",
     "histogram",
-    "reduce",
     "stored",
 ]
 
@@ -272,19 +276,51 @@ def summary(
     return record
 
 
-def reduce(values: Tensor, ops: Tensor, world: int) -> Tensor:
-    """Every rank's ``values`` combined element by element as ``ops`` says: three
-    all-reduces of the whole buffer."""
-    dist = torch.distributed
-    squares = ops == ROOT_SUM_SQUARES
-    summed = torch.where(squares, values * values, torch.where(ops == SUM, values, 0.0))
-    low = torch.where(ops == MIN, values, math.inf)
-    high = torch.where(ops == MAX, values, -math.inf)
-    dist.all_reduce(summed, op=dist.ReduceOp.SUM)
-    dist.all_reduce(low, op=dist.ReduceOp.MIN)
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    out = torch.where(squares, summed.sqrt(), summed)
-    return torch.where(ops == MIN, low, torch.where(ops == MAX, high, out))
+class Reduction:
+    """Every rank's ``values`` (of one process group; None: the world) combined element by
+    element as ``ops`` says (:data:`SUM`, :data:`MIN`, :data:`MAX`,
+    :data:`ROOT_SUM_SQUARES`; ``ops`` on the host), with one sum all-reduce started now
+    (``async_op``): :meth:`result` waits for it.
+
+    One collective carries sums and extremes alike: each extreme travels in a slot per rank
+    (a row of the group's size, zeros but this rank's value at its index), so that the sum of
+    a slot is that rank's value exactly (``x + 0`` is ``x``, infinities included), and the
+    minimum or maximum is taken over the slots afterwards. The buffer grows by the group's
+    size per extreme (two per layer and kind): small beside the sums and histogram buckets,
+    and it saves the second and third all-reduce a ``MIN`` and a ``MAX`` would take."""
+
+    def __init__(self, values: Tensor, ops: Tensor, group: ProcessGroup | None = None) -> None:
+        dist = torch.distributed
+        size, index = dist.get_world_size(group), dist.get_rank(group)
+        extreme = torch.nonzero((ops == MIN) | (ops == MAX)).reshape(-1)
+        # (non-blocking: a blocking copy from host memory waits for the device's queue,
+        # which is the step this all-reduce must not hold up)
+        device = values.device
+        self._low = (ops[extreme] == MIN).to(device, non_blocking=True)
+        self._squares = (ops == ROOT_SUM_SQUARES).to(device, non_blocking=True)
+        self._extreme = extreme.to(device, non_blocking=True)
+        self._size, self._n = size, values.numel()
+        summed = torch.where(self._squares, values * values, values).index_fill(
+            0, self._extreme, 0.0
+        )
+        slots = values.new_zeros(extreme.numel(), size)
+        slots[:, index] = values.index_select(0, self._extreme)
+        self._buffer = torch.cat([summed, slots.reshape(-1)])
+        self._work = dist.all_reduce(self._buffer, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self._out: Tensor | None = None
+
+    def result(self) -> Tensor:
+        """The combined values (waits for the all-reduce the first time)."""
+        if self._out is None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            summed, slots = self._buffer[: self._n], self._buffer[self._n :]
+            slots = slots.reshape(-1, self._size)
+            picked = torch.where(self._low, slots.amin(1), slots.amax(1))
+            out = torch.where(self._squares, summed.sqrt(), summed)
+            self._out = out.index_copy(0, self._extreme, picked)
+        return self._out
 
 
 # -- histograms --------------------------------------------------------------------------------
