@@ -105,9 +105,10 @@ class Call:
         output), the forward's last columns for its input tokens (the prompt at step 0, then
         the new token); without a mask, counted after what its KV cache holds. None when the
         forward got no ``input_ids`` / ``inputs_embeds``. (A layer called by itself, outside a
-        forward of the model, counts as part of the forward before it, as for ``keep=``.) With ``positions=`` the record keeps some of these
-        (``positions=[-1]``: the last). Under left padding a sample's own token index at a
-        column is ``attention_mask.cumsum(-1)[:, column] - 1``."""
+        forward of the model, counts as part of the forward before it, as for ``keep=``.)
+        With ``positions=`` the record keeps some of these (``positions=[-1]``: the last).
+        Under left padding a sample's own token index at a column is
+        ``attention_mask.cumsum(-1)[:, column] - 1``."""
         spans = self._store.spans
         return None if spans is None else spans.get(self.pass_index)
 
