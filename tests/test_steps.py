@@ -202,6 +202,58 @@ def test_a_patch_of_a_capture_with_steps_applies_at_the_same_steps(kind: str) ->
         assert torch.equal(g, u) == (step < 3), f"step {step}"
 
 
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_patch_of_one_head_at_the_new_token_aligns_by_step_and_position(kind: str) -> None:
+    """Head 1's output at each step's new token (positions=[-1], heads=[1]) captured from a
+    clean run at steps 3-5 and patched into a corrupted run's same steps and units equals
+    writing the clean run's head-1 columns of the output projection's input into the
+    corrupted run's last position at its forwards 3-5 (plain hooks; the Llama's decoding
+    steps are packed grouped-query calls, see test_units)."""
+    make, attention, _ = MODELS[kind]
+    model, clean = make(), _inputs("left")
+    corrupted = dict(clean, input_ids=(clean["input_ids"] * 7 + 3) % 100)
+    z = f"{attention.format(1)}::scaled_dot_product_attention"
+    units: dict[str, Any] = {"heads": [1], "positions": [-1], "steps": range(3, 6)}
+    with torch.no_grad(), hs.capture(model, z, **units) as cap:
+        model.generate(**clean, max_new_tokens=6, **RUN)
+    assert [call.output.shape for call in cap[z]] == [(3, 1, 1, HEAD_SIZE)] * 3
+    with hs.edit(model, {z: hs.patch(cap)}, **units):
+        got = _scores(model, corrupted)
+    attn = model.get_submodule(attention.format(1))
+    projection = attn.c_proj if kind == "gpt2" else attn.o_proj
+    columns = slice(HEAD_SIZE, 2 * HEAD_SIZE)
+    seen: dict[int, Tensor] = {}
+    count = [-1]
+
+    def pre(module: nn.Module, args: Any) -> None:
+        count[0] += 1
+
+    def record(module: nn.Module, args: tuple[Tensor, ...]) -> None:
+        if count[0] in (3, 4, 5):
+            seen[count[0]] = args[0][:, -1, columns].clone()
+
+    def write(module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor] | None:
+        if count[0] not in (3, 4, 5):
+            return None
+        x = args[0].clone()
+        x[:, -1, columns] = seen[count[0]]
+        return (x,)
+
+    for hook, inputs in ((record, clean), (write, corrupted)):
+        count[0] = -1
+        handles = [model.register_forward_pre_hook(pre), projection.register_forward_pre_hook(hook)]
+        try:
+            expected = _scores(model, inputs, steps=6 if hook is record else 7)
+        finally:
+            for handle in handles:
+                handle.remove()
+    unpatched = _scores(model, corrupted)
+    for step, (g, e, u) in enumerate(zip(got, expected, unpatched, strict=True)):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=f"step {step}")
+        if step < 6:  # (the last layer's head output enters no cache: step 6 may be as before)
+            assert torch.equal(g, u) == (step < 3), f"step {step}"
+
+
 # -- records of any model ------------------------------------------------------------------------
 def test_positions_of_forwards_without_a_mask_or_token_inputs() -> None:
     embed = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4))
@@ -286,3 +338,18 @@ def test_steps_keep_every_call_of_the_chosen_steps_and_leave_others_alone() -> N
     torch.testing.assert_close(cap["0"].steps[2][0].output, model[0](xs[2]), rtol=0, atol=0)
     for i, (e, p) in enumerate(zip(edited, plain, strict=True)):
         assert torch.equal(e, p) == (i != 1), i
+
+
+def test_a_patch_from_other_steps_is_refused() -> None:
+    """A source of several steps patches the same steps only: a forward of a step the source
+    lacks is refused, naming the steps it has."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    x = torch.ones(1, 2)
+    with torch.no_grad(), hs.capture(model, "0", steps=[0, 1]) as cap:
+        for _ in range(2):
+            model(x)
+    with torch.no_grad(), hs.edit(model, {"0": hs.patch(cap)}):
+        model(x + 1)
+        model(x + 1)
+        with pytest.raises(hs.EditError, match=r"steps \[0, 1\] and this is step 2"):
+            model(x + 1)
