@@ -98,7 +98,9 @@ def test_notebook_style_open_close_is_idempotent() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     cap = hs.capture(model, "0").open()
     cap.open()
-    assert hooks_on(model) == 3  # the layer hook + the root pass hooks (start, end)
+    # the layer hook + the root pass hooks (start, end) + the capture's root pre-hook, which
+    # notes the forward's token positions (Call.positions)
+    assert hooks_on(model) == 4
     model(torch.randn(1, 2))
     cap.close()
     cap.close()
