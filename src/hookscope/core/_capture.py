@@ -587,10 +587,17 @@ class Capture(Session):
 
     # -- hooks ----------------------------------------------------------------------------
     def _on_model_inputs(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> None:
         """Note the token positions of the forward starting (``Call.positions``) and, for
-        ``reduce="token_mean"`` and ``positions="last"``, its token mask (this thread's)."""
+        ``reduce="token_mean"`` and ``positions="last"``, its token mask (this thread's).
+
+        No ``kwargs``: torch called this with-kwargs hook as a plain one, which happens when
+        another thread's forward took the module's hooks just before this session removed
+        it (``Module._call_impl`` reads the hooks and the with-kwargs set at two times): that
+        forward is not this session's."""
+        if kwargs is None:
+            return
         now = self._now
         if now.depth == 1 and not (self._in_backward() or self._ignores()):
             bound = self._root_binder.bind(args, kwargs)
