@@ -66,6 +66,7 @@ FILE_SECONDS = {
     "test_summary_ops.py": 9,
     "test_integrations_transformers.py": 8,
     "test_residue_fixture.py": 8,
+    "test_steps.py": 10,
 }
 
 

@@ -52,6 +52,12 @@ class Binder:
         keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return frozenset(n for n, k in self._kinds.items() if k in keyword)
 
+    def may_take(self, names: set[str]) -> bool:
+        """Whether a call may pass one of ``names``: ``forward`` names one, takes
+        ``**kwargs``, or its signature cannot be read."""
+        var = inspect.Parameter.VAR_KEYWORD
+        return self._sig is None or var in self._kinds.values() or bool(names & self._kinds.keys())
+
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Inputs:
         """``{parameter name: value}`` for one call (``arg{i}`` where no name exists)."""
         if not kwargs and len(args) <= len(self._fast):

@@ -26,12 +26,13 @@ from ..errors import LayerNotFoundError, UsageError
 from . import _torch, _tree
 from ._autograd import Boundary, backward_id, why_no_grad
 from ._bind import Binder
-from ._calls import ModuleCall
+from ._calls import ModuleCall, Now
 from ._lifetime import HookSet, run_unseen
 from ._placement import UNKNOWN, is_dtensor, layout_of, sharded_model, whole
 from ._records import _OUTPUT, Call, LayerRecord
 from ._refusals import replica_error, transformed_error
 from ._session import Run, Session
+from ._steps import Spans, Steps, span_of, steps_of
 from ._store import Store, check_options
 from ._types import CopyMode, Keep, LayerSelector, Reduce
 from ._units import Indices, MaskNote, Positions, Units, kv_heads, narrows
@@ -115,8 +116,9 @@ class Capture(Session):
             ``attention_mask`` keeps, ``"batch_mean"``, or any function (a Python number it
             returns becomes a 0-d tensor). Built-in reductions keep integer tensors (token
             ids, masks) as they are.
-        keep: which calls to keep: ``"pass"`` (default: every call of the latest forward),
-            ``"all"``, ``"last"``, or an int N (ring of the last N calls).
+        keep: which calls to keep: ``"pass"`` (every call of the latest forward: the
+            default), ``"all"`` (the default with ``steps=``), ``"last"``, or an int N (ring
+            of the last N calls).
         max_bytes: raise CaptureBudgetError before the stored bytes would exceed this.
         stop: end the forward as soon as every selected layer has run (in execution order);
             the ``with`` block then exits quietly.
@@ -150,6 +152,11 @@ class Capture(Session):
             ``Partial`` one), none for a replicated one. Every rank of the mesh must open the
             capture alike, as the forward's own collectives need. An output whose layout is
             unknown (see :attr:`Call.layout`) is refused. Gradients and inputs stay local.
+        steps: record only these forwards of the model (an int, a list of them or a range),
+            counted from 0 since the capture was built: under ``generate()``, step 0 is the
+            prefill and step ``t`` the forward that makes new token ``t``. Each call says its
+            step and the token positions its forward covered (:attr:`Call.step`,
+            :attr:`Call.positions`, :attr:`LayerRecord.steps`), with or without ``steps=``.
 
     In a model with ``DTensor`` parameters every call records how its output lies across
     ranks (:attr:`Call.layout`: placements, mesh, global shape, or unknown), and ``reduce=``
@@ -185,7 +192,7 @@ class Capture(Session):
         copy: CopyMode = "clone",
         capture_device: torch.device | str | None = None,
         reduce: Reduce | None = None,
-        keep: Keep = "pass",
+        keep: Keep | None = None,
         max_bytes: int | None = None,
         stop: bool = False,
         detach: bool = True,
@@ -196,7 +203,10 @@ class Capture(Session):
         layout: Mapping[str, str] | None = None,
         this_thread: bool = False,
         gather: bool = False,
+        steps: Steps | None = None,
     ) -> None:
+        self._steps = steps_of(steps)
+        keep = keep if keep is not None else "pass" if self._steps is None else "all"
         check_options(copy, keep, max_bytes, reduce, stop, grads)
         if not isinstance(gather, bool):
             raise UsageError(f"gather={gather!r}: use True (global tensors) or False")
@@ -235,6 +245,8 @@ class Capture(Session):
         self._gather, self._reduces = gather, reduce is not None
         self._placed = False  # a model with DTensor parameters: outputs' layouts (_install)
         self._ring = 1 if keep == "last" else keep if isinstance(keep, int) else None
+        # the positions of the forwards whose calls the records may still hold
+        self._store.spans = Spans(None if keep == "all" else (self._ring or 1) + 8)
         self._per_pass = keep == "pass"
         self._stop = stop
         self._used: list[_Site] = []  # layers that ran in the latest pass
@@ -261,18 +273,29 @@ class Capture(Session):
     # -- lifetime -----------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
         self._check_hookable(self._sites)
+        if self._steps is not None and self.latest_pass >= 0:
+            raise UsageError(
+                f"steps= counts the model's forwards since the capture was built, and this one "
+                f"already saw {self.latest_pass + 1}: build a new hs.capture(...) for each "
+                "generate() call"
+            )
         self._store.closed = False
         # (a model parallelized after the capture was made counts: read at each open)
         self._placed = sharded_model(self._layers.root)
-        if self._store.reduces_tokens or self._store.masks is not None:  # the forward's mask
-            self._root_binder = Binder(self._layers.root)
+        # the forward's positions (Call.positions: a model that takes tokens, or steps=);
+        # its mask for token_mean, "last"
+        self._root_binder = Binder(self._layers.root)
+        tokens = self._root_binder.may_take({"input_ids", "inputs_embeds"})
+        masked = self._store.reduces_tokens or self._store.masks is not None
+        if tokens or masked or self._steps is not None:
             hooks.forward_pre(self._layers.root, self._on_model_inputs, with_kwargs=True)
+        if masked:
             hooks.forward(self._layers.root, self._on_model_end, always_call=True)
         for site in self._sites.values():
             if site.op is not None:
                 continue  # an operation: its module's calls are followed by the session
-            if self._placed and not (self._inputs or self._grads):
-                post = functools.partial(self._on_output, site)  # layouts: the general path
+            if (self._placed or self._steps is not None) and not (self._inputs or self._grads):
+                post = functools.partial(self._on_output, site)  # (the general path)
                 hooks.forward(site.module, post, hides_modes=True)
             elif self._inputs or self._grads:
                 site.binder = Binder(site.module)
@@ -588,13 +611,25 @@ class Capture(Session):
 
     # -- hooks ----------------------------------------------------------------------------
     def _on_model_inputs(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> None:
-        """``reduce="token_mean"``, ``positions="last"``: note the forward's token mask (this
-        thread's)."""
-        if self._now.depth == 1 and not (self._in_backward() or self._ignores()):
+        """Note the token positions of the forward starting (``Call.positions``) and, for
+        ``reduce="token_mean"`` and ``positions="last"``, its token mask (this thread's).
+
+        No ``kwargs``: torch called this with-kwargs hook as a plain one, which happens when
+        another thread's forward took the module's hooks just before this session removed
+        it (``Module._call_impl`` reads the hooks and the with-kwargs set at two times): that
+        forward is not this session's."""
+        if kwargs is None:
+            return
+        now = self._now
+        if now.depth == 1 and not (self._in_backward() or self._ignores()):
             bound = self._root_binder.bind(args, kwargs)
-            self._store.note_inputs(bound)
+            if self._steps is None or now.pass_index in self._steps:
+                assert self._store.spans is not None
+                self._store.spans.note(now.pass_index, span_of(bound))
+            if self._store.reduces_tokens:
+                self._store.note_inputs(bound)
             if self._store.masks is not None:
                 self._store.masks.note(bound)
 
@@ -626,6 +661,8 @@ class Capture(Session):
         if _backward_id() != -1:
             self._replayed_input(site, binder.bind(args, kwargs))
             return None
+        if self._steps is not None and self._skips(site.name, module, now):
+            return None
         call = self._new_call(site)
         bound = binder.bind(args, kwargs)
         opens = now.open.setdefault(site, [])
@@ -651,6 +688,8 @@ class Capture(Session):
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)
+        if self._steps is not None and self._skips(site.name, module, now):
+            return None
         opens = now.open.get(site)
         if opens:
             call, boundary = opens.pop()
@@ -690,6 +729,18 @@ class Capture(Session):
 
         call._set_layout(UNKNOWN)  # (a structure: its DTensor leaves carry their own)
         return _tree.map_tensors(leaf, output)
+
+    def _skips(self, name: str, module: nn.Module, now: Now) -> bool:
+        """``steps=``: whether this call's forward is not one of the steps; a layer called
+        by itself, outside a forward of the model, has no step and is refused."""
+        if not now.depth and module is not self._layers.root:
+            raise UsageError(
+                f"steps= records some forwards of the model, and {name!r} ran outside "
+                "any (called by itself), so it has no step: call the model, or capture "
+                "without steps="
+            )
+        assert self._steps is not None
+        return now.pass_index not in self._steps
 
     def _narrow_inputs(self, site: _Site, bound: dict[str, Any]) -> dict[str, Any]:
         """``heads=`` on an SDPA call's inputs: the query at the selected heads, key and
@@ -739,6 +790,9 @@ class Capture(Session):
     ) -> Any:
         """Record an operation call for each of ``sites`` and, for an SDPA call, its attention
         weights for each of ``weights`` (the first selector outermost)."""
+        named = (sites or weights)[0].name
+        if self._steps is not None and self._skips(named, owner.module, self._now):
+            return forward_op(func, args, kwargs)
         run: Run = functools.partial(forward_op, func)
         for site in reversed(sites):
             run = functools.partial(self._capture_value, site, func, run)

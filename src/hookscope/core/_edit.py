@@ -42,11 +42,14 @@ _TARGETS = ("output", "input", "grad", "input_grad", "param_grad")
 
 @dataclass(frozen=True)
 class EditContext:
-    """Where an edit is being applied: layer name, call index in this forward, path."""
+    """Where an edit is being applied: layer name, call index in this forward, path, and the
+    forward's generation step (the editor's count of the model's forwards, from 0; None for a
+    layer called outside a forward of the model)."""
 
     layer: str
     call: int
     path: Path
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -163,10 +166,13 @@ def patch(source: Any, *, on: EditTarget = "output", at: PathLike = None) -> Edi
     """Replace with the values a previous :func:`capture` recorded (activation patching).
 
     The n-th call of the layer in this forward gets the n-th captured call of the same layer
-    (``source`` may be the whole capture or one layer's record). A source of batch 1 is
-    broadcast over the batch: one clean run patched into a batch of corrupted prompts. Values
-    are cast to the dtype of the tensor they replace when both are floating point. For
-    ``on="grad"`` / ``"input_grad"`` the source must have captured gradients (``grads=True``).
+    (``source`` may be the whole capture or one layer's record) in the same generation step
+    (:attr:`Call.step`, e.g. a capture and an edit each around a ``generate()`` call, the
+    edit perhaps with ``steps=``); a source that recorded one forward patches every forward.
+    A source of batch 1 is broadcast over the batch: one clean run patched into a batch of
+    corrupted prompts. Values are cast to the dtype of the tensor they replace when both are
+    floating point. For ``on="grad"`` / ``"input_grad"`` the source must have captured
+    gradients (``grads=True``).
 
     Raises:
         EditError: in the forward, if the source has fewer calls of the layer, or recorded a
@@ -177,12 +183,13 @@ def patch(source: Any, *, on: EditTarget = "output", at: PathLike = None) -> Edi
 
     def fn(t: Tensor, ctx: EditContext) -> Tensor:
         record = source if isinstance(source, LayerRecord) else source[ctx.layer]
-        if ctx.call >= len(record.calls):
+        calls = _calls_of_step(record, ctx)
+        if ctx.call >= len(calls):
             raise EditError(
-                f"patch for {ctx.layer!r}: the source captured {len(record.calls)} call(s) "
+                f"patch for {ctx.layer!r}: the source captured {len(calls)} call(s) "
                 f"but this is call {ctx.call} of the forward"
             )
-        call = record.calls[ctx.call]
+        call = calls[ctx.call]
         tree = (
             call.output
             if on == "output"
@@ -206,6 +213,20 @@ def patch(source: Any, *, on: EditTarget = "output", at: PathLike = None) -> Edi
         )
 
     return Edit(fn, on, at, name="patch")
+
+
+def _calls_of_step(record: LayerRecord, ctx: EditContext) -> list[Any]:
+    """The source's calls for this forward: those of the same step, or of its only one."""
+    steps = record.steps
+    if len(steps) <= 1:
+        return record.calls
+    if ctx.step in steps:
+        return steps[ctx.step]
+    raise EditError(
+        f"patch for {ctx.layer!r}: the source recorded steps {list(steps)} and this is "
+        f"step {ctx.step}; capture the source over the steps you patch (the same steps= as "
+        "the edit's), or a single forward to patch into every one"
+    )
 
 
 def _fits(value: Any, t: Tensor, ctx: EditContext, edit: str, on: str, what: str) -> None:

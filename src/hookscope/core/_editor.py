@@ -43,6 +43,7 @@ from ._edit import Edit, EditContext, call_checked, paths, transform
 from ._lifetime import HookSet
 from ._refusals import replica_error
 from ._session import Run, Session
+from ._steps import Steps, steps_of
 from ._units import Indices, MaskNote, Narrow, Positions, Units, narrows
 from .ops._attention import WAITING, chain_of, explicit
 from .ops._select import SDPA, WEIGHTS, OpSelector, forward_op, op_binder, op_name
@@ -103,6 +104,11 @@ class Editor(Session):
         this_thread: edit only the forwards of the threads inside the ``with`` block (or
             between :meth:`open` and :meth:`close`): another thread's forward of the model
             meanwhile runs unedited. Off: every thread's forwards are edited.
+        steps: edit only these forwards of the model (an int, a list of them or a range),
+            counted from 0 since the editor was built: under ``generate()``, step 0 is the
+            prefill and step ``t`` the forward that makes new token ``t`` (see
+            :class:`Capture`). Gradient edits apply to the gradients of those forwards;
+            parameter-gradient edits (``clip_grad``) are refused with it.
 
     With ``positions=``, ``heads=`` or ``neurons=``, an output edit sees the selected units
     only, in the shape a capture with the same units records (``hs.patch`` of such a capture
@@ -140,6 +146,7 @@ class Editor(Session):
         neurons: Indices | None = None,
         layout: Mapping[str, str] | None = None,
         this_thread: bool = False,
+        steps: Steps | None = None,
     ) -> None:
         if not isinstance(edits, Mapping):
             raise UsageError(
@@ -147,6 +154,7 @@ class Editor(Session):
                 f"not {type(edits).__name__}"
             )
         units = Units.of(positions, heads, neurons)
+        self._steps = steps_of(steps)
         super().__init__(model, recompile=recompile, this_thread=this_thread)
         self._entry = "hs.edit"
         plan: dict[str, list[Edit]] = {}
@@ -165,6 +173,12 @@ class Editor(Session):
         for layer in self._plan.values():
             if layer.op is not None:
                 _check_op_edits(layer.op, layer.on_in + layer.on_out + layer.params)
+            if layer.params and self._steps is not None:
+                raise UsageError(
+                    f"edit {layer.params[0].name!r} on {layer.name!r} changes parameter "
+                    "gradients, which sum every forward's: steps= cannot limit it; edit the "
+                    "output gradient (on='grad') of the steps instead, or leave steps= out"
+                )
         self.applied: dict[str, int] = dict.fromkeys(self._plan, 0)
         self._counting = threading.Lock()  # `applied` counts calls from every thread
         self._replay = Replay()
@@ -184,6 +198,12 @@ class Editor(Session):
         self._now.open.clear()  # calls an interrupted forward of this thread left open
 
     def _install(self, hooks: HookSet) -> None:
+        if self._steps is not None and self.latest_pass >= 0:
+            raise UsageError(
+                f"steps= counts the model's forwards since the editor was built, and this one "
+                f"already saw {self.latest_pass + 1}: build a new hs.edit(...) for each "
+                "generate() call"
+            )
         self._check_hookable(self._plan)
         if self._masks is not None:  # positions="last": the forward's attention_mask
             self._root_binder = Binder(self._layers.root)
@@ -217,6 +237,26 @@ class Editor(Session):
     def _rebound(self, layer: _Layer) -> None:
         if layer.op is None and layer.binder is not None:
             layer.binder = Binder(layer.module)
+
+    def _skips(self, name: str, module: nn.Module) -> bool:
+        """``steps=``: whether this call's forward is not one of the steps; a layer called
+        by itself, outside a forward of the model, has no step and is refused. A
+        checkpoint's replay in backward gets the edits of the call it replays."""
+        now = self._now
+        if recomputing():
+            return False
+        if not now.depth and module is not self._layers.root:
+            raise UsageError(
+                f"steps= edits some forwards of the model, and {name!r} ran outside any "
+                "(called by itself), so it has no step: call the model, or edit without steps="
+            )
+        assert self._steps is not None
+        return now.pass_index not in self._steps
+
+    def _step(self) -> int | None:
+        """The step of the forward running (None outside one): for ``hs.patch``."""
+        now = self._now
+        return now.pass_index if now.depth else None
 
     # -- call indices ---------------------------------------------------------------------------
     def _index(self, layer: _Layer) -> tuple[int, bool]:
@@ -258,7 +298,7 @@ class Editor(Session):
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if module is not layer.module:
             raise replica_error(module)
-        if self._ignores():
+        if self._ignores() or (self._steps is not None and self._skips(layer.name, module)):
             return None
         index, grads = self._index(layer)
         binder = binder or layer.binder
@@ -278,7 +318,7 @@ class Editor(Session):
     def _post(self, layer: _Layer, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if module is not layer.module:
             raise replica_error(module)
-        if self._ignores():
+        if self._ignores() or (self._steps is not None and self._skips(layer.name, module)):
             return None
         opens: list[_Open] | None = self._now.open.get(layer)
         if opens:
@@ -296,7 +336,7 @@ class Editor(Session):
     def _apply(self, edit: Edit, tree: Any, name: str, index: int, first_input: bool) -> Any:
         for path in paths(edit, tree, name, first_input):
             old = _tensor_at(edit, tree, name, path)
-            ctx = EditContext(name, index, path)
+            ctx = EditContext(name, index, path, self._step())
             where = f"edit {edit.name!r} on {name!r} {edit.on}{_tree.path_str(path)}"
             new = call_checked(
                 _with_context(edit, ctx),
@@ -321,7 +361,7 @@ class Editor(Session):
         targets = set(paths(edit, output, name, first_input=False))
         for path, t in hook_on:
             if path in targets:
-                self._hook(t, edit, EditContext(name, index, path))
+                self._hook(t, edit, EditContext(name, index, path, self._step()))
         for path in targets - {p for p, _ in hook_on}:
             _needs_grad(_tensor_at(edit, output, name, path), edit, name, path)
         return output
@@ -339,7 +379,7 @@ class Editor(Session):
             if s is None:
                 s = made[id(x)] = stand_in(x)
                 mirror.append((x, s, _torch.version(s)))
-                self._hook(s, edit, EditContext(name, index, path))
+                self._hook(s, edit, EditContext(name, index, path, self._step()))
             bound = _tree.replace_at(bound, path, s)
         return bound
 
@@ -366,6 +406,9 @@ class Editor(Session):
         """Apply each of ``layers``' edits to an operation call (the first selector
         outermost) and, for an SDPA call whose ``weights`` are edited, run it explicitly with
         those edits."""
+        named = (layers or weights)[0].name
+        if self._steps is not None and self._skips(named, owner.module):
+            return forward_op(func, args, kwargs)
         if weights:
             func = self._edited_sdpa(weights, func)
         run: Run = functools.partial(forward_op, func)

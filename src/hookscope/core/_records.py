@@ -55,7 +55,8 @@ class Call:
     Attributes:
         layer: the layer's dotted name.
         index: position of this call among the layer's calls since the capture opened.
-        pass_index: which top-level forward of the model this call belonged to.
+        pass_index: which top-level forward of the model this call belonged to (see
+            :attr:`step`).
     """
 
     __slots__ = (
@@ -91,6 +92,28 @@ class Call:
         elif tag is not None:
             call._more().events.append(tag)
         return call
+
+    @property
+    def step(self) -> int:
+        """The generation step: which forward of the model this call belonged to, counted
+        from 0 since the capture was built (under ``generate()``: 0 is the prefill, then one
+        forward per new token). The same number as :attr:`pass_index`, named for
+        ``steps=``."""
+        return self.pass_index
+
+    @property
+    def positions(self) -> range | None:
+        """The token positions the call's forward covered: columns of the forward's
+        ``attention_mask`` (absolute positions in the padded sequence, as in ``generate()``'s
+        output), the forward's last columns for its input tokens (the prompt at step 0, then
+        the new token); without a mask, counted after what its KV cache holds. None when the
+        forward got no ``input_ids`` / ``inputs_embeds``. (A layer called by itself, outside a
+        forward of the model, counts as part of the forward before it, as for ``keep=``.)
+        With ``positions=`` the record keeps some of these (``positions=[-1]``: the last).
+        Under left padding a sample's own token index at a column is
+        ``attention_mask.cumsum(-1)[:, column] - 1``."""
+        spans = self._store.spans
+        return None if spans is None else spans.get(self.pass_index)
 
     # -- filling in (by the capture) --------------------------------------------------------
     def _more(self) -> _Extra:
@@ -576,6 +599,26 @@ class LayerRecord:
     def outputs(self) -> list[Any]:
         """Outputs of every kept call, in order."""
         return [c.output for c in self.calls]
+
+    @property
+    def steps(self) -> dict[int, list[Call]]:
+        """The kept calls by generation step (:attr:`Call.step`), in step order: under
+        ``generate()``, ``record.steps[0]`` holds the prefill's calls, ``record.steps[3]``
+        those of the forward that made the third new token.
+
+        Example:
+            >>> import torch, torch.nn as nn, hookscope as hs
+            >>> model = nn.Sequential(nn.Linear(2, 2))
+            >>> with hs.capture(model, "0", keep="all") as cap:
+            ...     for _ in range(3):
+            ...         _ = model(torch.ones(1, 2))
+            >>> {step: len(calls) for step, calls in cap["0"].steps.items()}
+            {0: 1, 1: 1, 2: 1}
+        """
+        found: dict[int, list[Call]] = {}
+        for call in self.calls:
+            found.setdefault(call.pass_index, []).append(call)
+        return dict(sorted(found.items()))
 
     def __iter__(self) -> Iterator[Call]:
         return iter(self.calls)

@@ -19,6 +19,7 @@ from torch import Tensor
 from ..errors import CaptureBudgetError, CaptureError, UsageError
 from . import _torch, _tree
 from ._reduce import check_reduce, keep_mask, reduce_tensor
+from ._steps import Spans
 from ._types import CopyMode, Keep, Path, Reduce
 from ._units import MaskNote, Narrow
 
@@ -59,6 +60,8 @@ class Store:
         #: (and of the gradient w.r.t. it), before any reduction (``_units``)
         self._narrow = narrow or {}
         self.masks = masks  # the forward's mask, for positions="last" (noted by the capture)
+        #: per pass, the token positions its forward covered (``Call.positions``)
+        self.spans: Spans | None = None
         plain = not self._narrow and reduce is None and device is None and max_bytes is None
         plain = plain and detach
         #: the policy, decided once: ``keep(t, where) -> (value, tag)``
