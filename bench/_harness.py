@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -80,8 +80,7 @@ def timing_jobs(
     return out
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     warmup: int
     rounds: int
     min_rounds: int = 0
@@ -102,6 +101,11 @@ class Variant:
     heavy: bool = False  # seconds per call: runs only in the first ``heavy_rounds`` rounds
     before: Callable[[], Any] | None = None  # untimed, before each call (e.g. model.train())
     iters: int | None = None  # overrides Plan.iters (a 10-step variant: 1)
+
+
+def named(result: Result, case: str, title: str, about: str, **more: Any) -> Result:
+    """A worker's ``result`` with what its section shows it by: case, title, what was run."""
+    return {**result, "case": case, "title": title, "about": about, **more}
 
 
 def inside(make: Context, fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -242,8 +246,7 @@ def timing(
     return {"unit": unit, "variants": info, "samples": samples, "errors": errors, "noise": noise}
 
 
-@dataclass(frozen=True)
-class Ratio:
+class Ratio(NamedTuple):
     """Median over rounds of a same-round ratio, with its q1 and q3."""
 
     median: float

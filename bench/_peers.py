@@ -26,10 +26,8 @@ def pytorch_grad_cam() -> tuple[Any, Any]:
     try:
         import pytorch_grad_cam
         from pytorch_grad_cam.utils import model_targets
-    finally:
-        for n, module in saved.items():
-            if module is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = module
+    finally:  # the stubs out, what was there before back
+        for n in names:
+            del sys.modules[n]
+        sys.modules.update({n: m for n, m in saved.items() if m is not None})
     return pytorch_grad_cam, model_targets

@@ -48,7 +48,7 @@ def evaluate(t: Target, cases: dict[str, Result]) -> Result | None:
     if got is None:
         return None
     verdict = "" if t.limit is None else "PASS" if got.median <= t.limit else "**MISS**"
-    return {**row, **asdict(got), "verdict": verdict}
+    return {**row, **got._asdict(), "verdict": verdict}
 
 
 def number(x: Any, field: str = "") -> str:

@@ -94,8 +94,7 @@ class Case:
 
 #: ``ResNetConfig`` arguments of --quick's small ResNet-50: its four stages and their names,
 #: one bottleneck each, fewer channels
-NARROW_RESNET: dict[str, Any] = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256]}
-NARROW_RESNET["depths"] = [1, 1, 1, 1]
+NARROW_RESNET = {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1]}
 LLAMA_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 LLAMA_KEYS += ("num_key_value_heads", "vocab_size")
 #: ``LlamaConfig`` arguments of --quick's small Llama (2 layers, grouped-query attention)
@@ -328,14 +327,10 @@ def _timing(spec: Result) -> Result:
     variants = [v for v in _own_variants(case, baseline) if v.key in keys]
     variants += _peer_variants(case, keys)
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": torchlens_wrapped})
-    return {
-        **result,
-        "case": f"capture/{spec['model']}",
-        "title": f"{MODELS[model]}, {SETTINGS[setting]}",
-        "about": about(case),
-        "skipped": {f"bl_{k}": error for k in HS_KINDS if error},
-        "checks": _peer_checks(case, {v.key: v for v in variants}),
-    }
+    more = {"checks": _peer_checks(case, {v.key: v for v in variants})}
+    more["skipped"] = {f"bl_{k}": error for k in HS_KINDS if error}
+    title = f"{MODELS[model]}, {SETTINGS[setting]}"
+    return h.named(result, f"capture/{spec['model']}", title, about(case), **more)
 
 
 def _memory(spec: Result) -> Result:
@@ -346,13 +341,9 @@ def _memory(spec: Result) -> Result:
         warm()
     rss = [h.measure_rss(v.fn) for _ in range(spec["repeats"])]
     samples = [{"key": v.key, "round": i, "warmup": False, **got} for i, got in enumerate(rss)]
-    return {
-        "case": f"capture/{spec['model']}/memory",
-        "samples": samples,
-        "about": about(case),
-        "title": f"{MODELS[spec['model']]}, memory: one fresh process per variant",
-        "variants": {v.key: {"label": v.label, "floor": None}},
-    }
+    title = f"{MODELS[spec['model']]}, memory: one fresh process per variant"
+    result = {"samples": samples, "variants": {v.key: {"label": v.label, "floor": None}}}
+    return h.named(result, f"capture/{spec['model']}/memory", title, about(case))
 
 
 #: Each latency variant's label and the raw hook it is compared with (per-site cost over plain).
@@ -394,7 +385,7 @@ def _latency(spec: Result) -> Result:
         if s["round"] in plain and s["key"] != "plain":
             s["site_us"] = (s["seconds"] - plain[s["round"]]) * 1e6 / (n * len(sites))
     about = f"25 x (Linear(32, 32), ReLU): {len(sites)} sites, batch 1; a sample is {n} forwards"
-    return {**result, "case": "capture/latency", "title": "tiny MLP", "about": about}
+    return h.named(result, "capture/latency", "tiny MLP", about)
 
 
 def work(spec: Result) -> Result:

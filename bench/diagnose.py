@@ -4,6 +4,7 @@ hand-written histograms, and the operators each adds. Method: bench/README.md.""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
 import json
 import tempfile
@@ -34,11 +35,9 @@ LABELS = {
     "fsdp_quiet": "hs.Monitor(every=10, optimizer=): a step between logs",
 }
 #: Per 10 steps: (1 logging + 9 other) / 10, per round, from these variants' samples.
-PER10 = {
-    "monitor_per10": ("monitor_log", "monitor_quiet", "hs.Monitor, per 10 steps"),
-    "hand_per10": ("hand_log", "plain", "hand-written histograms, per 10 steps"),
-    "fsdp_per10": ("fsdp_log", "fsdp_quiet", "hs.Monitor under FSDP2, per 10 steps"),
-}
+PER10 = {"monitor_per10": ("monitor_log", "monitor_quiet", "hs.Monitor, per 10 steps")}
+PER10["hand_per10"] = ("hand_log", "plain", "hand-written histograms, per 10 steps")
+PER10["fsdp_per10"] = ("fsdp_log", "fsdp_quiet", "hs.Monitor under FSDP2, per 10 steps")
 SHARDED = "diagnose/fsdp2_mlp"  # the issue's 2 CPU ranks; DESIGN.md's 1.1x per 10 steps
 NONFINITE_OPS, MONITOR_OPS = "hs.nonfinite: added ÷ budget", "Monitor: per watched layer ÷ 10"
 TARGETS = [
@@ -152,20 +151,14 @@ def _counts(spec: Result) -> Result:
         values.update({f"the baseline: {k}": v for k, v in counts.items()})
     about = f"{case.description}: operators dispatched by one training step, counted with a "
     about += "TorchDispatchMode on the CPU (the Monitor's statistics as a GPU computes them)"
-    return {
-        "case": f"diagnose/{spec['model']}/ops",
-        "about": about,
-        "values": values,
-        "title": f"{capture.MODELS[spec['model']]}, operators",
-        "skipped": {"the baseline": error} if error else {},
-    }
+    title, skipped = f"{capture.MODELS[spec['model']]}, operators", {"the baseline": error}
+    case_ = f"diagnose/{spec['model']}/ops"
+    return h.named({}, case_, title, about, values=values, skipped=skipped if error else {})
 
 
 def _fsdp_rank(rank: int, plan: Result, folder: str) -> None:
     """One of two gloo ranks: an FSDP2 MLP alone and one watched, in the same fixed rounds on
     both ranks (they must make the same collectives); rank 0 writes the result."""
-    import datetime
-
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
@@ -203,14 +196,14 @@ def work(spec: Result) -> Result:
         with tempfile.TemporaryDirectory() as folder:
             torch.multiprocessing.start_processes(_fsdp_rank, (spec["plan"], folder), 2)
             result = json.loads(Path(folder, "rank0.json").read_text())
-        result.update(case=SHARDED, title="FSDP2 MLP, 2 CPU ranks (gloo)")
-        result["about"] = "fully_shard on each Linear, then the root; training mode"
+        what = "fully_shard on each Linear, then the root; training mode"
+        result = h.named(result, SHARDED, "FSDP2 MLP, 2 CPU ranks (gloo)", what)
     else:
         case = capture.build_case(spec["model"], spec["quick"])
         with tempfile.TemporaryDirectory() as logdir:
             result = h.timing(_variants(case, logdir), Plan(**spec["plan"]))
-        result.update(case=f"diagnose/{spec['model']}", title=capture.MODELS[spec["model"]])
-        result["about"] = f"{case.description}, training mode"
+        title, what = capture.MODELS[spec["model"]], f"{case.description}, training mode"
+        result = h.named(result, f"diagnose/{spec['model']}", title, what)
     samples = result["samples"]
     for key, (log, quiet, label) in PER10.items():
         a, b = h.per_round(samples, log), h.per_round(samples, quiet)

@@ -155,13 +155,8 @@ def _scorecam(quick: bool) -> tuple[dict[str, Any], Result]:
         "rank correlation of the top-k map with the full one (Spearman, mean over images)": rho,
     }
     about = f"the demo's shapes CNN (trained here), {len(x)}x1x32x32, layer `7` (32 channels)"
-    return fns, {
-        "case": "explain/shapes",
-        "title": "Score-CAM, IG, occlusion: shapes CNN",
-        "about": about,
-        "values": values,
-        "unit": "score_plain",
-    }
+    title = "Score-CAM, IG, occlusion: shapes CNN"
+    return fns, h.named({}, "explain/shapes", title, about, values=values, unit="score_plain")
 
 
 def _lens_models(width: int) -> tuple[Any, Any]:
@@ -209,13 +204,9 @@ def _patching(quick: bool) -> tuple[dict[str, Any], Result]:
     same = torch.allclose(fns["hs"](), theirs().float(), rtol=0, atol=1e-5)
     about = f"GPT-2, 4 blocks {width} wide (random weights), 2 prompts of {length} tokens: "
     about += f"{4 * length} cells (resid_pre of 4 layers x {length} positions), a logit difference"
-    return fns, {
-        "case": "patching/gpt2",
-        "title": "Patching: residual stream sweep, GPT-2",
-        "about": about,
-        "unit": "tl",
-        "checks": [{"what": "`hs` equals `tl` within 1e-5", "ok": same}],
-    }
+    checks = [{"what": "`hs` equals `tl` within 1e-5", "ok": same}]
+    title = "Patching: residual stream sweep, GPT-2"
+    return fns, h.named({}, "patching/gpt2", title, about, unit="tl", checks=checks)
 
 
 def _generate(quick: bool) -> tuple[dict[str, Any], Result]:

@@ -86,7 +86,6 @@ def _case(name: str, quick: bool) -> tuple[nn.Module, Any, str, str | None, list
     words = ["the", "a", "model", "layer", "hook", "feature", "store", "of", "zarr", "fox"]
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(words, rng.integers(4, 40))) for _ in range(n)]
-
     tokenize = functools.partial(tokenizer, padding=True, truncation=True, return_tensors="pt")
     # tokenized inside the hand loop, as hs does
     batches = [lambda i=i: dict(tokenize(texts[i : i + 64])) for i in range(0, n, 64)]

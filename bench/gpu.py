@@ -282,8 +282,7 @@ def work(spec: Result) -> Result:
         plan = Plan(**spec["plan"], iters=spec["iters"])
         result = h.timing(vs, plan, sync=sync)
     case.model.eval()
-    info = {"case": f"gpu/{name}", "title": name, "about": case.description, "skipped": skipped}
-    return {**result, **info}
+    return h.named(result, f"gpu/{name}", name, case.description, skipped=skipped)
 
 
 def jobs(cfg: Config) -> list[Job]:

@@ -21,13 +21,9 @@ import hookscope as hs
 from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Look: hs.summary beside a plain forward, torchinfo, FlopCounterMode, fvcore and thop"
-TITLES = {
-    "resnet50": "ResNet-50",
-    "gpt2": "GPT-2",
-    "llama": "Llama-7B (meta)",
-    "resnet50_host": "ResNet-50, 1x64² (host-bound)",
-    "gpt2_host": "GPT-2, 1x16 (host-bound)",
-}
+TITLES = {"resnet50": "ResNet-50", "gpt2": "GPT-2", "llama": "Llama-7B (meta)"}
+TITLES["resnet50_host"] = "ResNet-50, 1x64² (host-bound)"
+TITLES["gpt2_host"] = "GPT-2, 1x16 (host-bound)"
 HOST_BOUND = ("resnet50_host", "gpt2_host")
 BUDGETS = {"resnet50": 60, "gpt2": 90, "llama": 20, "resnet50_host": 30, "gpt2_host": 30}
 LABELS = {
@@ -178,14 +174,8 @@ def _timing(spec: Result) -> Result:
         except Exception as e:
             skipped[key] = h.error_text(e)
     result = h.timing(variants, Plan(**spec["plan"]))
-    return {
-        **result,
-        "case": f"look/{spec['model']}",
-        "title": TITLES[spec["model"]],
-        "about": capture.about(case),
-        "values": _flops(case),
-        "skipped": skipped,
-    }
+    title, more = TITLES[spec["model"]], {"values": _flops(case), "skipped": skipped}
+    return h.named(result, f"look/{spec['model']}", title, capture.about(case), **more)
 
 
 def _rss(spec: Result) -> Result:
@@ -204,12 +194,7 @@ def _rss(spec: Result) -> Result:
     }
     about = f"a fresh process (glibc defaults) builds {case.description} and calls hs.summary"
     about += f"(model, input_size={tuple(shape)}, dtypes=[torch.long]) {len(times)} times"
-    return {
-        "case": "look/llama_rss",
-        "title": "Llama-7B (meta) alone",
-        "about": about,
-        "values": values,
-    }
+    return h.named({}, "look/llama_rss", "Llama-7B (meta) alone", about, values=values)
 
 
 def work(spec: Result) -> Result:

@@ -31,13 +31,8 @@ LABELS = {
     ".save() x12 (aliases)",
     "torchlens_sdpa": "torchlens.trace(copy, x, save=tl.func('scaled_dot_product_attention'))",
 }
-FLOORS = {
-    "hs_sdpa": "hand_attn",
-    "hs_weights2": "floor_weights2",
-    "eager_all": "hs_weights2",
-    "nnsight_sdpa": "hs_sdpa",
-    "torchlens_sdpa": "hs_sdpa",
-}
+FLOORS = {"hs_sdpa": "hand_attn", "hs_weights2": "floor_weights2", "eager_all": "hs_weights2"}
+FLOORS |= {"nnsight_sdpa": "hs_sdpa", "torchlens_sdpa": "hs_sdpa"}
 ONE = "one operation in each of 12 blocks"
 TWO = "attention weights of 2 of 12 layers ÷ plain forward + their QKᵀ and softmax by hand"
 #: issue 17's performance section, of wall time and of the process's CPU time
@@ -134,14 +129,8 @@ def work(spec: Result) -> Result:
     listed = hs.names(case.model, ops=True, inputs=case.args[0])
     own = [n for n in listed if ".attn::" in n and n.startswith("transformer.h.0.")]
     values = {"operations returning tensors in h.0.attn's own code, per call": len(own)}
-    return {
-        **result,
-        "case": "ops/gpt2",
-        "title": "GPT-2",
-        "about": capture.about(case),
-        "values": values,
-        "checks": _peer_checks({v.key: v for v in variants}),
-    }
+    checks = _peer_checks({v.key: v for v in variants})
+    return h.named(result, "ops/gpt2", "GPT-2", capture.about(case), values=values, checks=checks)
 
 
 def jobs(cfg: Config) -> list[Job]:

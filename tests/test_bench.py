@@ -118,3 +118,10 @@ def test_targets_are_same_round_ratios() -> None:
     assert report.evaluate(report.Target("m/b", "hs", "plain", 1.0, "no case"), cases) is None
     row = report.evaluate(report.Target("m/a", "hs", "p", 1.0, "skipped"), cases)
     assert row["verdict"] == "not run: `p`: gone"
+
+
+def test_the_benchmark_stays_within_its_size() -> None:
+    """bench/'s Python stays at 2,500 lines at most (issue 26: a benchmark that costs more to
+    keep than it returns had grown to 4,000): a new case makes room in what is there."""
+    lines = sum(len(p.read_text().splitlines()) for p in (ROOT / "bench").glob("*.py"))
+    assert lines <= 2500, f"bench/*.py has {lines} lines; the budget is 2,500"
