@@ -178,6 +178,15 @@ def _check_dtensor(mesh: Any, rank: int) -> None:
         edited = oracle(x)
     with torch.no_grad(), hs.edit(model, edits):
         _near(model(x), edited, kind, "DTensor edit")
+    # units narrow plain tensors: a DTensor output is refused with the ways out, not torch's
+    # "mixed torch.Tensor and DTensor" from inside the narrowing
+    for session in (
+        lambda: hs.capture(model, "0", neurons=[0]),
+        lambda: hs.edit(model, {"0": hs.ablate()}, neurons=[0]),
+    ):
+        with torch.no_grad(), pytest.raises(hs.UsageError, match="output is a DTensor"):
+            with session():
+                model(x)
 
 
 def _check_rows_sharded(mesh: Any, rank: int) -> None:

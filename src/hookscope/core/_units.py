@@ -62,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import UsageError
+from ._placement import is_dtensor
 from ._reduce import keep_mask
 from .ops._attention import pack, packed_rows, unpack
 from .ops._select import SDPA, WEIGHTS, OpSelector
@@ -418,6 +419,13 @@ class Narrow:
         sample), else ``(k,)`` indices along the axis."""
         plan: list[tuple[int, Tensor]] = []
         units, axes = self.units, self.axes
+        if is_dtensor(t):
+            raise UsageError(
+                f"positions=/heads=/neurons= on {self.site!r}: its output is a DTensor (a "
+                "tensor-parallel plan with use_local_output=False), and units narrow plain "
+                "tensors. Keep the plan's default local outputs (each rank narrows its own "
+                "piece), or capture without units (gather=True: the global tensor) and index it"
+            )
         axes.fits(t, units, self.site)
         for wanted, axis, what in (
             (units.positions, axes.positions, "positions"),
