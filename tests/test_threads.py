@@ -259,6 +259,34 @@ def test_a_thread_that_joins_mid_section_waits_for_the_first_thread(
     assert cap["1"].count == 3
 
 
+#: Sessions that register forward pre-hooks taking keyword arguments: a capture of inputs, an
+#: edit, operation sites (their modules' calls are followed)
+KWARG_HOOKS: dict[str, Callable[[nn.Module], Any]] = {
+    "capture inputs": lambda m: hs.capture(m, "0", inputs=True),
+    "edit of an input": lambda m: hs.edit(m, {"0": hs.scale(2.0, on="input")}),
+    "operation site": lambda m: hs.capture(m, "0::linear"),
+}
+
+
+@pytest.mark.parametrize("kind", KWARG_HOOKS)
+def test_a_forward_that_took_the_hooks_as_a_session_closed_runs_on(kind: str) -> None:
+    """torch reads a module's pre-hooks and the set of those taking keyword arguments at two
+    moments: a forward in one thread that took the hooks just before another thread closed a
+    session calls that session's hook as a plain pre-hook, without keyword arguments. It must
+    then do nothing (before: a TypeError inside the other thread's forward). The state between
+    torch's two reads is made here by emptying the set while the session is open."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    x = torch.randn(2, 4)
+    want = model(x)
+    with KWARG_HOOKS[kind](model):
+        for module in model.modules():  # what close left for torch's second read: pre-hooks
+            for name in ("_pre_hooks_with_kwargs", "_hooks", "_hooks_with_kwargs"):
+                getattr(module, "_forward" + name).clear()  # the forward had already taken
+            module._forward_hooks_always_called.clear()
+        got = model(x)
+    assert torch.equal(got, want)  # the forward is no longer the session's: nothing applied
+
+
 def test_a_private_forward_in_one_thread_hides_nothing_of_another_threads() -> None:
     """hs.names(..., ops=True) runs a private forward; a NaN tracer replays one. Captures of
     another model in another thread record every call meanwhile."""

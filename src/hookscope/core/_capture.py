@@ -644,10 +644,12 @@ class Capture(Session):
         site: _Site,
         module: nn.Module,
         args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        kwargs: dict[str, Any] | None = None,
         binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            return None
+        if kwargs is None:  # a forward that took the hooks as this session removed it (_lifetime)
             return None
         if _stack_length():  # a user's function modes must not see the copies (_lifetime)
             return _run_unseen(self._on_input, site, module, args, kwargs, binder)

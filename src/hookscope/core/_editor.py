@@ -224,9 +224,11 @@ class Editor(Session):
                         hooks.tensor(param, functools.partial(self._grad, edit, ctx))
 
     def _on_model_inputs(
-        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> None:
         """``positions="last"``: note the forward's token mask (this thread's)."""
+        if kwargs is None:  # a forward that took the hooks as this session removed it (_lifetime)
+            return
         if self._masks is not None and self._now.depth == 1 and not self._ignores():
             self._masks.note(self._root_binder.bind(args, kwargs))
 
@@ -293,9 +295,11 @@ class Editor(Session):
         layer: _Layer,
         module: nn.Module,
         args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        kwargs: dict[str, Any] | None = None,
         binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if kwargs is None:  # a forward that took the hooks as this session removed it (_lifetime)
+            return None
         if module is not layer.module:
             raise replica_error(module)
         if self._ignores() or (self._steps is not None and self._skips(layer.name, module)):

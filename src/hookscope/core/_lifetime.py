@@ -211,7 +211,11 @@ class HookSet:
         hides_modes: bool = False,
     ) -> None:
         """Register ``fn`` as a forward pre-hook of ``module`` until :meth:`close`
-        (``hides_modes``: as for :meth:`forward`)."""
+        (``hides_modes``: as for :meth:`forward`). With ``with_kwargs``, ``fn`` must take
+        ``kwargs=None`` and then do nothing: torch reads a module's pre-hooks and which of them
+        take keyword arguments at two moments (``Module._call_impl``), so a forward in another
+        thread that took the hooks just before :meth:`close` removed one calls it as a plain
+        pre-hook, without ``kwargs``; that forward is not the session's any more."""
         fn = _module_hook(fn, eager=self._eager, hides_modes=hides_modes)
         self._module(module, module.register_forward_pre_hook(fn, with_kwargs=with_kwargs))
 

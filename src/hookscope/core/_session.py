@@ -466,9 +466,15 @@ class Session:
         return self._output(name, module, args, output)
 
     def _call_pre(
-        self, name: str, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        name: str,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
     ) -> Any:
         if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+            return None
+        if kwargs is None:  # a forward that took the hooks as this session removed it (_lifetime)
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_pre, name, module, args, kwargs)
