@@ -168,6 +168,26 @@ def test_an_edit_limited_to_steps_3_to_5_changes_only_their_logits(kind: str) ->
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_an_edit_of_the_logits_at_steps_3_to_5_leaves_every_other_step_as_it_was(
+    kind: str,
+) -> None:
+    """The issue's words taken literally: an edit after every layer that caches keys and
+    values (the logits, +1 everywhere: greedy decoding picks the same tokens) changes the
+    scores of steps 3, 4 and 5 by exactly that, and those of every other step not at all."""
+    make, _, _ = MODELS[kind]
+    model, inputs = make(), _inputs("left")
+    plain = _scores(model, inputs)
+    with hs.edit(model, {"lm_head": hs.add(1.0)}, steps=[3, 4, 5]) as ed:
+        got = _scores(model, inputs)
+    assert ed.applied["lm_head"] == 3 and len(got) == len(plain) == 7
+    for step, (g, p) in enumerate(zip(got, plain, strict=True)):
+        if step in (3, 4, 5):
+            torch.testing.assert_close(g, p + 1.0, rtol=0, atol=1e-5, msg=f"step {step}")
+        else:
+            assert torch.equal(g, p), f"step {step} changed"
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_a_patch_of_a_capture_with_steps_applies_at_the_same_steps(kind: str) -> None:
     """A clean run's block output captured at steps 3-5, patched into a corrupted prompt's
     generate() at steps 3-5: each step gets the clean run's value of that step (the oracle:
