@@ -531,6 +531,8 @@ def _monitor_rank(rank: int, world: int, out: str, hsdp: bool) -> None:
             _check_monitor(rank, world, ranks, hsdp)
             if not hsdp:
                 _check_raise_mid_step(rank, world, ranks)
+        if not hsdp:
+            _check_made_before_sharding(rank, world)
         dist.destroy_process_group()
     except BaseException:
         import traceback
@@ -609,6 +611,31 @@ def _check_monitor(rank: int, world: int, ranks: Any, hsdp: bool) -> None:
                 if k == 2 and i == "0":  # the NaN (then in the weight too): not a value
                     assert stats["num"] == 5 * 3 + 5 - 1
                 assert counts == w_counts, (k, i, kind)
+
+
+def _check_made_before_sharding(rank: int, world: int) -> None:
+    """A Monitor made before ``fully_shard`` (which puts new parameters in place of each
+    module's) measures the parameters the model has when it logs: its norms and gradient
+    norms are those of the sharded parameters made whole (before: the replaced ones, which
+    no backward reaches, so no gradient norm at all)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _mlp()
+    mon = hs.Monitor(model, every=1)
+    for m in [*(m for m in model if isinstance(m, nn.Linear)), model]:
+        fully_shard(m)
+    with mon:
+        model(_batch().chunk(world)[rank]).pow(2).sum().backward()
+        mon.step()
+    whole = {n: p.full_tensor().reshape(-1) for n, p in model.named_parameters()}
+    grads = {n: p.grad.full_tensor().reshape(-1) for n, p in model.named_parameters()}
+    got = {r["layer"]: r for r in mon.records if r["kind"] == "parameter"}
+    assert sorted(got) == ["0", "2", "4"], got
+    for layer, r in got.items():
+        names = (f"{layer}.weight", f"{layer}.bias")
+        assert r["norm"] == pytest.approx(float(torch.cat([whole[n] for n in names]).norm()))
+        want = float(torch.cat([grads[n] for n in names]).norm())
+        assert r["grad_norm"] == pytest.approx(want, rel=1e-6), (layer, r)
 
 
 def _check_raise_mid_step(rank: int, world: int, ranks: Any) -> None:

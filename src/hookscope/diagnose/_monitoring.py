@@ -200,14 +200,6 @@ class Monitor(Session):
         self.layers_watched = {n: s.module for n, s in chosen.items()}
         self._layer_sites = {n: s.module for n, s in chosen.items() if s.op is None}
         self._watch_ops(chosen)  # operation sites come to _returned
-        #: parameters of each watched layer (an operation has none of its own; those on the
-        #: meta device have no values and are left out)
-        self._params = {
-            n: [p for p in _layer_params(m) if _stats.has_values(p)]
-            if n in self._layer_sites
-            else []
-            for n, m in self.layers_watched.items()
-        }
         made = [make_sink(s) for s in sinks]
         #: histograms are computed only when a sink draws them (TensorBoard): of parameters
         #: and their gradients, and with ``"all"`` of activations and output gradients too
@@ -307,6 +299,18 @@ class Monitor(Session):
         self._names.update(scalars)
         if self.logging:
             self._scalars.update(scalars)
+
+    @property
+    def _params(self) -> dict[str, list[Tensor]]:
+        """Each watched layer's parameters as they are now (an operation has none of its own;
+        those on the meta device have no values and are left out): ``fully_shard`` puts new
+        parameters in place of a module's, so a Monitor made before it follows those."""
+        return {
+            n: [p for p in _layer_params(m) if _stats.has_values(p)]
+            if n in self._layer_sites
+            else []
+            for n, m in self.layers_watched.items()
+        }
 
     # -- session ----------------------------------------------------------------------------------
     def __enter__(self) -> Monitor:
