@@ -133,6 +133,17 @@ def _scores(model: nn.Module, inputs: dict[str, Tensor], steps: int = 7) -> tupl
     return tuple(got.scores)
 
 
+def _scores_hooked(
+    handles: Any, model: nn.Module, inputs: dict[str, Tensor], steps: int = 7
+) -> tuple[Tensor, ...]:
+    """:func:`_scores` with the plain hooks of ``handles`` on, removed after."""
+    try:
+        return _scores(model, inputs, steps)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
 def test_an_edit_limited_to_steps_3_to_5_changes_only_their_logits(kind: str) -> None:
     """The first block's output is edited: the edit reaches that step's logits through the
@@ -153,11 +164,7 @@ def test_an_edit_limited_to_steps_3_to_5_changes_only_their_logits(kind: str) ->
         got = _scores(model, inputs)
     assert ed.applied[name] == 3
     handles = _counted(model, model.get_submodule(name), {3, 4, 5}, lambda out, _: fn(out))
-    try:
-        expected = _scores(model, inputs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    expected = _scores_hooked(handles, model, inputs)
     assert len(got) == len(expected) == len(plain) == 7
     for step, (g, e, p) in enumerate(zip(got, expected, plain, strict=True)):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=f"step {step}")
@@ -205,17 +212,9 @@ def test_a_patch_of_a_capture_with_steps_applies_at_the_same_steps(kind: str) ->
         got = _scores(model, corrupted)
     seen: dict[int, Tensor] = {}
     handles = _counted(model, site, {3, 4, 5}, lambda out, k: seen.__setitem__(k, out.clone()))
-    try:
-        _scores(model, clean, steps=6)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _scores_hooked(handles, model, clean, steps=6)
     handles = _counted(model, site, {3, 4, 5}, lambda out, k: seen[k])
-    try:
-        expected = _scores(model, corrupted)
-    finally:
-        for handle in handles:
-            handle.remove()
+    expected = _scores_hooked(handles, model, corrupted)
     unpatched = _scores(model, corrupted)
     for step, (g, e, u) in enumerate(zip(got, expected, unpatched, strict=True)):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=f"step {step}")
@@ -262,11 +261,7 @@ def test_a_patch_of_one_head_at_the_new_token_aligns_by_step_and_position(kind: 
     for hook, inputs in ((record, clean), (write, corrupted)):
         count[0] = -1
         handles = [model.register_forward_pre_hook(pre), projection.register_forward_pre_hook(hook)]
-        try:
-            expected = _scores(model, inputs, steps=6 if hook is record else 7)
-        finally:
-            for handle in handles:
-                handle.remove()
+        expected = _scores_hooked(handles, model, inputs, steps=6 if hook is record else 7)
     unpatched = _scores(model, corrupted)
     for step, (g, e, u) in enumerate(zip(got, expected, unpatched, strict=True)):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-5, msg=f"step {step}")
