@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copyreg
 import functools
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -193,6 +194,10 @@ class Watch:
         self.modules: dict[int, tuple[nn.Module, ModuleState]] = {}
         self.tensors: dict[int, tuple[Tensor, TensorState]] = {}
         self.globals = global_state()
+        # Entry points called from several threads at once: the first snapshot of a model must
+        # be taken before any of them runs, not by a second thread that found it unseen too
+        # and snapshotted it while the first already had it in another mode.
+        self.lock = threading.Lock()
 
     def see(self, value: Any) -> None:
         """Snapshot ``value`` if it is a module or tensor not seen yet (first sight wins)."""
@@ -214,7 +219,8 @@ class Watch:
 
         @functools.wraps(fn)
         def watched(*args: Any, **kwargs: Any) -> Any:
-            self.see(list(args[1:] if method else args) + list(kwargs.values()))
+            with self.lock:
+                self.see(list(args[1:] if method else args) + list(kwargs.values()))
             return fn(*args, **kwargs)
 
         return watched
