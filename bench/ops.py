@@ -78,7 +78,7 @@ def _nnsight(case: capture.Case, wrapped: Any) -> list[Any]:
     return saved
 
 
-def build_variants(case: capture.Case) -> list[Variant]:
+def build_variants(case: capture.Case, quick: bool) -> list[Variant]:
     from nnsight import NNsight
 
     qk = _qk(case, (3, 9))
@@ -106,25 +106,24 @@ def build_variants(case: capture.Case) -> list[Variant]:
         "nnsight_sdpa": functools.partial(_nnsight, case, NNsight(copy.deepcopy(case.model))),
     }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
-    save = lambda tl: tl.func("scaled_dot_product_attention")  # noqa: E731
-    key = "torchlens_sdpa"
-    return [*out, capture.torchlens(key, LABELS[key], case, save, FLOORS[key])]
+    save, key = lambda tl: tl.func(SDPA.split("::")[1]), "torchlens_sdpa"  # not in --quick:
+    return out if quick else [*out, capture.torchlens(key, LABELS[key], case, save, FLOORS[key])]
 
 
 def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
     """The peers kept what hookscope kept (tests own hookscope's values, not the peers')."""
-    want = variants["hs_sdpa"].fn()
-    with capture.torchlens_wrapped():
-        trace = variants["torchlens_sdpa"].fn()
-        sdpa = [x.out for x in trace.layers if x.func_name == "scaled_dot_product_attention"]
-    theirs = {"torchlens_sdpa": sdpa, "nnsight_sdpa": variants["nnsight_sdpa"].fn()}
+    want, theirs = variants["hs_sdpa"].fn(), {"nnsight_sdpa": variants["nnsight_sdpa"].fn()}
+    if "torchlens_sdpa" in variants:  # (not in --quick)
+        with capture.torchlens_wrapped():
+            ops = variants["torchlens_sdpa"].fn().layers
+            theirs["torchlens_sdpa"] = [x.out for x in ops if x.func_name == SDPA.split("::")[1]]
     same = {k: h.trees_equal(list(v), want) for k, v in theirs.items()}
     return [{"what": f"`{k}` equals `hs_sdpa`", "ok": ok} for k, ok in same.items()]
 
 
 def work(spec: Result) -> Result:
     case = capture.build_case(spec["model"], spec["quick"])
-    variants = build_variants(case)
+    variants = build_variants(case, spec["quick"])
     result = h.timing(variants, Plan(**spec["plan"]), {"torchlens": capture.torchlens_wrapped})
     listed = hs.names(case.model, ops=True, inputs=case.args[0])
     own = [n for n in listed if ".attn::" in n and n.startswith("transformer.h.0.")]

@@ -346,15 +346,17 @@ def test_every_page_in_a_real_browser(site: Path) -> None:
 
 async def _browse(site: Path, executable: str) -> tuple[list[str], int]:
     """The problems :func:`test_every_page_in_a_real_browser` looks for, and the number of
-    images seen. Two tabs at 1280 px take the pages in turn while a third loads each at 390 px,
-    all at once: a page's wait for the network to be idle (500 ms) is time the others use."""
+    images seen. Three tabs take the pages in turn, all at once (a page's wait for the network
+    to be idle, 500 ms, is time the others use); each page is checked at 1280 px, then the tab
+    is narrowed to a phone's 390 px and the same page measured again, as a window resized."""
     from playwright.async_api import async_playwright
 
     problems: list[str] = []
     images = [0]
+    wide, narrow = {"width": 1280, "height": 900}, {"width": 390, "height": 800}
 
-    async def desktop(chromium: Any, base: str, todo: Iterator[str]) -> None:
-        page = await chromium.new_page(viewport={"width": 1280, "height": 900})
+    async def tab(chromium: Any, base: str, todo: Iterator[str]) -> None:
+        page = await chromium.new_page(viewport=wide)
         where = [""]  # the page this tab shows, for the messages of its handlers
         page.on(
             "console",
@@ -373,6 +375,7 @@ async def _browse(site: Path, executable: str) -> tuple[list[str], int]:
         )
         for path in todo:  # shared by the tabs: each takes the next page not yet taken
             where[0] = path
+            await page.set_viewport_size(wide)
             response = await page.goto(base + path, wait_until="networkidle")
             assert response is not None and response.ok, path
             seen = await page.eval_on_selector_all(
@@ -382,16 +385,12 @@ async def _browse(site: Path, executable: str) -> tuple[list[str], int]:
             problems.extend(f"{path}: not decoded: {s}" for s, ok, w in seen if not ok or not w)
             if len((await page.inner_text("article")).split()) < 20:
                 problems.append(f"{path}: almost no text")
-            layout = _layout(await page.evaluate(_LAYOUT), 1280)
-            problems.extend(f"{path} at 1280 px: {p}" for p in layout)
-
-    async def phone(chromium: Any, base: str, todo: Iterator[str]) -> None:
-        page = await chromium.new_page(viewport={"width": 390, "height": 800})
-        for path in todo:  # requests were checked at 1280 px: the layout needs the fonts
-            await page.goto(base + path, wait_until="load")
-            await page.evaluate("document.fonts.ready.then(() => true)")
-            layout = _layout(await page.evaluate(_LAYOUT), 390)
-            problems.extend(f"{path} at 390 px: {p}" for p in layout)
+            for size in (wide, narrow):
+                if size is narrow:
+                    await page.set_viewport_size(narrow)
+                await page.evaluate("document.fonts.ready.then(() => true)")
+                layout = _layout(await page.evaluate(_LAYOUT), size["width"])
+                problems.extend(f"{path} at {size['width']} px: {p}" for p in layout)
 
     with _served(site) as base:
         async with async_playwright() as p:
@@ -400,12 +399,9 @@ async def _browse(site: Path, executable: str) -> tuple[list[str], int]:
                 args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
             )
             try:
-                wide, narrow = iter(_pages(site)), iter(_pages(site))
-                await asyncio.gather(
-                    *(desktop(chromium, base, wide) for _ in range(2)),
-                    phone(chromium, base, narrow),
-                )
-                on_disk = await chromium.new_page(viewport={"width": 1280, "height": 900})
+                todo = iter(_pages(site))
+                await asyncio.gather(*(tab(chromium, base, todo) for _ in range(3)))
+                on_disk = await chromium.new_page(viewport=wide)
                 await on_disk.goto((site / "index.html").as_uri())
                 await on_disk.click("a[href='getting-started.html']")
                 if not on_disk.url.endswith("getting-started.html") or "pip install" not in (
