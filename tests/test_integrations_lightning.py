@@ -16,7 +16,7 @@ import socket
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -27,8 +27,10 @@ import hookscope as hs
 import wandb_reader
 import zygote
 
-L = pytest.importorskip("lightning.pytorch")
-from hookscope.integrations.lightning import HookscopeCallback, Maps  # noqa: E402
+if TYPE_CHECKING:
+    import lightning.pytorch as L
+
+    from hookscope.integrations.lightning import HookscopeCallback, Maps
 
 pytestmark = [
     pytest.mark.mutates_model,  # the trainer trains the module
@@ -56,34 +58,69 @@ def _cnn() -> nn.Module:
     )
 
 
-class LitCNN(L.LightningModule):
-    def __init__(self, manual: bool = False) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = _cnn()
-        self.automatic_optimization = not manual
+LitCNN: Any = None  # set by _import_lightning(), with L, HookscopeCallback and Maps
+Exploding: Any = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
-    def training_step(self, batch: Any, index: int) -> Any:
-        x, y = batch
-        loss = F.cross_entropy(self(x), y)
-        if self.automatic_optimization:
-            return loss
-        opt = self.optimizers()  # manual: a step every ACCUMULATE batches
-        self.manual_backward(loss / ACCUMULATE)
-        if index % ACCUMULATE == ACCUMULATE - 1:
-            opt.step()
-            opt.zero_grad()
-        return None
+def _import_lightning() -> None:
+    """Lightning, and the modules built on it, made this module's globals ``L``,
+    ``HookscopeCallback``, ``Maps``, ``LitCNN`` and ``Exploding``: imported when a test of this
+    file first runs, not when the file is collected (every pytest-xdist worker collects every
+    file; importing Lightning takes ~8 s, paid before by the worker that runs none of these)."""
+    L = pytest.importorskip("lightning.pytorch")
+    from hookscope.integrations.lightning import HookscopeCallback, Maps
 
-    def validation_step(self, batch: Any, index: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x * 50), y))  # other values than training
+    class LitCNN(L.LightningModule):
+        def __init__(self, manual: bool = False) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = _cnn()
+            self.automatic_optimization = not manual
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x)
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            if self.automatic_optimization:
+                return loss
+            opt = self.optimizers()  # manual: a step every ACCUMULATE batches
+            self.manual_backward(loss / ACCUMULATE)
+            if index % ACCUMULATE == ACCUMULATE - 1:
+                opt.step()
+                opt.zero_grad()
+            return None
+
+        def validation_step(self, batch: Any, index: int) -> None:
+            x, y = batch
+            self.log("val_loss", F.cross_entropy(self(x * 50), y))  # other values than training
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    class Exploding(LitCNN):
+        """Its second convolution makes NaN from the third batch on (a bug in a layer)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.batches = 0
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            self.batches += 1
+            if self.batches == 3:
+                with torch.no_grad():
+                    self.net[2].bias.fill_(math.nan)
+            return super().training_step(batch, index)
+
+    globals().update(
+        L=L, HookscopeCallback=HookscopeCallback, Maps=Maps, LitCNN=LitCNN, Exploding=Exploding
+    )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _lightning() -> None:
+    _import_lightning()
 
 
 def _data(seed: int = 1, n: int = BATCHES * 2) -> torch.utils.data.TensorDataset:
@@ -204,21 +241,6 @@ def test_mixed_precision_steps_are_the_scalers_and_gradients_unscaled(tmp_path: 
 
 def _hooks_left(module: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules())
-
-
-class Exploding(LitCNN):
-    """Its second convolution makes NaN from the third batch on (a bug in a layer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.batches = 0
-
-    def training_step(self, batch: Any, index: int) -> Any:
-        self.batches += 1
-        if self.batches == 3:
-            with torch.no_grad():
-                self.net[2].bias.fill_(math.nan)
-        return super().training_step(batch, index)
 
 
 @pytest.mark.slow
@@ -354,6 +376,7 @@ def _ddp_rank(rank: int, port: int, out: str) -> None:
         NODE_RANK="0",
     )  # launched here, so Lightning launches nothing (LightningEnvironment)
     warnings.filterwarnings("ignore")  # Lightning's advice, printed by each process
+    _import_lightning()
     torch.set_num_threads(1)
     data = _data()
     part = torch.utils.data.Subset(data, list(range(rank, len(data), 2)))  # its own half

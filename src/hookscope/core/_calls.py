@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .ops._select import OpSelector
 
 __all__ = [
+    "PRIVATE",
     "RUNNERS",
     "ModuleCall",
     "Now",
@@ -92,7 +93,7 @@ class Now:
         self.last_done: str | None = None  # the last site that finished a call (for messages)
         #: this thread's private forwards (the list :func:`private_forward` pushes onto, empty
         #: almost always): a hot path tests it without a second thread-local read
-        self.private = _PRIVATE.blocks
+        self.private = PRIVATE.blocks
         #: inside a section of shared state this thread entered without the session's lock,
         #: as the session's only thread (see ``Session._join``)
         self.busy = False
@@ -116,7 +117,8 @@ class _Private(threading.local):
         self.blocks: list[tuple[object, ...]] = []
 
 
-_PRIVATE = _Private()
+#: this thread's private forwards (``PRIVATE.blocks``)
+PRIVATE = _Private()
 
 #: Named in :func:`private_forward`: hookscope's own runners (sessions of entry points that run
 #: the model themselves, ``this_thread=True``) see the forward; sessions of the user's code do
@@ -129,18 +131,12 @@ def private_forward(*sessions: object) -> Iterator[None]:
     """Forwards run inside, on this thread, are seen by ``sessions`` only: every other
     session ignores them (other threads' forwards are not affected). Nested, the innermost
     block decides."""
-    blocks = _PRIVATE.blocks
+    blocks = PRIVATE.blocks
     blocks.append(sessions)
     try:
         yield
     finally:
         blocks.pop()
-
-
-def private_sessions() -> list[tuple[object, ...]]:
-    """This thread's private forwards (empty when none runs): a hot path tests it is empty
-    before asking :func:`hidden`."""
-    return _PRIVATE.blocks
 
 
 def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
@@ -154,14 +150,14 @@ def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
 def in_own_forward() -> bool:
     """Whether the innermost private forward on this thread is hookscope's own (a session
     opened now is hookscope's, see :func:`own_forward`)."""
-    blocks = _PRIVATE.blocks
+    blocks = PRIVATE.blocks
     return bool(blocks) and RUNNERS in blocks[-1]
 
 
 def hidden(session: object, runner: bool = False) -> bool:
     """Whether a private forward that ``session`` must not see runs on this thread
     (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`)."""
-    blocks = _PRIVATE.blocks
+    blocks = PRIVATE.blocks
     if not blocks:
         return False
     seen_by = blocks[-1]
@@ -170,5 +166,5 @@ def hidden(session: object, runner: bool = False) -> bool:
 
 def private_to(session: object) -> bool:
     """Whether the innermost private forward on this thread names ``session``."""
-    blocks = _PRIVATE.blocks
+    blocks = PRIVATE.blocks
     return bool(blocks) and session in blocks[-1]

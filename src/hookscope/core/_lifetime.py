@@ -196,7 +196,7 @@ class HookSet:
         self._eager = eager
         self._handles: list[RemovableHandle] = []
         self._module_ids: list[int] = []
-        self._classes: list[type] = []  # of hooked modules, for CLEAN_COPIES
+        self._classes: set[type] = set()  # of hooked modules, each acquired once: CLEAN_COPIES
         self._prune_at = 256
 
     def __len__(self) -> int:
@@ -275,7 +275,7 @@ class HookSet:
         _MODULE_HOOK_IDS.difference_update(self._module_ids)
         self._module_ids.clear()
         while self._classes:
-            CLEAN_COPIES.release(self._classes.pop())
+            CLEAN_COPIES.release(self._classes.pop())  # (one release per acquire)
         if error is not None:
             raise error
 
@@ -283,8 +283,9 @@ class HookSet:
         self._handles.append(handle)
         self._module_ids.append(handle.id)
         _MODULE_HOOK_IDS.add(handle.id)
-        self._classes.append(type(module))
-        CLEAN_COPIES.acquire(type(module))
+        if type(module) not in self._classes:  # (a lock each: once per class, not per hook)
+            self._classes.add(type(module))
+            CLEAN_COPIES.acquire(type(module))
 
     def _keep(self, handle: RemovableHandle) -> None:
         # A hook on a graph node lives as long as the graph; once the graph is freed its
@@ -422,8 +423,11 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
     once per call of an explainer)."""
     modules = list(model.modules())
     me = threading.get_ident()
+    held_now = _HELD  # (read as a local below: this runs for every module of a model)
     with _HELD_CHANGED:
-        while clash := [h for m in modules if (h := _HELD.get(id(m))) and h.train != train]:
+        while held_now and (
+            clash := [h for m in modules if (h := held_now.get(id(m))) and h.train != train]
+        ):
             if any(me in h.threads for h in clash):
                 raise UsageError(
                     f"this thread already runs {type(clash[0].module).__name__} in "
@@ -434,9 +438,9 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
             _HELD_CHANGED.wait()
         held, new = [], []
         for m in modules:  # every flag is read before any is set: a compile wrapper's flag
-            h = _HELD.get(id(m))  # is its module's
+            h = held_now.get(id(m))  # is its module's
             if h is None:
-                h = _HELD[id(m)] = _Held(m, train)
+                h = held_now[id(m)] = _Held(m, train)
                 new.append(h)
             h.threads.append(me)
             held.append(h)
@@ -450,7 +454,7 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
             for h in reversed(held):  # children first, wrappers last (as they were read)
                 h.threads.remove(me)
                 if not h.threads:
-                    del _HELD[id(h.module)]
+                    del held_now[id(h.module)]
                     if h.module.training != h.flag:
                         h.module.training = h.flag
             _HELD_CHANGED.notify_all()

@@ -72,7 +72,7 @@ from torch import nn
 
 from ..errors import LayerNotFoundError
 from . import _torch
-from ._calls import ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
+from ._calls import PRIVATE, RUNNERS, ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled, refuse_inside_traces
 from ._lifetime import HookSet, run_unseen, unseen
@@ -343,10 +343,16 @@ class Session:
         Hot paths test ``now.private or self._threads is not None`` first: both false, the
         usual case, means no."""
         threads = self._threads
-        if threads is not None and threading.get_ident() not in threads:
+        if threads is not None and _get_ident() not in threads:
             # (a checkpoint's replay may run on an autograd device thread: that one is ours)
             return _backward_id() == -1 or hidden(self, True)
-        return hidden(self, threads is not None or self._own)
+        blocks = PRIVATE.blocks  # hidden(self, ...), inlined (summary's per-call path)
+        if not blocks:
+            return False
+        seen_by = blocks[-1]
+        return self not in seen_by and not (
+            (threads is not None or self._own) and RUNNERS in seen_by
+        )
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
@@ -438,10 +444,10 @@ class Session:
             self._replays = self._replays or self._op_replays
             for name, module in owners.items():
                 self._tracked.setdefault(name, module)
+        partial, pre, post = functools.partial, self._call_pre, self._call_post
         for name, module in self._tracked.items():
-            pre, post = (functools.partial(f, name) for f in (self._call_pre, self._call_post))
-            hooks.forward_pre(module, pre, with_kwargs=True, hides_modes=True)
-            hooks.forward(module, post, always_call=True, hides_modes=True)
+            hooks.forward_pre(module, partial(pre, name), with_kwargs=True, hides_modes=True)
+            hooks.forward(module, partial(post, name), always_call=True, hides_modes=True)
         if self._ops is not None:
             hooks.forward(self._layers.root, self._ops_pass_end)
 
@@ -636,6 +642,7 @@ class Session:
 
 _SHARED = object()  # Session._solo once a second thread has joined
 _backward_id = _torch.backward_id
+_get_ident = threading.get_ident
 _stack_length = _torch.function_stack_length
 _exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
 _functorch_level = _torch.functorch_level

@@ -101,10 +101,17 @@ def _distributed(types: Any) -> bool:
     """Whether an operator's tensor types include ``DTensor`` (tensor parallelism, FSDP2) or
     another tensor subclass of ``torch.distributed`` (an all-reduce in flight): the counter
     lets the subclass run it, and counts the operators it runs on this rank's own tensors,
-    so that a sharded layer's FLOPs are the rank's share, not the whole layer's."""
-    if "torch.distributed.tensor" not in sys.modules:  # (then no tensor can be one)
-        return False
-    return any(getattr(t, "__module__", "").startswith("torch.distributed.") for t in types)
+    so that a sharded layer's FLOPs are the rank's share, not the whole layer's. Known per
+    tuple of types (a model's operators come with a handful of them)."""
+    known = _DISTRIBUTED.get(types)
+    if known is None:
+        known = any(getattr(t, "__module__", "").startswith("torch.distributed.") for t in types)
+        if len(_DISTRIBUTED) < 1024:
+            _DISTRIBUTED[types] = known
+    return known
+
+
+_DISTRIBUTED: dict[Any, bool] = {}
 
 
 def _fake(args: Any) -> bool:
@@ -125,13 +132,15 @@ class Counter(DispatchInterceptor):
         self._on_alloc = on_alloc
         self._ops: dict[Any, _Op] = {}  # what is known of each operator overload
         self._active = False  # pushed and not muted
-        #: DTensor may run (its sharding propagation runs operators on fake tensors, which
-        #: are not this rank's work), and whether the summary itself runs on fake tensors
-        self._sharded = self._fake = False
+        #: a DTensor may come (torch.distributed.tensor is imported); one came (its sharding
+        #: propagation runs operators on fake tensors, which are not this rank's work); the
+        #: summary itself runs on fake tensors
+        self._dtensors = self._sharded = self._fake = False
 
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _distributed(types):  # DTensor runs it on this rank's pieces, which come back here
+        if self._dtensors and _distributed(types):  # DTensor runs it on this rank's pieces,
+            self._sharded = True  # which come back here
             return NotImplemented
         if self._sharded and not self._fake and _fake(args):  # DTensor's sharding propagation
             return func(*args, **(kwargs or {}))
@@ -208,8 +217,8 @@ class Counter(DispatchInterceptor):
 
     def start(self) -> None:
         """Push the mode (``with counter`` does this)."""
-        self._sharded = "torch.distributed.tensor" in sys.modules
-        if self._sharded:
+        self._dtensors = "torch.distributed.tensor" in sys.modules  # (else no tensor is one)
+        if self._dtensors:
             get, key = _torch.need(
                 "torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)"
             )
