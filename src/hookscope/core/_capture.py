@@ -647,7 +647,7 @@ class Capture(Session):
         kwargs: dict[str, Any] | None = None,
         binder: Binder | None = None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+        if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return None
         if kwargs is None:  # a forward that took the hooks as this session removed it (_lifetime)
             return None
@@ -679,7 +679,7 @@ class Capture(Session):
         return None
 
     def _on_output(self, site: _Site, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+        if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return None
         if _stack_length():  # a user's function modes must not see the copies (_lifetime)
             return _run_unseen(self._on_output, site, module, args, output)
@@ -882,7 +882,7 @@ def _lazy_weights(groups: int, call: Call) -> Tensor:
 _backward_id = backward_id  # module globals: the per-call path looks them up fastest
 _stack_length = _torch.function_stack_length
 _run_unseen = run_unseen
-_exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
+_export_traced = _torch.export_traced
 _getattr, (_flags, _EXPORTING) = getattr, _torch.EXPORTING_FLAG
 _transforms_active = _torch.transforms_active
 _version = _torch.version

@@ -436,17 +436,13 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
                     "after the other."
                 )
             _HELD_CHANGED.wait()
-        held, new = [], []
-        for m in modules:  # every flag is read before any is set: a compile wrapper's flag
-            h = held_now.get(id(m))  # is its module's
-            if h is None:
-                h = held_now[id(m)] = _Held(m, train)
-                new.append(h)
+        held = [held_now.get(id(m)) or _Held(m, train) for m in modules]  # every flag is read
+        for h in held:  # before any is set: a compile wrapper's flag is its module's
+            if not h.threads:  # new: nobody else holds its module
+                held_now[id(h.module)] = h
+                if h.module.training != train:
+                    h.module.training = train
             h.threads.append(me)
-            held.append(h)
-        for h in new:
-            if h.module.training != train:
-                h.module.training = train
     try:
         yield
     finally:

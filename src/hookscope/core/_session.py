@@ -361,7 +361,7 @@ class Session:
 
     # -- passes ------------------------------------------------------------------------------------
     def _on_root_start(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+        if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._on_root_start, module, args)
@@ -388,7 +388,7 @@ class Session:
             self._new_pass()
 
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+        if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return
         now = self._local.now  # (no function mode sees this: it runs no torch function)
         if _backward_id() != -1 and self._in_backward():
@@ -478,7 +478,7 @@ class Session:
         args: tuple[Any, ...],
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+        if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return None
         if kwargs is None:  # a forward that took the hooks as this session removed it (_lifetime)
             return None
@@ -521,7 +521,7 @@ class Session:
             self._replay_log.note([k for k, _ in first_runs], call.name, call.original)
 
     def _call_post(self, name: str, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        if _exporting() and _export_traced():  # not a forward: an export's trace (_lifetime)
+        if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_post, name, module, args, output)
@@ -540,7 +540,8 @@ class Session:
             self._end(call, raised=True)
             return None
         new = self._returned(call, args, output) if name in self._reported else None
-        self._end(call, raised=False)
+        if self._ops is not None and name in self._op_owners:  # self._end(call), inlined
+            self._ops.leave(call)
         return new
 
     def _end(self, call: ModuleCall, *, raised: bool) -> None:
@@ -644,7 +645,8 @@ _SHARED = object()  # Session._solo once a second thread has joined
 _backward_id = _torch.backward_id
 _get_ident = threading.get_ident
 _stack_length = _torch.function_stack_length
-_exporting, _export_traced = torch.compiler.is_exporting, _torch.export_traced
+_export_traced = _torch.export_traced
+_getattr, (_flags, _EXPORTING) = getattr, _torch.EXPORTING_FLAG  # (see _capture's hot path)
 _functorch_level = _torch.functorch_level
 
 
