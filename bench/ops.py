@@ -19,6 +19,7 @@ from _harness import Config, Job, Plan, Result, Target, Variant
 
 TITLE = "Ops: operations inside GPT-2's forward, beside hooks, eager attention, nnsight, TorchLens"
 SDPA = "transformer.h.*.attn::scaled_dot_product_attention"
+OP = SDPA.split("::")[1]
 WEIGHTS = [f"transformer.h.{i}.attn::attention_weights" for i in (3, 9)]
 LABELS = {
     "plain": "model(x) under no_grad (SDPA attention)",
@@ -106,7 +107,7 @@ def build_variants(case: capture.Case, quick: bool) -> list[Variant]:
         "nnsight_sdpa": functools.partial(_nnsight, case, NNsight(copy.deepcopy(case.model))),
     }
     out = [Variant(k, LABELS[k], fn, FLOORS.get(k)) for k, fn in fns.items()]
-    save, key = lambda tl: tl.func(SDPA.split("::")[1]), "torchlens_sdpa"  # not in --quick:
+    save, key = lambda tl: tl.func(OP), "torchlens_sdpa"  # (TorchLens: not in --quick)
     return out if quick else [*out, capture.torchlens(key, LABELS[key], case, save, FLOORS[key])]
 
 
@@ -116,7 +117,7 @@ def _peer_checks(variants: dict[str, Variant]) -> list[Result]:
     if "torchlens_sdpa" in variants:  # (not in --quick)
         with capture.torchlens_wrapped():
             ops = variants["torchlens_sdpa"].fn().layers
-            theirs["torchlens_sdpa"] = [x.out for x in ops if x.func_name == SDPA.split("::")[1]]
+            theirs["torchlens_sdpa"] = [x.out for x in ops if x.func_name == OP]
     same = {k: h.trees_equal(list(v), want) for k, v in theirs.items()}
     return [{"what": f"`{k}` equals `hs_sdpa`", "ok": ok} for k, ok in same.items()]
 

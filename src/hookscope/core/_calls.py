@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from .ops._select import OpSelector
 
 __all__ = [
-    "PRIVATE",
     "RUNNERS",
     "ModuleCall",
     "Now",
@@ -93,7 +92,7 @@ class Now:
         self.last_done: str | None = None  # the last site that finished a call (for messages)
         #: this thread's private forwards (the list :func:`private_forward` pushes onto, empty
         #: almost always): a hot path tests it without a second thread-local read
-        self.private = PRIVATE.blocks
+        self.private = _PRIVATE.blocks
         #: inside a section of shared state this thread entered without the session's lock,
         #: as the session's only thread (see ``Session._join``)
         self.busy = False
@@ -117,8 +116,7 @@ class _Private(threading.local):
         self.blocks: list[tuple[object, ...]] = []
 
 
-#: this thread's private forwards (``PRIVATE.blocks``)
-PRIVATE = _Private()
+_PRIVATE = _Private()
 
 #: Named in :func:`private_forward`: hookscope's own runners (sessions of entry points that run
 #: the model themselves, ``this_thread=True``) see the forward; sessions of the user's code do
@@ -131,7 +129,7 @@ def private_forward(*sessions: object) -> Iterator[None]:
     """Forwards run inside, on this thread, are seen by ``sessions`` only: every other
     session ignores them (other threads' forwards are not affected). Nested, the innermost
     block decides."""
-    blocks = PRIVATE.blocks
+    blocks = _PRIVATE.blocks
     blocks.append(sessions)
     try:
         yield
@@ -150,14 +148,14 @@ def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
 def in_own_forward() -> bool:
     """Whether the innermost private forward on this thread is hookscope's own (a session
     opened now is hookscope's, see :func:`own_forward`)."""
-    blocks = PRIVATE.blocks
+    blocks = _PRIVATE.blocks
     return bool(blocks) and RUNNERS in blocks[-1]
 
 
 def hidden(session: object, runner: bool = False) -> bool:
     """Whether a private forward that ``session`` must not see runs on this thread
     (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`)."""
-    blocks = PRIVATE.blocks
+    blocks = _PRIVATE.blocks
     if not blocks:
         return False
     seen_by = blocks[-1]
@@ -166,5 +164,5 @@ def hidden(session: object, runner: bool = False) -> bool:
 
 def private_to(session: object) -> bool:
     """Whether the innermost private forward on this thread names ``session``."""
-    blocks = PRIVATE.blocks
+    blocks = _PRIVATE.blocks
     return bool(blocks) and session in blocks[-1]

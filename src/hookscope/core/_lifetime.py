@@ -308,9 +308,10 @@ def _module_hook(
     comes first, so that Dynamo (``strict=True``) traces the hook to nothing; outside an
     export it costs one call of ``torch.compiler.is_exporting()``.
 
-    ``hides_modes``: ``fn`` does both itself (a per-call hot path: its first line is
-    ``if is_exporting() and export_traced(): return None``, before any read of the function
-    mode stack, which Dynamo cannot trace), so it is registered as it is."""
+    ``hides_modes``: ``fn`` does both itself (a per-call hot path: its first line reads
+    torch.compiler's exporting flag, ``_torch.EXPORTING_FLAG``, and then asks
+    ``export_traced()``, before any read of the function mode stack, which Dynamo cannot
+    trace), so it is registered as it is."""
     if hides_modes and not eager:
         return fn
     exporting, traced = torch.compiler.is_exporting, _torch.export_traced
@@ -423,10 +424,9 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
     once per call of an explainer)."""
     modules = list(model.modules())
     me = threading.get_ident()
-    held_now = _HELD  # (read as a local below: this runs for every module of a model)
     with _HELD_CHANGED:
-        while held_now and (
-            clash := [h for m in modules if (h := held_now.get(id(m))) and h.train != train]
+        while _HELD and (
+            clash := [h for m in modules if (h := _HELD.get(id(m))) and h.train != train]
         ):
             if any(me in h.threads for h in clash):
                 raise UsageError(
@@ -436,10 +436,10 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
                     "after the other."
                 )
             _HELD_CHANGED.wait()
-        held = [held_now.get(id(m)) or _Held(m, train) for m in modules]  # every flag is read
+        held = [_HELD.get(id(m)) or _Held(m, train) for m in modules]  # every flag is read
         for h in held:  # before any is set: a compile wrapper's flag is its module's
             if not h.threads:  # new: nobody else holds its module
-                held_now[id(h.module)] = h
+                _HELD[id(h.module)] = h
                 if h.module.training != train:
                     h.module.training = train
             h.threads.append(me)
@@ -450,7 +450,7 @@ def training_mode(model: nn.Module, train: bool) -> Iterator[None]:
             for h in reversed(held):  # children first, wrappers last (as they were read)
                 h.threads.remove(me)
                 if not h.threads:
-                    del held_now[id(h.module)]
+                    del _HELD[id(h.module)]
                     if h.module.training != h.flag:
                         h.module.training = h.flag
             _HELD_CHANGED.notify_all()

@@ -72,7 +72,7 @@ from torch import nn
 
 from ..errors import LayerNotFoundError
 from . import _torch
-from ._calls import PRIVATE, RUNNERS, ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
+from ._calls import ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled, refuse_inside_traces
 from ._lifetime import HookSet, run_unseen, unseen
@@ -346,13 +346,7 @@ class Session:
         if threads is not None and _get_ident() not in threads:
             # (a checkpoint's replay may run on an autograd device thread: that one is ours)
             return _backward_id() == -1 or hidden(self, True)
-        blocks = PRIVATE.blocks  # hidden(self, ...), inlined (summary's per-call path)
-        if not blocks:
-            return False
-        seen_by = blocks[-1]
-        return self not in seen_by and not (
-            (threads is not None or self._own) and RUNNERS in seen_by
-        )
+        return hidden(self, threads is not None or self._own)
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
@@ -540,8 +534,7 @@ class Session:
             self._end(call, raised=True)
             return None
         new = self._returned(call, args, output) if name in self._reported else None
-        if self._ops is not None and name in self._op_owners:  # self._end(call), inlined
-            self._ops.leave(call)
+        self._end(call, raised=False)
         return new
 
     def _end(self, call: ModuleCall, *, raised: bool) -> None:

@@ -20,6 +20,7 @@ as zero silently; operators that do no arithmetic (views, copies, creation, inde
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable
@@ -97,21 +98,13 @@ def _has_nested(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(x, Tensor) and x.is_nested for x in (*args, *kwargs.values()))
 
 
+@functools.lru_cache(maxsize=1024)  # per tuple of types: a model's operators come with a few
 def _distributed(types: Any) -> bool:
     """Whether an operator's tensor types include ``DTensor`` (tensor parallelism, FSDP2) or
     another tensor subclass of ``torch.distributed`` (an all-reduce in flight): the counter
     lets the subclass run it, and counts the operators it runs on this rank's own tensors,
-    so that a sharded layer's FLOPs are the rank's share, not the whole layer's. Known per
-    tuple of types (a model's operators come with a handful of them)."""
-    known = _DISTRIBUTED.get(types)
-    if known is None:
-        known = any(getattr(t, "__module__", "").startswith("torch.distributed.") for t in types)
-        if len(_DISTRIBUTED) < 1024:
-            _DISTRIBUTED[types] = known
-    return known
-
-
-_DISTRIBUTED: dict[Any, bool] = {}
+    so that a sharded layer's FLOPs are the rank's share, not the whole layer's."""
+    return any(getattr(t, "__module__", "").startswith("torch.distributed.") for t in types)
 
 
 def _fake(args: Any) -> bool:
