@@ -208,6 +208,36 @@ def test_this_thread_sessions_see_only_the_threads_inside_them() -> None:
     assert all(torch.equal(out, want[ROUNDS + r]) for r, out in enumerate(got[1]))
 
 
+def test_a_thread_that_enters_a_this_thread_session_is_seen_from_then_on() -> None:
+    """A thread outside a ``this_thread=True`` capture is not recorded; once it enters the
+    capture too (``with cap:`` on that thread) its forwards are, and after it leaves they
+    are not again: whether a thread is one of the session's is asked anew when the thread
+    enters or leaves (the sessions keep that answer per thread between forwards)."""
+    model = make_model()
+    xs = inputs(3)
+    seen: list[int] = []
+
+    def other(cap: Any) -> None:
+        with torch.no_grad():
+            model(xs[0])  # outside: not this capture's
+            seen.append(len(cap["0"]))
+            with cap:
+                model(xs[1])
+                seen.append(len(cap["0"]))
+            model(xs[2])  # left again
+            seen.append(len(cap["0"]))
+
+    errors: list[BaseException] = []
+    with hs.capture(model, "0", keep="all", this_thread=True) as cap:
+        worker = threading.Thread(target=_reporting(lambda: other(cap), errors))
+        worker.start()
+        worker.join()
+        assert not errors, errors
+        assert seen == [0, 1, 1]
+        with torch.no_grad():
+            assert torch.equal(cap["0"].calls[0].output, model[0](xs[1]))
+
+
 def _reporting(run: Callable[[], None], errors: list[BaseException]) -> Callable[[], None]:
     def wrapped() -> None:
         try:

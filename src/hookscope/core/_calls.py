@@ -10,9 +10,9 @@ after another. Private forwards (:func:`private_forward`) are private to their t
 
 from __future__ import annotations
 
+import _thread
 import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "RUNNERS",
+    "UNJUDGED",
     "ModuleCall",
     "Now",
-    "PerThread",
     "hidden",
     "in_own_forward",
     "own_forward",
+    "per_thread",
     "private_forward",
     "private_to",
 ]
@@ -79,7 +80,7 @@ class ModuleCall:
 
 
 class Now:
-    """One session's view of the forward running on one thread (see :class:`PerThread`): a
+    """One session's view of the forward running on one thread (see :func:`per_thread`): a
     plain object, so that a hook reads the thread-local once and then plain attributes."""
 
     def __init__(self) -> None:
@@ -92,31 +93,46 @@ class Now:
         self.last_done: str | None = None  # the last site that finished a call (for messages)
         #: this thread's private forwards (the list :func:`private_forward` pushes onto, empty
         #: almost always): a hot path tests it without a second thread-local read
-        self.private = _PRIVATE.blocks
+        self.private = _blocks()
         #: inside a section of shared state this thread entered without the session's lock,
         #: as the session's only thread (see ``Session._join``)
         self.busy = False
+        #: ``Session._ignores``' verdict, kept while ``private[-1]`` is ``judged`` (None: no
+        #: private forward): whether this thread is one the session is for, and whether the
+        #: private forward hides the session from it
+        self.judged: object = UNJUDGED
+        self.member = True
+        self.hidden = False
 
 
-class PerThread(threading.local):
-    """A session's per-thread state: ``now``, made fresh on each thread's first read, which
-    ``joined(now)`` is told of."""
-
-    def __init__(self, joined: Callable[[Now], None] | None = None) -> None:
-        self.now = Now()
-        if joined is not None:
-            joined(self.now)
-
-
-class _Private(threading.local):
-    def __init__(self) -> None:
-        #: the private forwards running on this thread, outermost first: each the sessions
-        #: that see it (the innermost decides: a replay inside hookscope's own forward is
-        #: seen by the replay's session alone)
-        self.blocks: list[tuple[object, ...]] = []
+def per_thread() -> Any:
+    """A session's per-thread state: its ``now`` attribute is this thread's :class:`Now`, set
+    by the thread's first read (which finds none: ``AttributeError``, see
+    ``Session._first_read``). An exact ``_thread._local``, not a subclass: CPython reads a
+    subclass's attributes by the generic path (the type's MRO, then the thread's dict), which
+    doubles the cost of the read every hook makes."""
+    return _thread._local()
 
 
-_PRIVATE = _Private()
+#: the private forwards running on each thread (``blocks``, see :func:`_blocks`): an exact
+#: ``_thread._local`` for the same reason as :func:`per_thread`'s
+_PRIVATE = _thread._local()
+
+
+def _blocks() -> list[tuple[object, ...]]:
+    """The private forwards running on this thread, outermost first: each the sessions that
+    see it (the innermost decides: a replay inside hookscope's own forward is seen by the
+    replay's session alone)."""
+    try:
+        return _PRIVATE.blocks  # type: ignore[no-any-return]
+    except AttributeError:  # this thread's first read
+        blocks: list[tuple[object, ...]] = []
+        _PRIVATE.blocks = blocks
+        return blocks
+
+
+#: ``Now.judged`` before ``Session._ignores`` has judged (never a private forward's block)
+UNJUDGED = object()
 
 #: Named in :func:`private_forward`: hookscope's own runners (sessions of entry points that run
 #: the model themselves, ``this_thread=True``) see the forward; sessions of the user's code do
@@ -129,7 +145,7 @@ def private_forward(*sessions: object) -> Iterator[None]:
     """Forwards run inside, on this thread, are seen by ``sessions`` only: every other
     session ignores them (other threads' forwards are not affected). Nested, the innermost
     block decides."""
-    blocks = _PRIVATE.blocks
+    blocks = _blocks()
     blocks.append(sessions)
     try:
         yield
@@ -148,14 +164,18 @@ def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
 def in_own_forward() -> bool:
     """Whether the innermost private forward on this thread is hookscope's own (a session
     opened now is hookscope's, see :func:`own_forward`)."""
-    blocks = _PRIVATE.blocks
+    blocks = _blocks()
     return bool(blocks) and RUNNERS in blocks[-1]
 
 
-def hidden(session: object, runner: bool = False) -> bool:
+def hidden(
+    session: object, runner: bool = False, blocks: list[tuple[object, ...]] | None = None
+) -> bool:
     """Whether a private forward that ``session`` must not see runs on this thread
-    (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`)."""
-    blocks = _PRIVATE.blocks
+    (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`; ``blocks``:
+    this thread's private forwards, a hook's ``now.private``, else read here)."""
+    if blocks is None:
+        blocks = _blocks()
     if not blocks:
         return False
     seen_by = blocks[-1]
@@ -164,5 +184,5 @@ def hidden(session: object, runner: bool = False) -> bool:
 
 def private_to(session: object) -> bool:
     """Whether the innermost private forward on this thread names ``session``."""
-    blocks = _PRIVATE.blocks
+    blocks = _blocks()
     return bool(blocks) and session in blocks[-1]

@@ -435,7 +435,7 @@ class Capture(Session):
     # runs in the new pass, or, for layers that do not run again, when the capture is read or
     # the next pass starts: each forward touches only the layers it uses.
     def _new_pass(self) -> None:
-        now = self._local.now
+        now = self._now
         if now.open:  # calls an interrupted forward of this thread left
             for opens in now.open.values():
                 self._drop_open([entry[0] for entry in opens if entry is not None])
@@ -561,8 +561,11 @@ class Capture(Session):
                 raise replica_error(mod)
             if _backward_id() != -1:
                 return  # a checkpoint's replay: the call is already recorded
-            now = local.now
-            if (now.private or threads is not None) and self._ignores():
+            try:
+                now = local.now
+            except AttributeError:  # this thread's first read
+                now = self._first_read(local)
+            if (now.private or threads is not None) and self._ignores(now):
                 return  # a private forward, or another thread's (see Session._ignores)
             pass_index = now.pass_index
             if site.used_in != pass_index:  # the layer's first call in this pass
@@ -655,8 +658,12 @@ class Capture(Session):
             return _run_unseen(self._on_input, site, module, args, kwargs, binder)
         if module is not site.module:
             raise replica_error(module)
-        now = self._local.now
-        if (now.private or self._threads is not None) and self._ignores():
+        local = self._local
+        try:
+            now = local.now
+        except AttributeError:  # this thread's first read
+            now = self._first_read(local)
+        if (now.private or self._threads is not None) and self._ignores(now):
             return None
         binder = binder or site.binder
         assert binder is not None
@@ -685,8 +692,12 @@ class Capture(Session):
             return _run_unseen(self._on_output, site, module, args, output)
         if module is not site.module:
             raise replica_error(module)
-        now = self._local.now
-        if (now.private or self._threads is not None) and self._ignores():
+        local = self._local
+        try:
+            now = local.now
+        except AttributeError:  # this thread's first read
+            now = self._first_read(local)
+        if (now.private or self._threads is not None) and self._ignores(now):
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
             return self._replayed_output(site, output)

@@ -72,7 +72,8 @@ from torch import nn
 
 from ..errors import LayerNotFoundError
 from . import _torch
-from ._calls import ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
+from ._calls import UNJUDGED as _UNJUDGED
+from ._calls import ModuleCall, Now, hidden, in_own_forward, per_thread, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled, refuse_inside_traces
 from ._lifetime import HookSet, run_unseen, unseen
@@ -140,7 +141,7 @@ class Session:
         self._mutex = threading.RLock()  # for what threads share: records, pass bookkeeping
         #: the session's only thread so far (its capture hot path takes no lock), or _SHARED
         self._solo: object = None
-        self._local = PerThread(self._join)  # what each thread's forward is doing (`_now`)
+        self._local = per_thread()  # what each thread's forward is doing (`_now`)
         self._passes = itertools.count()
         #: the highest pass index started so far, by any thread
         self.latest_pass = -1
@@ -176,19 +177,26 @@ class Session:
     def now(self) -> Now:
         """What the forward running on this thread is doing (its pass, its running calls);
         ``now.extra`` holds a client's own per-pass state."""
-        return self._local.now
+        return self._now
 
     @property
     def _lock(self) -> threading.RLock:
         """The lock for what threads share (records, pass bookkeeping). A thread that takes it
         has joined the session first (its state exists: :meth:`_join`)."""
-        _ = self._local.now  # (a thread's first read of its state joins it)
+        _ = self._now  # (a thread's first read of its state joins it)
         return self._mutex
 
+    def _first_read(self, local: Any) -> Now:
+        """A thread's first read of its state in ``local`` (a :func:`per_thread`, which has no
+        ``now`` on a thread until this sets it): a fresh :class:`Now`, and :meth:`_join`."""
+        now = local.now = Now()
+        self._join(now)
+        return now
+
     def _join(self, now: Now) -> None:
-        """A thread's first read of its state. The first thread is the session's solo thread:
-        the capture hot path skips the lock there (a lock's acquire and release cost more than
-        the rest of a layer's first call in a pass). The next thread makes the session shared
+        """A thread's state was just made (its first read). The first thread is the session's
+        solo thread: the capture hot path skips the lock there (a lock's acquire and release
+        cost more than the rest of a layer's first call in a pass). The next thread makes the session shared
         until it closes, and waits until the solo thread is out of any section it entered
         without the lock; from then on every thread takes the lock. This is Peterson's
         handshake: the solo thread sets ``now.busy`` before it reads ``_solo``, a joining
@@ -202,7 +210,11 @@ class Session:
     @property
     def _now(self) -> Now:
         # one thread-local read: hot paths read ``self._local.now`` once and keep it
-        return self._local.now
+        local = self._local
+        try:
+            return local.now  # type: ignore[no-any-return]
+        except AttributeError:  # this thread's first read
+            return self._first_read(local)
 
     # -- subclass API ---------------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
@@ -239,6 +251,7 @@ class Session:
                 refuse_inside_traces()
                 me = threading.get_ident()
                 self._threads.setdefault(me, 0)
+                self._rejudge()
             if self._hooks is None:
                 self._own = in_own_forward()
                 unseen(self._install_hooks)()  # hookscope's own work: no function mode sees it
@@ -278,7 +291,7 @@ class Session:
                 if self._ops is not None:
                     self._ops.close()
                 self._solo = None  # every thread's state starts afresh
-                self._local = PerThread(self._join)
+                self._local = per_thread()
                 self._tracked, self._reported = {}, set()
                 self._closed()
 
@@ -288,6 +301,7 @@ class Session:
             self._entered += 1
             if self._threads is not None:
                 self._threads[threading.get_ident()] += 1
+                self._rejudge()
         return opened
 
     def __exit__(
@@ -302,6 +316,7 @@ class Session:
                     self._threads[me] = left
                 else:
                     self._threads.pop(me, None)
+                self._rejudge()
             if self._entered <= 0:
                 self.close()
         return None
@@ -337,16 +352,32 @@ class Session:
                 self._rebound(site)
 
     # -- which forwards ---------------------------------------------------------------------------
-    def _ignores(self) -> bool:
+    def _ignores(self, now: Now | None = None) -> bool:
         """Whether the forward running on this thread is not this session's to see: another
         thread's (for a ``this_thread`` session), or a private forward it is not named in.
         Hot paths test ``now.private or self._threads is not None`` first: both false, the
-        usual case, means no."""
-        threads = self._threads
-        if threads is not None and _get_ident() not in threads:
-            # (a checkpoint's replay may run on an autograd device thread: that one is ours)
-            return _backward_id() == -1 or hidden(self, True)
-        return hidden(self, threads is not None or self._own)
+        usual case, means no; they pass their ``now`` (no second thread-local read).
+
+        The verdict is kept in ``now`` while this thread's innermost private forward is the
+        same block (a block's sessions never change) and the thread has not entered or left
+        the session (:meth:`_rejudge`): the runners' hooks ask on every call."""
+        if now is None:
+            now = self._now
+        blocks = now.private
+        top = blocks[-1] if blocks else None
+        if top is not now.judged:
+            threads = self._threads
+            now.member = threads is None or _get_ident() in threads
+            now.hidden = hidden(self, not now.member or threads is not None or self._own, blocks)
+            now.judged = top
+        if now.member:
+            return now.hidden
+        # (a checkpoint's replay may run on an autograd device thread: that one is ours)
+        return _backward_id() == -1 or now.hidden
+
+    def _rejudge(self) -> None:
+        """This thread entered or left a ``this_thread`` session: :meth:`_ignores` asks again."""
+        self._now.judged = _UNJUDGED
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
@@ -359,10 +390,14 @@ class Session:
             return
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._on_root_start, module, args)
-        now = self._local.now
+        local = self._local
+        try:
+            now = local.now
+        except AttributeError:  # this thread's first read
+            now = self._first_read(local)
         if _backward_id() != -1 and self._in_backward():  # a checkpoint's replay
             return
-        if (now.private or self._threads is not None) and self._ignores():
+        if (now.private or self._threads is not None) and self._ignores(now):
             return  # not this session's forward
         if module is not self._layers.root:
             raise replica_error(module)
@@ -384,10 +419,14 @@ class Session:
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return
-        now = self._local.now  # (no function mode sees this: it runs no torch function)
+        local = self._local  # (no function mode sees this: it runs no torch function)
+        try:
+            now = local.now
+        except AttributeError:  # this thread's first read
+            now = self._first_read(local)
         if _backward_id() != -1 and self._in_backward():
             return
-        if (now.private or self._threads is not None) and self._ignores():
+        if (now.private or self._threads is not None) and self._ignores(now):
             return
         if now.depth:
             now.depth -= 1
@@ -478,8 +517,12 @@ class Session:
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_pre, name, module, args, kwargs)
-        now = self._local.now
-        if (now.private or self._threads is not None) and self._ignores():
+        local = self._local
+        try:
+            now = local.now
+        except AttributeError:  # this thread's first read
+            now = self._first_read(local)
+        if (now.private or self._threads is not None) and self._ignores(now):
             return None
         replay = _backward_id() != -1 and self._in_backward()
         if replay and not self._replays:
@@ -519,8 +562,12 @@ class Session:
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_post, name, module, args, output)
-        now = self._local.now
-        if (now.private or self._threads is not None) and self._ignores():
+        local = self._local
+        try:
+            now = local.now
+        except AttributeError:  # this thread's first read
+            now = self._first_read(local)
+        if (now.private or self._threads is not None) and self._ignores(now):
             return None
         if not self._replays and _backward_id() != -1 and self._in_backward():
             return None
@@ -534,7 +581,8 @@ class Session:
             self._end(call, raised=True)
             return None
         new = self._returned(call, args, output) if name in self._reported else None
-        self._end(call, raised=False)
+        if self._ops is not None:  # (else a call that returned has nothing to end)
+            self._end(call, raised=False)
         return new
 
     def _end(self, call: ModuleCall, *, raised: bool) -> None:

@@ -132,8 +132,10 @@ class Counter(DispatchInterceptor):
 
     # -- dispatch ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if self._dtensors and _distributed(types):  # DTensor runs it on this rank's pieces,
-            self._sharded = True  # which come back here
+        # DTensor runs the operator on this rank's pieces, which come back here (the types of
+        # plain tensors' operators are an empty tuple)
+        if self._dtensors and types and _distributed(types):
+            self._sharded = True
             return NotImplemented
         if self._sharded and not self._fake and _fake(args):  # DTensor's sharding propagation
             return func(*args, **(kwargs or {}))
