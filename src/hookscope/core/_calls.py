@@ -99,8 +99,10 @@ class Now:
         self.busy = False
         #: ``Session._ignores``' verdict, kept while ``private[-1]`` is ``judged`` (None: no
         #: private forward): whether this thread is one the session is for, and whether the
-        #: private forward hides the session from it
+        #: private forward hides the session from it; ``clear`` is ``judged`` when neither
+        #: stops the session from seeing the forward (a hook need not ask), else UNJUDGED
         self.judged: object = UNJUDGED
+        self.clear: object = UNJUDGED
         self.member = True
         self.hidden = False
 

@@ -196,11 +196,11 @@ class Session:
     def _join(self, now: Now) -> None:
         """A thread's state was just made (its first read). The first thread is the session's
         solo thread: the capture hot path skips the lock there (a lock's acquire and release
-        cost more than the rest of a layer's first call in a pass). The next thread makes the session shared
-        until it closes, and waits until the solo thread is out of any section it entered
-        without the lock; from then on every thread takes the lock. This is Peterson's
-        handshake: the solo thread sets ``now.busy`` before it reads ``_solo``, a joining
-        thread sets ``_solo`` before it reads ``busy``, so one of them sees the other."""
+        cost more than the rest of a layer's first call in a pass). The next thread makes the
+        session shared until it closes, and waits until the solo thread is out of any section
+        it entered without the lock; from then on every thread takes the lock. This is
+        Peterson's handshake: the solo thread sets ``now.busy`` before it reads ``_solo``, a
+        joining thread sets ``_solo`` before it reads ``busy``, so one of them sees the other."""
         with self._mutex:
             solo = self._solo
             self._solo = now if solo is None else _SHARED
@@ -370,6 +370,7 @@ class Session:
             now.member = threads is None or _get_ident() in threads
             now.hidden = hidden(self, not now.member or threads is not None or self._own, blocks)
             now.judged = top
+            now.clear = top if now.member and not now.hidden else _UNJUDGED
         if now.member:
             return now.hidden
         # (a checkpoint's replay may run on an autograd device thread: that one is ours)
@@ -377,7 +378,8 @@ class Session:
 
     def _rejudge(self) -> None:
         """This thread entered or left a ``this_thread`` session: :meth:`_ignores` asks again."""
-        self._now.judged = _UNJUDGED
+        now = self._now
+        now.judged = now.clear = _UNJUDGED
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
@@ -522,7 +524,9 @@ class Session:
             now = local.now
         except AttributeError:  # this thread's first read
             now = self._first_read(local)
-        if (now.private or self._threads is not None) and self._ignores(now):
+        blocks = now.private  # (the check of _ignores' kept verdict, inlined: every call asks)
+        top = blocks[-1] if blocks else None
+        if (blocks or self._threads is not None) and top is not now.clear and self._ignores(now):
             return None
         replay = _backward_id() != -1 and self._in_backward()
         if replay and not self._replays:
@@ -567,7 +571,9 @@ class Session:
             now = local.now
         except AttributeError:  # this thread's first read
             now = self._first_read(local)
-        if (now.private or self._threads is not None) and self._ignores(now):
+        blocks = now.private  # (as in _call_pre)
+        top = blocks[-1] if blocks else None
+        if (blocks or self._threads is not None) and top is not now.clear and self._ignores(now):
             return None
         if not self._replays and _backward_id() != -1 and self._in_backward():
             return None

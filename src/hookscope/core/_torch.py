@@ -448,9 +448,12 @@ _DISPATCH = _find("torch.utils._python_dispatch.TorchDispatchMode", _dispatch_mo
 DispatchMode: type = _DISPATCH.TorchDispatchMode if _DISPATCH is not None else object
 
 
+_CURRENT_DISPATCH_MODE = getattr(_DISPATCH, "_get_current_dispatch_mode", None)
+
+
 def current_dispatch_mode() -> Any:
     """The innermost dispatch mode on this thread's stack, or None."""
-    get = getattr(_DISPATCH, "_get_current_dispatch_mode", None)
+    get = _CURRENT_DISPATCH_MODE
     return get() if get is not None else None
 
 

@@ -218,6 +218,9 @@ class Counter(DispatchInterceptor):
                 "torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)"
             )
             self._fake = get(key) is not None
+        self._push()
+
+    def _push(self) -> None:
         self.__enter__()
         self._active = True
 
@@ -237,7 +240,7 @@ class Counter(DispatchInterceptor):
 
     def unmute(self) -> None:
         if not self._active:
-            self.start()
+            self._push()  # (inside the forward start ran for: what it learned still holds)
 
 
 def _short(error: Exception) -> str:
