@@ -658,11 +658,7 @@ class Capture(Session):
             return _run_unseen(self._on_input, site, module, args, kwargs, binder)
         if module is not site.module:
             raise replica_error(module)
-        local = self._local
-        try:
-            now = local.now
-        except AttributeError:  # this thread's first read
-            now = self._first_read(local)
+        now = self._now
         if (now.private or self._threads is not None) and self._ignores(now):
             return None
         binder = binder or site.binder
@@ -692,11 +688,7 @@ class Capture(Session):
             return _run_unseen(self._on_output, site, module, args, output)
         if module is not site.module:
             raise replica_error(module)
-        local = self._local
-        try:
-            now = local.now
-        except AttributeError:  # this thread's first read
-            now = self._first_read(local)
+        now = self._now
         if (now.private or self._threads is not None) and self._ignores(now):
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward
