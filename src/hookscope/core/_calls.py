@@ -10,9 +10,9 @@ after another. Private forwards (:func:`private_forward`) are private to their t
 
 from __future__ import annotations
 
-import _thread
 import contextlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -25,10 +25,10 @@ __all__ = [
     "UNJUDGED",
     "ModuleCall",
     "Now",
+    "PerThread",
     "hidden",
     "in_own_forward",
     "own_forward",
-    "per_thread",
     "private_forward",
     "private_to",
 ]
@@ -80,7 +80,7 @@ class ModuleCall:
 
 
 class Now:
-    """One session's view of the forward running on one thread (see :func:`per_thread`): a
+    """One session's view of the forward running on one thread (see :class:`PerThread`): a
     plain object, so that a hook reads the thread-local once and then plain attributes."""
 
     def __init__(self) -> None:
@@ -93,45 +93,37 @@ class Now:
         self.last_done: str | None = None  # the last site that finished a call (for messages)
         #: this thread's private forwards (the list :func:`private_forward` pushes onto, empty
         #: almost always): a hot path tests it without a second thread-local read
-        self.private = _blocks()
+        self.private = _PRIVATE.blocks
         #: inside a section of shared state this thread entered without the session's lock,
         #: as the session's only thread (see ``Session._join``)
         self.busy = False
         #: ``Session._ignores``' verdict, kept while ``private[-1]`` is ``judged`` (None: no
         #: private forward): whether this thread is one the session is for, and whether the
-        #: private forward hides the session from it; ``clear`` is ``judged`` when neither
-        #: stops the session from seeing the forward (a hook need not ask), else UNJUDGED
+        #: private forward hides the session from it
         self.judged: object = UNJUDGED
-        self.clear: object = UNJUDGED
         self.member = True
         self.hidden = False
 
 
-def per_thread() -> Any:
-    """A session's per-thread state: its ``now`` attribute is this thread's :class:`Now`, set
-    by the thread's first read (which finds none: ``AttributeError``, see
-    ``Session._first_read``). An exact ``_thread._local``, not a subclass: CPython reads a
-    subclass's attributes by the generic path (the type's MRO, then the thread's dict), which
-    doubles the cost of the read every hook makes."""
-    return _thread._local()
+class PerThread(threading.local):
+    """A session's per-thread state: ``now``, made fresh on each thread's first read, which
+    ``joined(now)`` is told of."""
+
+    def __init__(self, joined: Callable[[Now], None] | None = None) -> None:
+        self.now = Now()
+        if joined is not None:
+            joined(self.now)
 
 
-#: the private forwards running on each thread (``blocks``, see :func:`_blocks`): an exact
-#: ``_thread._local`` for the same reason as :func:`per_thread`'s
-_PRIVATE = _thread._local()
+class _Private(threading.local):
+    def __init__(self) -> None:
+        #: the private forwards running on this thread, outermost first: each the sessions
+        #: that see it (the innermost decides: a replay inside hookscope's own forward is
+        #: seen by the replay's session alone)
+        self.blocks: list[tuple[object, ...]] = []
 
 
-def _blocks() -> list[tuple[object, ...]]:
-    """The private forwards running on this thread, outermost first: each the sessions that
-    see it (the innermost decides: a replay inside hookscope's own forward is seen by the
-    replay's session alone)."""
-    try:
-        return _PRIVATE.blocks  # type: ignore[no-any-return]
-    except AttributeError:  # this thread's first read
-        blocks: list[tuple[object, ...]] = []
-        _PRIVATE.blocks = blocks
-        return blocks
-
+_PRIVATE = _Private()
 
 #: ``Now.judged`` before ``Session._ignores`` has judged (never a private forward's block)
 UNJUDGED = object()
@@ -147,7 +139,7 @@ def private_forward(*sessions: object) -> Iterator[None]:
     """Forwards run inside, on this thread, are seen by ``sessions`` only: every other
     session ignores them (other threads' forwards are not affected). Nested, the innermost
     block decides."""
-    blocks = _blocks()
+    blocks = _PRIVATE.blocks
     blocks.append(sessions)
     try:
         yield
@@ -166,18 +158,14 @@ def own_forward(*also: object) -> contextlib.AbstractContextManager[None]:
 def in_own_forward() -> bool:
     """Whether the innermost private forward on this thread is hookscope's own (a session
     opened now is hookscope's, see :func:`own_forward`)."""
-    blocks = _blocks()
+    blocks = _PRIVATE.blocks
     return bool(blocks) and RUNNERS in blocks[-1]
 
 
-def hidden(
-    session: object, runner: bool = False, blocks: list[tuple[object, ...]] | None = None
-) -> bool:
+def hidden(session: object, runner: bool, blocks: list[tuple[object, ...]]) -> bool:
     """Whether a private forward that ``session`` must not see runs on this thread
     (``runner``: the session is one of hookscope's runners, see :data:`RUNNERS`; ``blocks``:
-    this thread's private forwards, a hook's ``now.private``, else read here)."""
-    if blocks is None:
-        blocks = _blocks()
+    this thread's private forwards, its ``Now.private``)."""
     if not blocks:
         return False
     seen_by = blocks[-1]
@@ -186,5 +174,5 @@ def hidden(
 
 def private_to(session: object) -> bool:
     """Whether the innermost private forward on this thread names ``session``."""
-    blocks = _blocks()
+    blocks = _PRIVATE.blocks
     return bool(blocks) and session in blocks[-1]

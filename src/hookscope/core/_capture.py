@@ -435,7 +435,7 @@ class Capture(Session):
     # runs in the new pass, or, for layers that do not run again, when the capture is read or
     # the next pass starts: each forward touches only the layers it uses.
     def _new_pass(self) -> None:
-        now = self._now
+        now = self._local.now
         if now.open:  # calls an interrupted forward of this thread left
             for opens in now.open.values():
                 self._drop_open([entry[0] for entry in opens if entry is not None])
@@ -561,10 +561,7 @@ class Capture(Session):
                 raise replica_error(mod)
             if _backward_id() != -1:
                 return  # a checkpoint's replay: the call is already recorded
-            try:
-                now = local.now
-            except AttributeError:  # this thread's first read
-                now = self._first_read(local)
+            now = local.now
             if (now.private or threads is not None) and self._ignores(now):
                 return  # a private forward, or another thread's (see Session._ignores)
             pass_index = now.pass_index
@@ -658,7 +655,7 @@ class Capture(Session):
             return _run_unseen(self._on_input, site, module, args, kwargs, binder)
         if module is not site.module:
             raise replica_error(module)
-        now = self._now
+        now = self._local.now
         if (now.private or self._threads is not None) and self._ignores(now):
             return None
         binder = binder or site.binder
@@ -688,7 +685,7 @@ class Capture(Session):
             return _run_unseen(self._on_output, site, module, args, output)
         if module is not site.module:
             raise replica_error(module)
-        now = self._now
+        now = self._local.now
         if (now.private or self._threads is not None) and self._ignores(now):
             return None
         if _backward_id() != -1:  # activation checkpointing replays the call in backward

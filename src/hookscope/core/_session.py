@@ -73,7 +73,7 @@ from torch import nn
 from ..errors import LayerNotFoundError
 from . import _torch
 from ._calls import UNJUDGED as _UNJUDGED
-from ._calls import ModuleCall, Now, hidden, in_own_forward, per_thread, private_to
+from ._calls import ModuleCall, Now, PerThread, hidden, in_own_forward, private_to
 from ._checkpoint import Replay, find_segments, maybe_in_segment
 from ._compile import compile_guard, is_compiled, refuse_inside_traces
 from ._lifetime import HookSet, run_unseen, unseen
@@ -141,7 +141,7 @@ class Session:
         self._mutex = threading.RLock()  # for what threads share: records, pass bookkeeping
         #: the session's only thread so far (its capture hot path takes no lock), or _SHARED
         self._solo: object = None
-        self._local = per_thread()  # what each thread's forward is doing (`_now`)
+        self._local = PerThread(self._join)  # what each thread's forward is doing (`_now`)
         self._passes = itertools.count()
         #: the highest pass index started so far, by any thread
         self.latest_pass = -1
@@ -177,30 +177,23 @@ class Session:
     def now(self) -> Now:
         """What the forward running on this thread is doing (its pass, its running calls);
         ``now.extra`` holds a client's own per-pass state."""
-        return self._now
+        return self._local.now
 
     @property
     def _lock(self) -> threading.RLock:
         """The lock for what threads share (records, pass bookkeeping). A thread that takes it
         has joined the session first (its state exists: :meth:`_join`)."""
-        _ = self._now  # (a thread's first read of its state joins it)
+        _ = self._local.now  # (a thread's first read of its state joins it)
         return self._mutex
 
-    def _first_read(self, local: Any) -> Now:
-        """A thread's first read of its state in ``local`` (a :func:`per_thread`, which has no
-        ``now`` on a thread until this sets it): a fresh :class:`Now`, and :meth:`_join`."""
-        now = local.now = Now()
-        self._join(now)
-        return now
-
     def _join(self, now: Now) -> None:
-        """A thread's state was just made (its first read). The first thread is the session's
-        solo thread: the capture hot path skips the lock there (a lock's acquire and release
-        cost more than the rest of a layer's first call in a pass). The next thread makes the
-        session shared until it closes, and waits until the solo thread is out of any section
-        it entered without the lock; from then on every thread takes the lock. This is
-        Peterson's handshake: the solo thread sets ``now.busy`` before it reads ``_solo``, a
-        joining thread sets ``_solo`` before it reads ``busy``, so one of them sees the other."""
+        """A thread's first read of its state. The first thread is the session's solo thread:
+        the capture hot path skips the lock there (a lock's acquire and release cost more than
+        the rest of a layer's first call in a pass). The next thread makes the session shared
+        until it closes, and waits until the solo thread is out of any section it entered
+        without the lock; from then on every thread takes the lock. This is Peterson's
+        handshake: the solo thread sets ``now.busy`` before it reads ``_solo``, a joining
+        thread sets ``_solo`` before it reads ``busy``, so one of them sees the other."""
         with self._mutex:
             solo = self._solo
             self._solo = now if solo is None else _SHARED
@@ -210,11 +203,7 @@ class Session:
     @property
     def _now(self) -> Now:
         # one thread-local read: hot paths read ``self._local.now`` once and keep it
-        local = self._local
-        try:
-            return local.now  # type: ignore[no-any-return]
-        except AttributeError:  # this thread's first read
-            return self._first_read(local)
+        return self._local.now
 
     # -- subclass API ---------------------------------------------------------------------------
     def _install(self, hooks: HookSet) -> None:
@@ -291,7 +280,7 @@ class Session:
                 if self._ops is not None:
                     self._ops.close()
                 self._solo = None  # every thread's state starts afresh
-                self._local = per_thread()
+                self._local = PerThread(self._join)
                 self._tracked, self._reported = {}, set()
                 self._closed()
 
@@ -370,7 +359,6 @@ class Session:
             now.member = threads is None or _get_ident() in threads
             now.hidden = hidden(self, not now.member or threads is not None or self._own, blocks)
             now.judged = top
-            now.clear = top if now.member and not now.hidden else _UNJUDGED
         if now.member:
             return now.hidden
         # (a checkpoint's replay may run on an autograd device thread: that one is ours)
@@ -378,8 +366,7 @@ class Session:
 
     def _rejudge(self) -> None:
         """This thread entered or left a ``this_thread`` session: :meth:`_ignores` asks again."""
-        now = self._now
-        now.judged = now.clear = _UNJUDGED
+        self._now.judged = _UNJUDGED
 
     def _in_backward(self) -> bool:
         """A forward running inside backward: a checkpoint's replay (a private forward run
@@ -392,11 +379,7 @@ class Session:
             return
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._on_root_start, module, args)
-        local = self._local
-        try:
-            now = local.now
-        except AttributeError:  # this thread's first read
-            now = self._first_read(local)
+        now = self._local.now
         if _backward_id() != -1 and self._in_backward():  # a checkpoint's replay
             return
         if (now.private or self._threads is not None) and self._ignores(now):
@@ -421,11 +404,7 @@ class Session:
     def _on_root_end(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if _getattr(_flags, _EXPORTING) and _export_traced():  # an export's trace (_lifetime)
             return
-        local = self._local  # (no function mode sees this: it runs no torch function)
-        try:
-            now = local.now
-        except AttributeError:  # this thread's first read
-            now = self._first_read(local)
+        now = self._local.now  # (no function mode sees this: it runs no torch function)
         if _backward_id() != -1 and self._in_backward():
             return
         if (now.private or self._threads is not None) and self._ignores(now):
@@ -519,14 +498,8 @@ class Session:
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_pre, name, module, args, kwargs)
-        local = self._local
-        try:
-            now = local.now
-        except AttributeError:  # this thread's first read
-            now = self._first_read(local)
-        blocks = now.private  # (the check of _ignores' kept verdict, inlined: every call asks)
-        top = blocks[-1] if blocks else None
-        if (blocks or self._threads is not None) and top is not now.clear and self._ignores(now):
+        now = self._local.now
+        if (now.private or self._threads is not None) and self._ignores(now):
             return None
         replay = _backward_id() != -1 and self._in_backward()
         if replay and not self._replays:
@@ -566,14 +539,8 @@ class Session:
             return None
         if _stack_length():  # a user's function modes must not see hookscope's work
             return run_unseen(self._call_post, name, module, args, output)
-        local = self._local
-        try:
-            now = local.now
-        except AttributeError:  # this thread's first read
-            now = self._first_read(local)
-        blocks = now.private  # (as in _call_pre)
-        top = blocks[-1] if blocks else None
-        if (blocks or self._threads is not None) and top is not now.clear and self._ignores(now):
+        now = self._local.now
+        if (now.private or self._threads is not None) and self._ignores(now):
             return None
         if not self._replays and _backward_id() != -1 and self._in_backward():
             return None
